@@ -1,0 +1,446 @@
+"""The AMS client API: one object over all shards, local or remote.
+
+``ShardedClient`` deduplicates ids, routes them with ``ams.sharding``, fans out to the shards in
+parallel, splits requests that would exceed the message limit and reassembles replies in
+request order. It talks to each shard through a ``ShardBackend``: ``RemoteShard`` (gRPC, here)
+or ``LocalShard`` (a ``ShardStore`` in process, ``ams.local``), so the embedded default and the
+cluster run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import grpc
+import torch
+
+from ams import codec, sharding
+from ams.alloc import keep_large_buffers
+from ams.api import shard_pb2 as pb
+from ams.api import shard_pb2_grpc as pb_grpc
+from ams.dtypes import parse_row_dtype
+from ams.errors import ERRORS_BY_CODE, AmsError, InvalidArgument, TableNotFound, Unavailable
+from ams.graph.csr import csr_to_dense
+from ams.store import TableSpec
+from ams.wire import GRPC_OPTIONS, REQUEST_BYTES
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ShardBackend(Protocol):
+    """What the client needs from one shard; ids are always owned by that shard."""
+
+    def create_table(self, spec: TableSpec) -> bool: ...
+    def table_specs(self) -> dict[str, TableSpec]: ...
+    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             client_id: str, sequence: int) -> bool: ...
+    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def snapshot(self, step: int) -> str: ...
+    def restore(self, step: int | None) -> tuple[int, str]: ...
+    def stats(self) -> dict: ...
+    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+                      neighbors: torch.Tensor, version: int, step: int,
+                      replace_all: bool) -> int: ...
+    def close(self) -> None: ...
+
+
+# ---- the gRPC backend --------------------------------------------------------------------
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class RemoteShard:
+    """One shard over gRPC. Every call has a deadline; idempotent calls retry on UNAVAILABLE.
+
+    Pushes are idempotent too: they carry (client id, sequence) and the shard applies each
+    sequence once, so a retried push after a lost reply is safe.
+    """
+
+    def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
+                 timeout: float = 60.0, retries: int = 4) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        options = GRPC_OPTIONS
+        if tls_ca is not None:
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
+                                               options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.ShardStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _call(self, name: str, request: object, *, retry: bool = True,
+              timeout: float | None = None) -> object:
+        method = getattr(self.stub, name)
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.RpcError as e:
+                if e.code() in _RETRYABLE and attempt + 1 < attempts:
+                    delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+                    log.debug("rpc_retry shard=%s method=%s code=%s delay=%.2f", self.address,
+                              name, e.code().name, delay)
+                    time.sleep(delay)
+                    continue
+                raise _to_ams_error(e, self.address, name) from None
+        raise AssertionError("unreachable")
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"shard {self.address} not reachable within {timeout:.0f}s") from None
+
+    def create_table(self, spec: TableSpec) -> bool:
+        from ams.server import spec_to_wire  # the wire form of a spec is defined once, there
+
+        reply = self._call("CreateTable", pb.CreateTableRequest(spec=spec_to_wire(spec)))
+        return reply.created
+
+    def table_specs(self) -> dict[str, TableSpec]:
+        from ams.server import spec_from_wire
+
+        reply = self._call("Stats", pb.StatsRequest())
+        return {t.spec.name: spec_from_wire(t.spec) for t in reply.tables}
+
+    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        request = pb.PullRequest(table=table)
+        codec.encode(ids, request.ids)
+        reply = self._call("Pull", request)
+        return codec.decode(reply.rows, "rows", ndim=2)
+
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             client_id: str, sequence: int) -> bool:
+        request = pb.PushRequest(table=table, lr=lr, client_id=client_id, sequence=sequence)
+        codec.encode(ids, request.ids)
+        codec.encode(grads, request.grads)
+        return self._call("Push", request).applied
+
+    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        stream = self.stub.Scan(pb.ScanRequest(table=table, block_rows=block_rows),
+                                metadata=self.metadata)
+        try:
+            for block in stream:
+                yield (codec.decode(block.ids, "ids", dtype=torch.int64, ndim=1),
+                       codec.decode(block.rows, "rows", ndim=2))
+        except grpc.RpcError as e:
+            raise _to_ams_error(e, self.address, "Scan") from None
+
+    def snapshot(self, step: int) -> str:
+        return self._call("Snapshot", pb.SnapshotRequest(step=step), timeout=3600).path
+
+    def restore(self, step: int | None) -> tuple[int, str]:
+        reply = self._call("Restore", pb.RestoreRequest(step=-1 if step is None else step),
+                           timeout=3600)
+        return reply.step, reply.path
+
+    def stats(self) -> dict:
+        reply = self._call("Stats", pb.StatsRequest())
+        tables = {}
+        for t in reply.tables:
+            tables[t.spec.name] = {
+                "owned_rows": t.owned_rows, "row_bytes": t.row_bytes,
+                "state_bytes": t.state_bytes, "pulls": t.pulls, "pushes": t.pushes,
+                "rows_pulled": t.rows_pulled, "rows_pushed": t.rows_pushed,
+                "graph_version": t.graph_version, "graph_step": t.graph_step,
+                "graph_k": t.graph_k,
+            }
+        return {"address": self.address, "shard_id": reply.shard_id,
+                "num_shards": reply.num_shards, "last_snapshot_step": reply.last_snapshot_step,
+                "tables": tables}
+
+    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        request = pb.NeighborsRequest(table=table)
+        codec.encode(ids, request.ids)
+        reply = self._call("Neighbors", request)
+        return (codec.decode(reply.offsets, "offsets", dtype=torch.int64, ndim=1),
+                codec.decode(reply.neighbors, "neighbors", dtype=torch.int64, ndim=1))
+
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+                      neighbors: torch.Tensor, version: int, step: int,
+                      replace_all: bool) -> int:
+        request = pb.SetNeighborsRequest(table=table, graph_version=version, graph_step=step,
+                                         replace_all=replace_all)
+        codec.encode(ids, request.ids)
+        codec.encode(offsets, request.offsets)
+        codec.encode(neighbors, request.neighbors)
+        return self._call("SetNeighbors", request, timeout=600).graph_version
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _to_ams_error(e: grpc.RpcError, address: str, method: str) -> AmsError:
+    code = e.code()
+    cls = ERRORS_BY_CODE.get(code.name if code else "UNKNOWN", AmsError)
+    err = cls(f"shard {address} {method}: {e.details()}")
+    if cls is AmsError:
+        err.code = code.name if code else "UNKNOWN"
+    return err
+
+
+# ---- the client over all shards ------------------------------------------------------------
+
+
+class ShardedClient:
+    """The AMS client API over ``shards[i]`` = shard i of ``len(shards)``.
+
+    Thread-safe: the trainer's prefetch thread pulls while the main thread pushes.
+    """
+
+    def __init__(self, shards: Sequence[ShardBackend]) -> None:
+        if not shards:
+            raise InvalidArgument("a client needs at least one shard")
+        self.shards = list(shards)
+        self.num_shards = len(self.shards)
+        self.client_id = uuid.uuid4().hex
+        self._sequence = 0
+        self._sequence_lock = threading.Lock()
+        self._specs: dict[str, TableSpec] = {}
+        self._pool = ThreadPoolExecutor(max_workers=self.num_shards,
+                                        thread_name_prefix="ams-fanout") \
+            if self.num_shards > 1 else None
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    def _fan_out(self, work: Callable[[int], T]) -> list[T]:
+        """Run ``work(shard)`` for every shard, in parallel; re-raise the first failure."""
+        if self._pool is None:
+            return [work(0)]
+        futures = [self._pool.submit(work, s) for s in range(self.num_shards)]
+        return [f.result() for f in futures]
+
+    def _next_sequence(self) -> int:
+        with self._sequence_lock:
+            self._sequence += 1
+            return self._sequence
+
+    def spec(self, name: str) -> TableSpec:
+        """The spec of table ``name`` (asked of shard 0 once, then remembered)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            self._specs.update(self.shards[0].table_specs())
+            spec = self._specs.get(name)
+            if spec is None:
+                raise TableNotFound(f"unknown table {name!r}; create it first")
+        return spec
+
+    def _rows_per_call(self, spec: TableSpec) -> int:
+        return max(1, REQUEST_BYTES // (spec.dim * 4))
+
+    @staticmethod
+    def _check_ids(ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() \
+                or ids.is_complex() or ids.dtype == torch.bool:
+            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
+            raise InvalidArgument(f"ids: need an integer tensor of shape (n,), got {got}")
+        return ids.to(device="cpu", dtype=torch.int64)
+
+    # ---- tables -----------------------------------------------------------------------
+
+    def create_table(self, name: str, num_rows: int, dim: int, dtype: str = "float32",
+                     state_dtype: str | None = None, momentum: float = 0.9,
+                     weight_decay: float = 5e-4, seed: int = 0, init_std: float = 0.01) -> bool:
+        """Create a table on every shard (idempotent for an identical spec).
+
+        Rows start as Normal(0, init_std), a function of (seed, class id) only. Returns True
+        if any shard created it now.
+        """
+        spec = TableSpec(name=name, num_rows=num_rows, dim=dim, dtype=parse_row_dtype(dtype),
+                         state_dtype=parse_row_dtype(state_dtype or dtype, "state_dtype"),
+                         momentum=momentum, weight_decay=weight_decay, seed=seed,
+                         init_std=init_std)
+        created = self._fan_out(lambda s: self.shards[s].create_table(spec))
+        self._specs[name] = spec
+        return any(created)
+
+    # ---- rows -------------------------------------------------------------------------
+
+    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` in request order. ids: int (n,), repeats allowed -> (n, dim) in the
+        table's dtype (CPU)."""
+        ids = self._check_ids(ids)
+        spec = self.spec(name)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        out = torch.empty((unique.numel(), spec.dim), dtype=spec.dtype)
+        parts = sharding.split_by_shard(unique, self.num_shards)
+        step = self._rows_per_call(spec)
+
+        def work(s: int) -> None:
+            positions = parts[s]
+            for start in range(0, positions.numel(), step):
+                chunk = positions[start:start + step]
+                out[chunk] = self.shards[s].pull(name, unique[chunk])
+
+        self._fan_out(work)
+        return out[inverse]
+
+    def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """Apply ``grads`` to the rows of ``ids`` with sparse momentum SGD on the shards.
+
+        ids: int (n,), repeats summed; grads: float (n, dim); lr: float >= 0.
+        """
+        ids = self._check_ids(ids)
+        spec = self.spec(name)
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), spec.dim):
+            got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads)
+            raise InvalidArgument(f"grads: shape {got}, need ({ids.numel()}, {spec.dim})")
+        grads = grads.detach().to(device="cpu", dtype=torch.float32)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        if unique.numel() == ids.numel():
+            summed = torch.empty_like(grads)
+            summed[inverse] = grads
+        else:
+            summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32)
+            summed.index_add_(0, inverse, grads)
+        parts = sharding.split_by_shard(unique, self.num_shards)
+        step = self._rows_per_call(spec)
+
+        def work(s: int) -> None:
+            positions = parts[s]
+            for start in range(0, positions.numel(), step):
+                chunk = positions[start:start + step]
+                self.shards[s].push(name, unique[chunk], summed[chunk], float(lr),
+                                    self.client_id, self._next_sequence())
+
+        self._fan_out(work)
+
+    def scan(self, name: str, block_rows: int = 65536
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """All rows of a table as blocks (ids int64 (b,), rows (b, dim)), shard by shard."""
+        for shard in self.shards:
+            yield from shard.scan(name, block_rows)
+
+    def scan_shard(self, name: str, shard: int, block_rows: int = 65536
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The blocks of one shard (ids ascending)."""
+        return self.shards[shard].scan(name, block_rows)
+
+    # ---- neighbour lists ----------------------------------------------------------------
+
+    def neighbors(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Neighbour ids of each class in rank order, the class itself first.
+
+        ids: int (n,) -> int64 (n, k), k the longest list; shorter lists are padded with -1.
+        """
+        ids = self._check_ids(ids)
+        self.spec(name)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        parts = sharding.split_by_shard(unique, self.num_shards)
+
+        def work(s: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if parts[s].numel() == 0:
+                return None
+            return self.shards[s].neighbors(name, unique[parts[s]])
+
+        replies = self._fan_out(work)
+        width = max((int((r[0][1:] - r[0][:-1]).max()) for r in replies
+                     if r is not None and r[0].numel() > 1), default=0)
+        out = torch.full((unique.numel(), width), -1, dtype=torch.int64)
+        for s, reply in enumerate(replies):
+            if reply is not None:
+                out[parts[s]] = csr_to_dense(reply[0], reply[1], width)
+        return out[inverse]
+
+    def set_neighbors(self, name: str, ids: torch.Tensor, neighbors: torch.Tensor, *,
+                      version: int, step: int, replace_all: bool) -> None:
+        """Write neighbour lists back to the shards that own the classes.
+
+        ids: int64 (n,) unique; neighbors: int64 (n, k) in rank order (-1 pads a short list).
+        ``replace_all``: ids cover the whole table and start graph ``version``.
+        """
+        ids = self._check_ids(ids)
+        parts = sharding.split_by_shard(ids, self.num_shards)
+
+        def work(s: int) -> None:
+            sub = neighbors[parts[s]]
+            valid = sub >= 0
+            offsets = torch.zeros(sub.shape[0] + 1, dtype=torch.int64)
+            torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
+            self.shards[s].set_neighbors(name, ids[parts[s]], offsets, sub[valid], version,
+                                         step, replace_all)
+
+        self._fan_out(work)
+
+    # ---- snapshots and stats ------------------------------------------------------------
+
+    def snapshot(self, step: int) -> list[str]:
+        """Every shard writes its piece of snapshot ``step``; returns the pieces' paths."""
+        return self._fan_out(lambda s: self.shards[s].snapshot(step))
+
+    def restore(self, step: int | None = None) -> int:
+        """Every shard loads its part of snapshot ``step`` (None: newest complete one)."""
+        got = self._fan_out(lambda s: self.shards[s].restore(step))
+        steps = {s for s, _ in got}
+        if len(steps) != 1:
+            raise AmsError(f"shards restored different steps {sorted(steps)}")
+        self._specs.clear()
+        return steps.pop()
+
+    def stats(self) -> list[dict]:
+        """One dict per shard: shard id, tables with sizes, counters and graph version."""
+        return self._fan_out(lambda s: self.shards[s].stats())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for shard in self.shards:
+            shard.close()
+
+    def __enter__(self) -> ShardedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int | None = None,
+            data_dir: str | Path | None = None, token: str | None = None,
+            tls_ca: bytes | None = None, timeout: float = 60.0,
+            ready_timeout: float = 30.0) -> ShardedClient:
+    """Connect to an AMS: gRPC shards at ``addresses`` (shard i at ``addresses[i]``), or
+    ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots)."""
+    if (addresses is None) == (local_shards is None):
+        raise InvalidArgument("give either addresses=[...] or local_shards=N")
+    if local_shards is not None:
+        from ams.local import LocalShard
+
+        if not isinstance(local_shards, int) or local_shards < 1:
+            raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
+        root = Path(data_dir) if data_dir is not None else None
+        return ShardedClient([LocalShard(s, local_shards, root) for s in range(local_shards)])
+    if isinstance(addresses, str):
+        addresses = [a for a in addresses.split(",") if a]
+    if not addresses:
+        raise InvalidArgument("addresses: need at least one host:port")
+    keep_large_buffers()
+    shards = [RemoteShard(a, token=token, tls_ca=tls_ca, timeout=timeout) for a in addresses]
+    client = ShardedClient(shards)
+    try:
+        client._fan_out(lambda s: shards[s].wait_ready(ready_timeout))
+        layout = client._fan_out(lambda s: shards[s].stats())
+    except AmsError:
+        client.close()
+        raise
+    for i, info in enumerate(layout):
+        if info["shard_id"] != i or info["num_shards"] != len(shards):
+            client.close()
+            raise InvalidArgument(
+                f"addresses[{i}]={addresses[i]} is shard {info['shard_id']} of "
+                f"{info['num_shards']}, expected shard {i} of {len(shards)}: list the shards in "
+                "order, all of them")
+    return client

@@ -1,0 +1,87 @@
+"""Tensor <-> wire ``Tensor`` message: dtype, shape and raw little-endian bytes.
+
+Decoding does not copy: the tensor views the message's bytes (read-only; callers that keep the
+data copy it as part of their own work, e.g. the store's index_put).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import torch
+
+from ams.api import shard_pb2 as pb
+from ams.errors import InvalidArgument
+
+_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: pb.FLOAT32,
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.int64: pb.INT64,
+}
+_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("ams.codec assumes a little-endian host")
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """torch dtype -> ``DType`` enum value."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise InvalidArgument(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def torch_dtype(value: int, field: str = "dtype") -> torch.dtype:
+    """``DType`` enum value -> torch dtype; unknown or unspecified is an error naming the field."""
+    try:
+        return _FROM_WIRE[value]
+    except KeyError:
+        raise InvalidArgument(f"{field}: unknown or unspecified dtype {value}") from None
+
+
+def encode(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Fill (or make) a wire ``Tensor`` from a CPU tensor of a wire dtype."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    msg = pb.Tensor() if out is None else out
+    msg.dtype = wire_dtype(t.dtype)
+    msg.shape[:] = list(t.shape)
+    # numpy has no bfloat16: move its bits as int16, the bytes are the same.
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    msg.data = raw.numpy().tobytes()
+    return msg
+
+
+def decode(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
+           ndim: int | None = None) -> torch.Tensor:
+    """Wire ``Tensor`` -> tensor, validated.
+
+    ``dtype``/``ndim``: what the caller requires; a mismatch, a negative dimension or a byte
+    length that disagrees with the shape raises ``InvalidArgument`` naming ``field``.
+    """
+    got = torch_dtype(msg.dtype, field=f"{field}.dtype")
+    if dtype is not None and got != dtype:
+        raise InvalidArgument(f"{field}: dtype {got} where {dtype} is required")
+    shape = list(msg.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise InvalidArgument(f"{field}: shape {shape} has {len(shape)} dims, {ndim} required")
+    if any(s < 0 for s in shape):
+        raise InvalidArgument(f"{field}: negative dimension in shape {shape}")
+    itemsize = torch.empty((), dtype=got).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(msg.data) != expected:
+        raise InvalidArgument(
+            f"{field}: {len(msg.data)} bytes where shape {shape} of {got} needs {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=got)
+    with warnings.catch_warnings():
+        # The view is read-only by construction; nothing writes through it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(msg.data, dtype=got)
+    return flat.view(shape)

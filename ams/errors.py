@@ -1,0 +1,75 @@
+"""Typed AMS errors. Each carries the name of its gRPC status code (a string, so that the pure
+modules that raise them never import grpc); the server maps the name to ``grpc.StatusCode`` and
+the client maps a status back to the same class, so local and remote callers catch one type."""
+
+from __future__ import annotations
+
+
+class AmsError(Exception):
+    """Base class. ``code`` is a ``grpc.StatusCode`` member name."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgument(AmsError, ValueError):
+    """Wrong dtype, shape, byte length, non-finite value, bad spec."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class IdOutOfRange(AmsError, IndexError):
+    """An id < 0, >= num_rows, or not owned by the shard that was asked."""
+
+    code = "OUT_OF_RANGE"
+
+
+class TableNotFound(AmsError, KeyError):
+    """No table of that name on this shard."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TableExists(AmsError):
+    """A table of that name exists with a different spec."""
+
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(AmsError):
+    """The request is valid but the state is not ready for it (e.g. no graph built yet)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class RequestTooLarge(AmsError):
+    """Over the shard's message or row limit; the client splits requests below it."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(AmsError):
+    """Missing or wrong shared-secret token."""
+
+    code = "UNAUTHENTICATED"
+
+
+class Unavailable(AmsError, ConnectionError):
+    """The shard could not be reached (after retries, where retrying is safe)."""
+
+    code = "UNAVAILABLE"
+
+
+class SnapshotError(AmsError):
+    """A snapshot is missing, partial, corrupt or does not fit the tables."""
+
+    code = "FAILED_PRECONDITION"
+
+
+ERRORS_BY_CODE: dict[str, type[AmsError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, IdOutOfRange, TableNotFound, TableExists, FailedPrecondition,
+                RequestTooLarge, Unauthenticated, Unavailable)
+}

@@ -1,0 +1,72 @@
+"""The shard backend in process: the client API over ``ShardStore`` objects, no sockets.
+
+This is the embedded default (``ams.connect(local_shards=N)``): the same ``ShardedClient`` code
+path as the cluster, with each call going straight to the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ams import snapshot
+from ams.errors import FailedPrecondition
+from ams.store import ShardStore, TableSpec
+
+
+class LocalShard:
+    """Shard ``shard_id`` of ``num_shards`` held in this process."""
+
+    def __init__(self, shard_id: int, num_shards: int, data_dir: Path | None = None) -> None:
+        self.store = ShardStore(shard_id, num_shards)
+        self.data_dir = data_dir
+        self.last_snapshot_step = -1
+
+    def create_table(self, spec: TableSpec) -> bool:
+        return self.store.create_table(spec)
+
+    def table_specs(self) -> dict[str, TableSpec]:
+        return {name: t.spec for name, t in self.store.tables.items()}
+
+    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.store.pull(table, ids)
+
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             client_id: str, sequence: int) -> bool:
+        return self.store.push(table, ids, grads, lr, client_id, sequence)
+
+    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.store.scan(table, block_rows)
+
+    def snapshot(self, step: int) -> str:
+        path = snapshot.write_snapshot(self.store, self._data_dir(), step)
+        self.last_snapshot_step = step
+        return str(path)
+
+    def restore(self, step: int | None) -> tuple[int, str]:
+        got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        return got, str(path)
+
+    def stats(self) -> dict:
+        return {**self.store.stats(), "address": "local",
+                "last_snapshot_step": self.last_snapshot_step}
+
+    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.neighbors(table, ids)
+
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+                      neighbors: torch.Tensor, version: int, step: int,
+                      replace_all: bool) -> int:
+        return self.store.set_neighbors(table, ids, offsets, neighbors, version, step,
+                                        replace_all)
+
+    def close(self) -> None:
+        """Nothing to release: the store lives as long as the client."""
+
+    def _data_dir(self) -> Path:
+        if self.data_dir is None:
+            raise FailedPrecondition("snapshots need a data dir: ams.connect(local_shards=N, "
+                                     "data_dir=...)")
+        return self.data_dir

@@ -1,0 +1,58 @@
+"""Initial class rows as a pure function of (seed, class id, column).
+
+Every element is drawn from a counter-based hash (splitmix64) of its coordinates, so a row's
+initial value does not depend on how many shards there are, which shard holds it, or in which
+order rows were created: W is the same for 1 shard or 32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 value with the same bits (torch has no uint64 math)."""
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on negative values)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic). int64 -> int64, same shape."""
+    z = x + _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    return z ^ _shr(z, 31)
+
+
+def initial_rows(ids: torch.Tensor, dim: int, seed: int, std: float,
+                 dtype: torch.dtype = torch.float32, chunk_rows: int = 16384) -> torch.Tensor:
+    """Normal(0, std) rows for the given class ids, identical for any sharding.
+
+    ids: int64 (n,) -> (n, dim) of ``dtype``. Each row's hash starts a Weyl sequence over its
+    columns; one mixing round per element gives 64 bits, of which two 24-bit uniforms feed
+    Box-Muller (float32 is plenty for an initial value and several times faster than float64).
+    """
+    out = torch.empty((ids.numel(), dim), dtype=dtype)
+    base = splitmix64(torch.tensor([seed], dtype=torch.int64))
+    steps = torch.arange(1, dim + 1, dtype=torch.int64) * _signed(_GOLDEN)
+    scale = 1.0 / (1 << 24)
+    for start in range(0, ids.numel(), chunk_rows):
+        row_hash = splitmix64(ids[start:start + chunk_rows].to(torch.int64) ^ base)
+        z = row_hash[:, None] + steps[None, :]
+        z = (z ^ _shr(z, 33)) * _signed(_MIX1)
+        z = z ^ _shr(z, 29)
+        u1 = (_shr(z, 40).to(torch.float32) + 0.5) * scale
+        u2 = ((_shr(z, 16) & 0xFFFFFF).to(torch.float32) + 0.5) * scale
+        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+        out[start:start + chunk_rows] = (normal * std).to(dtype)
+    return out

@@ -1,0 +1,222 @@
+"""The shard's gRPC servicer and server: decode -> validate -> call the store -> encode.
+
+All validation lives in ``ShardStore`` and ``codec``; a failure becomes a gRPC status with the
+store's message, and the store is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ams import codec, snapshot
+from ams.alloc import keep_large_buffers
+from ams.api import shard_pb2 as pb
+from ams.api import shard_pb2_grpc as pb_grpc
+from ams.errors import AmsError, FailedPrecondition
+from ams.store import ShardStore, TableSpec
+from ams.wire import GRPC_OPTIONS
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "xcls.ams.Shard"
+
+
+def _rpc(method: Callable) -> Callable:
+    """Turn AmsError into its gRPC status; anything else into INTERNAL (and a log line)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ShardServicer, request: object, context: grpc.ServicerContext) -> object:
+        try:
+            return method(self, request, context)
+        except AmsError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        except Exception as e:
+            log.exception("rpc_failed method=%s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def spec_from_wire(msg: pb.TableSpec) -> TableSpec:
+    """Wire spec -> validated ``TableSpec`` (state dtype defaults to the row dtype)."""
+    dtype = codec.torch_dtype(msg.dtype, "spec.dtype")
+    state = codec.torch_dtype(msg.state_dtype, "spec.state_dtype") if msg.state_dtype else dtype
+    return TableSpec(name=msg.name, num_rows=msg.num_rows, dim=msg.dim, dtype=dtype,
+                     state_dtype=state, momentum=msg.momentum, weight_decay=msg.weight_decay,
+                     seed=msg.seed, init_std=msg.init_std)
+
+
+def spec_to_wire(spec: TableSpec) -> pb.TableSpec:
+    return pb.TableSpec(name=spec.name, num_rows=spec.num_rows, dim=spec.dim,
+                        dtype=codec.wire_dtype(spec.dtype),
+                        state_dtype=codec.wire_dtype(spec.state_dtype), momentum=spec.momentum,
+                        weight_decay=spec.weight_decay, seed=spec.seed, init_std=spec.init_std)
+
+
+class ShardServicer(pb_grpc.ShardServicer):
+    """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused)."""
+
+    def __init__(self, store: ShardStore, data_dir: Path | None = None) -> None:
+        self.store = store
+        self.data_dir = data_dir
+        self.last_snapshot_step = -1
+
+    @_rpc
+    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext
+                    ) -> pb.CreateTableReply:
+        return pb.CreateTableReply(created=self.store.create_table(spec_from_wire(request.spec)))
+
+    @_rpc
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
+        ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
+        reply = pb.PullReply()
+        codec.encode(self.store.pull(request.table, ids), reply.rows)
+        return reply
+
+    @_rpc
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
+        grads = codec.decode(request.grads, "grads", ndim=2)
+        applied = self.store.push(request.table, ids, grads, request.lr,
+                                  request.client_id, request.sequence)
+        return pb.PushReply(applied=applied)
+
+    def Scan(self, request: pb.ScanRequest, context: grpc.ServicerContext
+             ) -> Iterator[pb.ScanBlock]:
+        try:
+            block_rows = request.block_rows or 65536
+            for ids, rows in self.store.scan(request.table, block_rows):
+                block = pb.ScanBlock()
+                codec.encode(ids, block.ids)
+                codec.encode(rows, block.rows)
+                yield block
+        except AmsError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    @_rpc
+    def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext
+                 ) -> pb.SnapshotReply:
+        path = snapshot.write_snapshot(self.store, self._data_dir(), request.step)
+        self.last_snapshot_step = request.step
+        return pb.SnapshotReply(path=str(path), step=request.step)
+
+    @_rpc
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext
+                ) -> pb.RestoreReply:
+        step = None if request.step < 0 else request.step
+        got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        return pb.RestoreReply(step=got, path=str(path))
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        stats = self.store.stats()
+        reply = pb.StatsReply(shard_id=stats["shard_id"], num_shards=stats["num_shards"],
+                              last_snapshot_step=self.last_snapshot_step)
+        for name, t in stats["tables"].items():
+            reply.tables.add(
+                spec=spec_to_wire(self.store.table(name).spec), owned_rows=t["owned_rows"],
+                row_bytes=t["row_bytes"], state_bytes=t["state_bytes"], pulls=t["pulls"],
+                pushes=t["pushes"], rows_pulled=t["rows_pulled"], rows_pushed=t["rows_pushed"],
+                graph_version=t["graph_version"], graph_step=t["graph_step"],
+                graph_k=t["graph_k"])
+        return reply
+
+    @_rpc
+    def Neighbors(self, request: pb.NeighborsRequest, context: grpc.ServicerContext
+                  ) -> pb.NeighborsReply:
+        ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
+        offsets, neighbors = self.store.neighbors(request.table, ids)
+        reply = pb.NeighborsReply()
+        codec.encode(offsets, reply.offsets)
+        codec.encode(neighbors, reply.neighbors)
+        return reply
+
+    @_rpc
+    def SetNeighbors(self, request: pb.SetNeighborsRequest, context: grpc.ServicerContext
+                     ) -> pb.SetNeighborsReply:
+        version = self.store.set_neighbors(
+            request.table,
+            codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1),
+            codec.decode(request.offsets, "offsets", dtype=torch.int64, ndim=1),
+            codec.decode(request.neighbors, "neighbors", dtype=torch.int64, ndim=1),
+            request.graph_version, request.graph_step, request.replace_all)
+        return pb.SetNeighborsReply(graph_version=version)
+
+    def _data_dir(self) -> Path:
+        if self.data_dir is None:
+            raise FailedPrecondition("this shard was started without --data-dir; "
+                                     "snapshots are off")
+        return self.data_dir
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every call except health checks."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token (metadata 'authorization: Bearer ...')")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+@dataclass
+class RunningServer:
+    """A started shard server; ``stop`` drains in-flight calls first."""
+
+    server: grpc.Server
+    port: int
+    servicer: ShardServicer
+    health: health.HealthServicer
+
+    def stop(self, grace: float = 30.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
+                  data_dir: Path | None = None, token: str | None = None,
+                  tls_cert: bytes | None = None, tls_key: bytes | None = None,
+                  max_workers: int = 16) -> RunningServer:
+    """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``)."""
+    keep_large_buffers()
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=interceptors, options=GRPC_OPTIONS)
+    servicer = ShardServicer(store, data_dir)
+    pb_grpc.add_ShardServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls_cert is not None:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, bound, servicer, health_servicer)

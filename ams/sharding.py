@@ -1,0 +1,49 @@
+"""Class id -> shard routing: the one function both client and server use.
+
+Ids are routed by ``id mod num_shards``. Modulo spreads consecutive (often equally popular) class
+ids over all shards, and lets a shard keep its rows in one dense tensor addressed by
+``id // num_shards``: no hash map, no per-row overhead, memory equal to the payload.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """Owning shard of each id. ids: int64 (n,) >= 0 -> int64 (n,) in [0, num_shards)."""
+    return torch.remainder(ids, num_shards)
+
+
+def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """Position of each (owned) id in its shard's dense row tensor. int64 (n,) -> int64 (n,)."""
+    return torch.div(ids, num_shards, rounding_mode="floor")
+
+
+def owned_count(num_rows: int, shard_id: int, num_shards: int) -> int:
+    """How many of the ids 0..num_rows-1 shard ``shard_id`` owns."""
+    if shard_id >= num_rows:
+        return 0
+    return (num_rows - 1 - shard_id) // num_shards + 1
+
+
+def owned_ids(num_rows: int, shard_id: int, num_shards: int, start: int = 0,
+              stop: int | None = None) -> torch.Tensor:
+    """Global ids of local positions ``start:stop`` of a shard, ascending. -> int64 (m,)."""
+    n = owned_count(num_rows, shard_id, num_shards)
+    stop = n if stop is None else min(stop, n)
+    return torch.arange(start, stop, dtype=torch.int64) * num_shards + shard_id
+
+
+def split_by_shard(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
+    """Positions into ``ids`` of the ids each shard owns, one int64 tensor per shard.
+
+    A stable argsort keeps request order within a shard, so replies reassemble with one
+    scatter per shard.
+    """
+    if num_shards == 1:
+        return [torch.arange(ids.numel(), dtype=torch.int64)]
+    owner = shard_of(ids, num_shards)
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=num_shards).tolist()
+    return list(torch.split(order, counts))

@@ -1,0 +1,263 @@
+"""Real ``xcls serve shard`` processes on 127.0.0.1, driven over gRPC."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import ams
+from ams import codec, errors
+from ams.api import shard_pb2 as pb
+from ams.api import shard_pb2_grpc as pb_grpc
+
+N, D = 1000, 16
+
+
+def reference_client():
+    ref = ams.connect(local_shards=1)
+    ref.create_table("fc", num_rows=N, dim=D, seed=4)
+    return ref
+
+
+def drive(client, steps=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, N, (300,), generator=g)
+        client.push("fc", ids, torch.randn(300, D, generator=g), lr=0.05)
+
+
+def test_remote_equals_in_process(shard_cluster):
+    procs = shard_cluster(2)
+    remote = ams.connect([p.address for p in procs])
+    remote.create_table("fc", num_rows=N, dim=D, seed=4)
+    ref = reference_client()
+    drive(remote)
+    drive(ref)
+    ids = torch.randint(0, N, (2000,))
+    torch.testing.assert_close(remote.pull("fc", ids), ref.pull("fc", ids), rtol=0, atol=1e-7)
+    scanned = torch.cat([r for _, r in remote.scan("fc")])
+    scanned_ids = torch.cat([i for i, _ in remote.scan("fc")])
+    assert torch.equal(scanned, remote.pull("fc", scanned_ids))
+    assert sorted(scanned_ids.tolist()) == list(range(N))
+    stats = remote.stats()
+    assert [s["shard_id"] for s in stats] == [0, 1]
+    assert sum(s["tables"]["fc"]["owned_rows"] for s in stats) == N
+    remote.close()
+
+
+def test_health_and_graceful_sigterm(shard_cluster):
+    (proc,) = shard_cluster(1)
+    with grpc.insecure_channel(proc.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="xcls.ams.Shard"), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert proc.terminate() == 0
+    assert "stopped" in proc.log()
+
+
+@pytest.fixture(scope="module")
+def raw_stub(module_cluster):
+    procs = module_cluster(2)
+    client = ams.connect([p.address for p in procs])
+    client.create_table("fc", num_rows=N, dim=D, seed=4)
+    channel = grpc.insecure_channel(procs[0].address)
+    yield pb_grpc.ShardStub(channel), client
+    channel.close()
+    client.close()
+
+
+def _ids(values, dtype=torch.int64):
+    return codec.encode(torch.tensor(values, dtype=dtype))
+
+
+def _grads(n, dim=D, value=0.1):
+    return codec.encode(torch.full((n, dim), value))
+
+
+BAD_REQUESTS = [
+    ("Pull", pb.PullRequest(table="nope", ids=_ids([0])), grpc.StatusCode.NOT_FOUND, "nope"),
+    ("Pull", pb.PullRequest(table="fc", ids=_ids([N])), grpc.StatusCode.OUT_OF_RANGE, str(N)),
+    ("Pull", pb.PullRequest(table="fc", ids=_ids([-2])), grpc.StatusCode.OUT_OF_RANGE, "-2"),
+    ("Pull", pb.PullRequest(table="fc", ids=_ids([1])), grpc.StatusCode.OUT_OF_RANGE,
+     "belongs to shard 1"),
+    ("Pull", pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[3], data=b"\0" * 20)),
+     grpc.StatusCode.INVALID_ARGUMENT, "ids"),
+    ("Pull", pb.PullRequest(table="fc", ids=codec.encode(torch.zeros(2))),
+     grpc.StatusCode.INVALID_ARGUMENT, "int64"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0, 2]), grads=_grads(2, D + 1), lr=0.1),
+     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1, value=float("nan")),
+                            lr=0.1), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=float("inf")),
+     grpc.StatusCode.INVALID_ARGUMENT, "lr"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0, 4]), grads=_grads(1), lr=0.1),
+     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=pb.Tensor(
+        dtype=pb.FLOAT32, shape=[1, D], data=b"\0" * 3), lr=0.1),
+     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
+    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="t", num_rows=0, dim=4,
+                                                            dtype=pb.FLOAT32)),
+     grpc.StatusCode.INVALID_ARGUMENT, "num_rows"),
+    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="t", num_rows=10, dim=4)),
+     grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="fc", num_rows=N, dim=D + 1,
+                                                            dtype=pb.FLOAT32)),
+     grpc.StatusCode.ALREADY_EXISTS, "fc"),
+    ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([0])),
+     grpc.StatusCode.FAILED_PRECONDITION, "no neighbour graph"),
+    ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([N + 2])),
+     grpc.StatusCode.OUT_OF_RANGE, str(N + 2)),
+    ("Neighbors", pb.NeighborsRequest(table="zz", ids=_ids([0])),
+     grpc.StatusCode.NOT_FOUND, "zz"),
+]
+
+
+@pytest.mark.parametrize("method,request_msg,code,needle", BAD_REQUESTS,
+                         ids=[f"{m}-{c.name}-{i}" for i, (m, _, c, _) in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_status_and_changes_nothing(raw_stub, method, request_msg, code, needle):
+    stub, client = raw_stub
+    before = client.pull("fc", torch.arange(N))
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(stub, method)(request_msg, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert needle in info.value.details()
+    assert torch.equal(client.pull("fc", torch.arange(N)), before)
+    # still serving
+    assert stub.Stats(pb.StatsRequest(), timeout=10).num_shards == 2
+
+
+def test_client_raises_typed_errors(raw_stub):
+    _, client = raw_stub
+    with pytest.raises(errors.IdOutOfRange, match=str(N + 5)):
+        client.pull("fc", torch.tensor([1, N + 5]))
+    with pytest.raises(errors.TableNotFound):
+        client.pull("other", torch.tensor([1]))
+    with pytest.raises(errors.InvalidArgument, match="non-finite"):
+        client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
+
+
+def test_retried_push_is_applied_once(raw_stub):
+    stub, client = raw_stub
+    client.create_table("retry", num_rows=N, dim=D, seed=4)
+    before = client.pull("retry", torch.tensor([0, 2]))
+    req = pb.PushRequest(table="retry", ids=_ids([0, 2]), grads=_grads(2), lr=0.5,
+                         client_id="worker-7", sequence=41)
+    assert stub.Push(req, timeout=10).applied
+    assert not stub.Push(req, timeout=10).applied
+    once = ams.connect(local_shards=1)
+    once.create_table("fc", num_rows=N, dim=D, seed=4)
+    once.push("fc", torch.tensor([0, 2]), torch.full((2, D), 0.1), lr=0.5)
+    after = client.pull("retry", torch.tensor([0, 2]))
+    assert not torch.equal(after, before)
+    assert torch.equal(after, once.pull("fc", torch.tensor([0, 2])))
+
+
+def test_oversized_message_is_resource_exhausted(raw_stub):
+    stub, _ = raw_stub
+    n = (300 << 20) // 8
+    req = pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[n], data=bytes(n * 8)))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Pull(req, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_kill9_then_restore_latest_is_bit_identical(shard_cluster):
+    procs = shard_cluster(2, ["--restore", "latest"])
+    client = ams.connect([p.address for p in procs])
+    client.create_table("fc", num_rows=N, dim=D, dtype="float16", seed=4)
+    drive(client)
+    client.snapshot(step=100)
+    rows = client.pull("fc", torch.arange(N))
+    stats_before = client.stats()
+    drive(client, seed=9)  # after the snapshot: must be lost
+    client.close()
+    procs[1].kill9()
+    procs[1].start()
+    procs[0].kill9()
+    procs[0].start()
+    client = ams.connect([p.address for p in procs])
+    assert torch.equal(client.pull("fc", torch.arange(N)), rows)
+    # momentum too: the same push from the same state gives the same rows
+    ref = ams.connect(local_shards=2, data_dir=procs[0].data_dir)
+    assert ref.restore() == 100
+    ids, grads = torch.arange(0, N, 7), torch.randn(N // 7 + 1, D)
+    client.push("fc", ids, grads, lr=0.1)
+    ref.push("fc", ids, grads, lr=0.1)
+    assert torch.equal(client.pull("fc", torch.arange(N)), ref.pull("fc", torch.arange(N)))
+    assert [s["tables"]["fc"]["owned_rows"] for s in client.stats()] == \
+        [s["tables"]["fc"]["owned_rows"] for s in stats_before]
+    client.close()
+
+
+def test_snapshot_of_two_shards_restores_into_three(shard_cluster, tmp_path):
+    two = shard_cluster(2)
+    client = ams.connect([p.address for p in two])
+    client.create_table("fc", num_rows=N, dim=D, seed=4)
+    drive(client)
+    client.snapshot(step=3)
+    rows = client.pull("fc", torch.arange(N))
+    client.close()
+    for p in two:
+        assert p.terminate() == 0
+    three = shard_cluster(3, ["--restore", "latest"], data_dir=two[0].data_dir)
+    client = ams.connect([p.address for p in three])
+    assert torch.equal(client.pull("fc", torch.arange(N)), rows)
+    client.close()
+
+
+def test_wrong_token_is_refused(shard_cluster, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    (proc,) = shard_cluster(1, ["--auth-token-file", str(token_file)])
+    with pytest.raises(errors.Unauthenticated, match="token"):
+        ams.connect([proc.address], token="wrong")
+    with pytest.raises(errors.Unauthenticated):
+        ams.connect([proc.address])
+    client = ams.connect([proc.address], token="s3cret")
+    client.create_table("fc", num_rows=10, dim=4)
+    assert client.pull("fc", torch.tensor([3])).shape == (1, 4)
+    client.close()
+
+
+def test_shards_listed_out_of_order_are_refused(shard_cluster):
+    procs = shard_cluster(2)
+    with pytest.raises(errors.InvalidArgument, match="expected shard 0 of 2"):
+        ams.connect([procs[1].address, procs[0].address])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shard-id", "2", "--num-shards", "2"], "--shard-id 2"),
+    (["--shard-id", "0", "--num-shards", "1", "--host", "0.0.0.0"], "refusing to serve"),
+    (["--shard-id", "0", "--num-shards", "1", "--port", "70000"], "--port"),
+    (["--shard-id", "0", "--num-shards", "1", "--restore", "latest"], "--data-dir"),
+    (["--shard-id", "0", "--num-shards", "1", "--auth-token-file", "/nonexistent/t"],
+     "cannot read"),
+    (["--shard-id", "x", "--num-shards", "1"], "invalid int value"),
+    (["--num-shards", "1"], "required"),
+])
+def test_cli_rejects_bad_arguments(args, needle):
+    out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert needle in out.stderr + out.stdout
+
+
+def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_path):
+    (proc,) = shard_cluster(1)
+    client = ams.connect([proc.address])
+    client.create_table("fc", num_rows=N, dim=D)
+    client.snapshot(step=1)
+    client.close()
+    assert proc.terminate() == 0
+    manifest = next(proc.data_dir.glob("snapshots/step-*/shard-*/manifest.json"))
+    manifest.write_text("garbage")
+    out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
+                          "--num-shards", "1", "--data-dir", str(proc.data_dir), "--restore",
+                          "latest"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "manifest unreadable" in out.stderr

@@ -1,0 +1,64 @@
+"""Routing, and the client's dedupe / split / fan-out / reassembly, against a one-shard store."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ams
+from ams import sharding
+
+N, D = 97, 4
+
+
+@given(st.integers(1, 300), st.integers(1, 9))
+def test_owned_ids_partition_the_table(num_rows, num_shards):
+    parts = [sharding.owned_ids(num_rows, s, num_shards) for s in range(num_shards)]
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(num_rows))
+    for s, ids in enumerate(parts):
+        assert ids.numel() == sharding.owned_count(num_rows, s, num_shards)
+        assert bool((sharding.shard_of(ids, num_shards) == s).all())
+        assert torch.equal(sharding.local_index(ids, num_shards), torch.arange(ids.numel()))
+
+
+@given(st.lists(st.integers(0, 10**12), max_size=60), st.integers(1, 7))
+def test_split_by_shard_keeps_order_and_covers(ids, num_shards):
+    t = torch.tensor(ids, dtype=torch.int64)
+    parts = sharding.split_by_shard(t, num_shards)
+    assert sorted(torch.cat(parts).tolist()) == list(range(len(ids)))
+    for s, pos in enumerate(parts):
+        assert pos.tolist() == sorted(pos.tolist())  # request order within a shard
+        assert all(i % num_shards == s for i in t[pos].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, N - 1), max_size=80), st.integers(1, 4))
+def test_client_pull_push_equal_one_store(ids, num_shards):
+    ref = ams.connect(local_shards=1)
+    sharded = ams.connect(local_shards=num_shards)
+    for c in (ref, sharded):
+        c.create_table("fc", num_rows=N, dim=D, seed=5)
+    t = torch.tensor(ids, dtype=torch.int64)
+    grads = torch.randn(len(ids), D, generator=torch.Generator().manual_seed(len(ids)))
+    ref.push("fc", t, grads, lr=0.3)
+    sharded.push("fc", t, grads, lr=0.3)
+    everything = torch.arange(N)
+    torch.testing.assert_close(sharded.pull("fc", everything), ref.pull("fc", everything),
+                               rtol=0, atol=1e-7)
+    assert torch.equal(sharded.pull("fc", t), ref.pull("fc", everything)[t])
+
+
+def test_client_splits_requests_above_the_message_limit(monkeypatch):
+    import ams.client
+
+    monkeypatch.setattr(ams.client, "REQUEST_BYTES", 3 * D * 4)  # 3 rows per call
+    client = ams.connect(local_shards=2)
+    client.create_table("fc", num_rows=N, dim=D)
+    ids = torch.tensor([5, 1, 2, 8, 9, 11, 40, 5, 60])
+    rows = client.pull("fc", ids)
+    stats = client.stats()
+    assert sum(s["tables"]["fc"]["pulls"] for s in stats) >= 4
+    whole = ams.connect(local_shards=1)
+    whole.create_table("fc", num_rows=N, dim=D)
+    assert torch.equal(rows, whole.pull("fc", ids))

@@ -1,0 +1,190 @@
+"""ShardStore and SparseMomentumSGD against torch.optim.SGD on a dense float64 copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ams import errors
+from ams.store import ShardStore, TableSpec
+
+N, D = 50, 8
+
+
+def make_store(shard_id=0, num_shards=1, **spec_kw) -> ShardStore:
+    store = ShardStore(shard_id, num_shards)
+    kw = dict(name="fc", num_rows=N, dim=D, momentum=0.9, weight_decay=5e-4, seed=3)
+    kw.update(spec_kw)
+    store.create_table(TableSpec(**kw))
+    return store
+
+
+def owned(store: ShardStore) -> torch.Tensor:
+    return torch.arange(store.shard_id, N, store.num_shards)
+
+
+def reference_sgd_step(w: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
+                       lr: float, momentum: float, wd: float) -> None:
+    """torch.optim.SGD (float64) applied to just the touched rows, state carried over."""
+    unique = torch.unique(ids)
+    summed = torch.zeros((unique.numel(), w.shape[1]), dtype=torch.float64)
+    summed.index_add_(0, torch.searchsorted(unique, ids), grads.double())
+    p = torch.nn.Parameter(w[unique].clone())
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=wd)
+    opt.state[p]["momentum_buffer"] = v[unique].clone()
+    p.grad = summed
+    opt.step()
+    w[unique] = p.detach()
+    v[unique] = opt.state[p]["momentum_buffer"]
+
+
+@pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (1, 3)])
+def test_push_matches_dense_sgd(shard_id, num_shards):
+    store = make_store(shard_id, num_shards)
+    mine = owned(store)
+    w = store.pull("fc", mine).double()
+    v = torch.zeros_like(w)
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        pos = torch.randint(0, mine.numel(), (12,), generator=g)  # repeats on purpose
+        ids = mine[pos]
+        grads = torch.randn(12, D, generator=g)
+        lr = 0.1 / (step + 1)
+        assert store.push("fc", ids, grads, lr)
+        reference_sgd_step(w, v, pos, grads, lr, 0.9, 5e-4)
+    torch.testing.assert_close(store.pull("fc", mine).double(), w, rtol=1e-6, atol=1e-7)
+    table = store.table("fc")
+    torch.testing.assert_close(table.state.double(), v, rtol=1e-6, atol=1e-7)
+
+
+def test_untouched_rows_and_state_bit_identical():
+    store = make_store()
+    before_rows = store.table("fc").rows.clone()
+    store.push("fc", torch.tensor([3, 7, 3]), torch.ones(3, D), 0.5)
+    rows, state = store.table("fc").rows, store.table("fc").state
+    untouched = torch.ones(N, dtype=torch.bool)
+    untouched[[3, 7]] = False
+    assert torch.equal(rows[untouched], before_rows[untouched])
+    assert torch.equal(state[untouched], torch.zeros_like(state[untouched]))
+    assert not torch.equal(rows[3], before_rows[3])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_tables_follow_float64_reference(dtype):
+    store = make_store(dtype=dtype, state_dtype=dtype)
+    w = store.pull("fc", torch.arange(N)).double()
+    v = torch.zeros_like(w)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, N, (10,), generator=g)
+        grads = torch.randn(10, D, generator=g) * 0.01
+        store.push("fc", ids, grads, 0.1)
+        reference_sgd_step(w, v, ids, grads, 0.1, 0.9, 5e-4)
+        # the store rounds once per step; follow it so errors do not compound in the check
+        w = store.pull("fc", torch.arange(N)).double()
+        v = store.table("fc").state.double()
+    tol = 1e-2 if dtype == "bfloat16" else 2e-3
+    torch.testing.assert_close(store.pull("fc", torch.arange(N)).double(), w, rtol=tol, atol=tol)
+
+
+def test_initial_rows_do_not_depend_on_shard_count():
+    whole = make_store().pull("fc", torch.arange(N))
+    for s in range(4):
+        part = make_store(s, 4)
+        ids = owned(part)
+        assert torch.equal(part.pull("fc", ids), whole[ids])
+    assert abs(float(whole.std()) - 0.01) < 0.002
+
+
+def test_pull_request_order_with_repeats():
+    store = make_store()
+    whole = store.pull("fc", torch.arange(N))
+    ids = torch.tensor([9, 2, 9, 0, 49])
+    assert torch.equal(store.pull("fc", ids), whole[ids])
+
+
+def test_push_dedupe_by_client_sequence():
+    once, twice = make_store(), make_store()
+    ids, grads = torch.tensor([1, 2]), torch.ones(2, D)
+    assert once.push("fc", ids, grads, 0.1, "c", 7)
+    assert twice.push("fc", ids, grads, 0.1, "c", 7)
+    assert not twice.push("fc", ids, grads, 0.1, "c", 7)
+    assert torch.equal(once.table("fc").rows, twice.table("fc").rows)
+    assert twice.push("fc", ids, grads, 0.1, "c", 8)  # a new sequence applies
+
+
+def snapshot_state(store):
+    t = store.table("fc")
+    return t.rows.clone(), t.state.clone()
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda s: s.pull("nope", torch.tensor([1])), errors.TableNotFound),
+    (lambda s: s.pull("fc", torch.tensor([N])), errors.IdOutOfRange),
+    (lambda s: s.pull("fc", torch.tensor([-1])), errors.IdOutOfRange),
+    (lambda s: s.pull("fc", torch.tensor([1.0])), errors.InvalidArgument),
+    (lambda s: s.pull("fc", torch.tensor([[1]])), errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1, N]), torch.ones(2, D), 0.1), errors.IdOutOfRange),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D + 1), 0.1),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1, 2]), torch.ones(1, D), 0.1), errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.full((1, D), float("nan")), 0.1),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.full((1, D), float("inf")), 0.1),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), float("nan")),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), -1.0), errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D, dtype=torch.int64), 0.1),
+     errors.InvalidArgument),
+    (lambda s: s.neighbors("fc", torch.tensor([1])), errors.FailedPrecondition),
+])
+def test_bad_requests_raise_and_change_nothing(call, error):
+    store = make_store()
+    before = snapshot_state(store)
+    with pytest.raises(error) as info:
+        call(store)
+    assert str(info.value)  # a message a person can act on
+    after = snapshot_state(store)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=False))
+
+
+def test_foreign_id_is_out_of_range_and_names_the_owner():
+    store = make_store(1, 3)
+    with pytest.raises(errors.IdOutOfRange, match="belongs to shard 2"):
+        store.pull("fc", torch.tensor([1, 2]))
+
+
+def test_request_size_limit():
+    store = make_store()
+    store.max_rows_per_request = 4
+    with pytest.raises(errors.RequestTooLarge, match="limit is 4"):
+        store.pull("fc", torch.arange(5))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_rows=0), dict(num_rows=-5), dict(dim=0), dict(dtype="int8"), dict(momentum=1.0),
+    dict(momentum=-0.1), dict(weight_decay=float("nan")), dict(name=""), dict(name="a/b"),
+    dict(seed=-1), dict(name="x" * 200),
+])
+def test_bad_table_specs(kw):
+    base = dict(name="t", num_rows=10, dim=4)
+    base.update(kw)
+    with pytest.raises(errors.InvalidArgument):
+        TableSpec(**base)
+
+
+def test_create_table_idempotent_and_conflict():
+    store = make_store()
+    assert not store.create_table(TableSpec(name="fc", num_rows=N, dim=D, momentum=0.9,
+                                            weight_decay=5e-4, seed=3))
+    with pytest.raises(errors.TableExists):
+        store.create_table(TableSpec(name="fc", num_rows=N, dim=D + 1))
+
+
+def test_scan_covers_owned_ids_in_order():
+    store = make_store(2, 3)
+    blocks = list(store.scan("fc", block_rows=4))
+    ids = torch.cat([b[0] for b in blocks])
+    assert torch.equal(ids, owned(store))
+    assert torch.equal(torch.cat([b[1] for b in blocks]), store.pull("fc", ids))
