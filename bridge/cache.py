@@ -1,0 +1,157 @@
+"""The feature cache interface: sample id -> (feature vector, backbone version, write time).
+
+The fast gear calls ``get`` before running the backbone and ``put`` with what it computed for the
+misses. Backends (:mod:`bridge.memory_cache`, :mod:`bridge.lmdb_cache`, :mod:`bridge.redis_cache`)
+only move bytes; this base class owns encoding, validation, freshness and the counters, so every
+backend answers the same way.
+
+Freshness is checked on every read, not left to backend expiry: an entry older than ``ttl_s``
+seconds (by its own write timestamp) or more than ``max_staleness_versions`` backbone versions
+behind is a miss even if the backend still holds it.
+
+Corrupt entries (see :class:`bridge.errors.CorruptEntryError`) are counted in
+``metrics.corrupt``, logged (rate-limited) and answered as misses, so the sample is recomputed
+and its entry overwritten; they are never returned as features.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from bridge.codec import check_dtype, decode_features, encode_features
+from bridge.metrics import CacheMetrics
+from bridge.ratelimit import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+IdsLike = np.ndarray | torch.Tensor | Sequence[int]
+ArrayLike = np.ndarray | torch.Tensor
+
+
+def as_ids(ids: IdsLike) -> np.ndarray:
+    """Sample ids as a 1-D int64 numpy array (no copy when already one)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"ids must be a 1-D integer array, got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def as_rows(values: ArrayLike, n: int, dim: int, what: str) -> np.ndarray:
+    """``values`` as an (n, dim) float numpy array (torch tensors are detached to CPU)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().float().numpy()
+    arr = np.asarray(values)
+    if arr.shape != (n, dim) or not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"{what} must be float ({n}, {dim}), got {arr.dtype} {arr.shape}")
+    return arr
+
+
+class FeatureCache(ABC):
+    """Dense-feature cache of one job.
+
+    Args:
+        dim: feature width.
+        dtype: stored precision, ``"float16"`` (half the bytes) or ``"float32"``.
+        ttl_s: an entry older than this many seconds is never returned; None = no time limit.
+        max_staleness_versions: an entry whose backbone version is more than this many versions
+            behind the current one is never returned; None = no version limit.
+        clock: wall clock in seconds since the epoch (entries are compared across hosts, so
+            this is ``time.time``, not a monotonic clock); injectable for tests.
+    """
+
+    def __init__(self, dim: int, dtype: str = "float16", ttl_s: float | None = None,
+                 max_staleness_versions: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        if max_staleness_versions is not None and max_staleness_versions < 0:
+            raise ValueError(f"max_staleness_versions must be >= 0 or None, "
+                             f"got {max_staleness_versions}")
+        check_dtype(dtype)
+        self.dim = dim
+        self.dtype = dtype
+        self.ttl_s = ttl_s
+        self.max_staleness_versions = max_staleness_versions
+        self.clock = clock
+        self.metrics = CacheMetrics()
+        # Newest backbone version this object has seen; the default "current" version.
+        self.latest_version: int | None = None
+        self._warn = RateLimitedLog(log)
+
+    def get(self, ids: IdsLike, current_version: int | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Look up ``ids`` (n,) int64.
+
+        ``current_version``: the backbone version now training, for ``max_staleness_versions``;
+        None uses the newest version seen by this object (puts and earlier gets).
+        Returns (features (n, dim) float32 with zero rows for misses, hit_mask (n,) bool).
+        """
+        ids = as_ids(ids)
+        n = ids.shape[0]
+        if current_version is not None:
+            self._observe_version(current_version)
+        blobs = self._fetch(ids) if n else []
+        if blobs is None:
+            self.metrics.unavailable += n
+            self.metrics.misses += n
+            return torch.zeros((n, self.dim)), torch.zeros(n, dtype=torch.bool)
+        self.metrics.bytes_read += sum(len(b) for b in blobs if b is not None)
+        dec = decode_features(blobs, self.dim, self.dtype)
+        hit = dec.found.copy()
+        if dec.corrupt.any():
+            self.metrics.corrupt += int(dec.corrupt.sum())
+            self._warn.warn("cache_corrupt_entry", backend=type(self).__name__,
+                            count=int(dec.corrupt.sum()), error=repr(dec.first_error))
+        if self.ttl_s is not None:
+            expired = hit & (self.clock() - dec.timestamps > self.ttl_s)
+            self.metrics.expired += int(expired.sum())
+            hit &= ~expired
+        if self.max_staleness_versions is not None and self.latest_version is not None:
+            stale = hit & (self.latest_version - dec.versions > self.max_staleness_versions)
+            self.metrics.stale += int(stale.sum())
+            hit &= ~stale
+        features = dec.features
+        features[~hit] = 0.0
+        self.metrics.hits += int(hit.sum())
+        self.metrics.misses += n - int(hit.sum())
+        return torch.from_numpy(features), torch.from_numpy(hit)
+
+    def put(self, ids: IdsLike, features: ArrayLike, version: int) -> None:
+        """Store ``features`` (n, dim), any float dtype, for ``ids`` (n,) int64, computed by
+        backbone ``version``. Overwrites: a re-put entry gets a fresh timestamp (and TTL).
+        A later row wins over an earlier one with the same id."""
+        ids = as_ids(ids)
+        rows = as_rows(features, ids.shape[0], self.dim, "features")
+        self._observe_version(version)
+        if ids.shape[0] == 0:
+            return
+        blobs = encode_features(rows, version, self.clock(), self.dtype)
+        stored = self._store(ids, blobs)
+        self.metrics.puts += stored
+        self.metrics.dropped_puts += len(blobs) - stored
+        self.metrics.bytes_written += stored * len(blobs[0])
+
+    def _observe_version(self, version: int) -> None:
+        if self.latest_version is None or version > self.latest_version:
+            self.latest_version = int(version)
+
+    @abstractmethod
+    def _fetch(self, ids: np.ndarray) -> list[bytes | None] | None:
+        """Raw entries for ``ids`` (n,) int64 in order, None per absent id; None altogether if
+        the backend cannot be reached."""
+
+    @abstractmethod
+    def _store(self, ids: np.ndarray, blobs: list[bytes]) -> int:
+        """Write encoded entries (all the same length); returns how many were stored, the rest
+        were dropped (backend unreachable or full)."""

@@ -1,0 +1,67 @@
+"""In-process feature cache: a byte-bounded LRU dict (tests, the embedded single-process run)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from bridge.cache import FeatureCache
+from bridge.codec import entry_nbytes
+
+
+class MemoryFeatureCache(FeatureCache):
+    """LRU over encoded entries, holding at most ``max_bytes`` of entry bytes.
+
+    The bound counts encoded entries (header + payload); Python's per-object overhead (about
+    100 bytes an entry) comes on top. A lookup that finds an entry, fresh or not, makes it most
+    recently used; expired entries age out through the LRU order. Thread-safe (a loader thread
+    and the training thread may share it).
+    """
+
+    def __init__(self, dim: int, max_bytes: int, dtype: str = "float16",
+                 ttl_s: float | None = None, max_staleness_versions: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(dim, dtype, ttl_s, max_staleness_versions, clock)
+        if max_bytes < entry_nbytes(dim, dtype):
+            raise ValueError(f"max_bytes={max_bytes} cannot hold one entry of "
+                             f"{entry_nbytes(dim, dtype)} bytes")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Entry bytes held now (<= max_bytes)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _fetch(self, ids: np.ndarray) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        with self._lock:
+            for i in ids.tolist():
+                blob = self._entries.get(i)
+                if blob is not None:
+                    self._entries.move_to_end(i)
+                out.append(blob)
+        return out
+
+    def _store(self, ids: np.ndarray, blobs: list[bytes]) -> int:
+        with self._lock:
+            for i, blob in zip(ids.tolist(), blobs, strict=True):
+                old = self._entries.pop(i, None)
+                if old is not None:
+                    self._bytes -= len(old)
+                self._entries[i] = blob
+                self._bytes += len(blob)
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= len(old)
+                self.metrics.evictions += 1
+        return len(blobs)

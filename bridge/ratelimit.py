@@ -1,0 +1,35 @@
+"""A warning that is logged at most once per interval, with the number it swallowed.
+
+A cache on a dead Redis would otherwise log once per training step (thousands of lines a
+minute) and bury everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+
+class RateLimitedLog:
+    """``warn(event, **fields)`` logs ``event key=value ... suppressed=N`` at most once per
+    ``interval_s`` seconds per event name."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, event: str, **fields: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(event)
+            if last is not None and now - last < self._interval_s:
+                self._suppressed[event] = self._suppressed.get(event, 0) + 1
+                return
+            self._last[event] = now
+            suppressed = self._suppressed.pop(event, 0)
+        kv = " ".join(f"{k}={v}" for k, v in fields.items())
+        self._logger.warning("%s %s suppressed=%d", event, kv, suppressed)

@@ -1,0 +1,339 @@
+"""Gradient accumulation across processes and hosts, over Redis.
+
+Fast gear (any number of workers): :class:`RedisGradientAccumulator.add` keeps per-sample records
+``{prefix}:acc:{id}`` (float32 sum, count, newest version, means emitted; see
+:func:`bridge.codec.encode_record`). It updates them optimistically: WATCH the batch's keys, read
+them, then in one MULTI write the new records and XADD every mean that reached ``m`` gradients to
+the stream ``{prefix}:grads``. The reset of a record and the XADD of its mean commit together, so a
+fast worker dying mid-add loses or duplicates nothing; a concurrent add to the same sample makes
+EXEC fail and the add retries.
+
+Slow gear (any number of workers, one consumer group): :class:`RedisGradientConsumer.read` first
+takes over entries that another consumer was given but did not ack for ``min_idle_ms`` (XAUTOCLAIM:
+that consumer died), then reads new ones (XREADGROUP), so delivery is at-least-once. Each mean is
+applied once per key (sample id, version, seq) (:func:`bridge.accumulator.apply_key`): ``ack`` sets
+``{prefix}:applied:{key}`` (SET NX EX) and XACKs + XDELs in one MULTI, and ``read`` acks and skips
+entries whose key is already set (a re-sent or re-delivered mean). A consumer that dies after its
+backward step but before ``ack`` is the one case that applies a mean twice; an apply that is
+atomic with the model step would need the key in the checkpoint.
+
+Malformed stream entries are acked into the dead-letter stream ``{prefix}:grads:dead`` with the
+error text and never returned. Redis down: ``add`` drops the gradients, ``read`` returns an empty
+batch (after waiting ``block_ms``), both log a rate-limited warning; nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+import redis
+import torch
+
+from bridge.accumulator import EntryHandle, GradientBatch, apply_key, combine_by_id, empty_batch
+from bridge.codec import (
+    AccumRecord,
+    GradEntry,
+    decode_grad_entry,
+    decode_record,
+    encode_grad_entry,
+    encode_record,
+)
+from bridge.errors import MalformedGradientError
+from bridge.metrics import AccumulatorMetrics
+from bridge.ratelimit import RateLimitedLog
+from bridge.redis_util import RedisGuard
+
+log = logging.getLogger(__name__)
+
+
+def stream_key(prefix: str) -> bytes:
+    """The stream of ready means of job ``prefix``."""
+    return f"{prefix}:grads".encode()
+
+
+def dead_letter_key(prefix: str) -> bytes:
+    """Where malformed stream entries go, with an ``error`` field."""
+    return f"{prefix}:grads:dead".encode()
+
+
+class RedisGradientAccumulator:
+    """Fast-gear side: ``add`` gradients, XADD means that reached ``m``.
+
+    Args:
+        client: redis-py client (:func:`bridge.redis_util.make_client`).
+        dim: gradient width.
+        m: gradients per mean.
+        prefix: job name; all keys start with it.
+        record_ttl_s: a sample not seen for this long loses its partial sum (bounds memory for
+            samples that left the data set); refreshed on every add.
+        stream_maxlen: approximate cap on the stream (XADD MAXLEN ~) should every slow worker be
+            gone; entries trimmed unread are lost.
+        max_attempts: optimistic retries when another worker touched the same samples.
+    """
+
+    def __init__(self, client: redis.Redis, dim: int, m: int, prefix: str,
+                 record_ttl_s: int = 86_400, stream_maxlen: int = 1_000_000,
+                 max_attempts: int = 8, retry_after_s: float = 1.0) -> None:
+        if dim <= 0 or m <= 0:
+            raise ValueError(f"dim and m must be positive, got dim={dim} m={m}")
+        self.client = client
+        self.dim = dim
+        self.m = m
+        self.prefix = prefix
+        self.stream = stream_key(prefix)
+        self.record_ttl_s = record_ttl_s
+        self.stream_maxlen = stream_maxlen
+        self.max_attempts = max_attempts
+        self.metrics = AccumulatorMetrics()
+        self.guard = RedisGuard(f"grad_accumulator:{prefix}", retry_after_s)
+        self._warn = RateLimitedLog(log)
+
+    def record_key(self, sample_id: int) -> bytes:
+        return f"{self.prefix}:acc:{sample_id}".encode()
+
+    def add(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
+            version: int) -> int:
+        """Add dL/dX ``grads`` (n, dim) float of samples ``ids`` (n,) int64 computed on features
+        of backbone ``version``. Returns how many means were queued (0 when dropped)."""
+        uniq, sums, counts = combine_by_id(ids, grads, self.dim)
+        n = int(counts.sum())
+        if uniq.shape[0] == 0:
+            return 0
+        if not self.guard.usable():
+            self.metrics.dropped += n
+            return 0
+        keys = [self.record_key(i) for i in uniq.tolist()]
+        try:
+            for _ in range(self.max_attempts):
+                try:
+                    emitted = self._try_add(keys, uniq, sums, counts, int(version))
+                except redis.WatchError:
+                    continue
+                self.guard.ok()
+                self.metrics.added += n
+                self.metrics.emitted += emitted
+                return emitted
+        except redis.RedisError as e:
+            self.guard.failed("add", e)
+            self.metrics.dropped += n
+            return 0
+        self._warn.warn("grad_add_dropped", reason="contention", attempts=self.max_attempts, n=n)
+        self.metrics.dropped += n
+        return 0
+
+    def _try_add(self, keys: list[bytes], uniq: np.ndarray, sums: np.ndarray,
+                 counts: np.ndarray, version: int) -> int:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(*keys)
+            olds = pipe.mget(keys)
+            pipe.multi()
+            emitted = 0
+            for key, i, total, count, old in zip(keys, uniq.tolist(), sums, counts.tolist(), olds,
+                                                 strict=True):
+                rec = self._decode(key, old)
+                total = rec.sum.astype(np.float64) + total
+                count += rec.count
+                newest = max(rec.version, version)
+                if count >= self.m:
+                    mean = (total / count).astype(np.float32)
+                    entry = GradEntry(i, newest, rec.seq, count, mean)
+                    pipe.xadd(self.stream, encode_grad_entry(entry),
+                              maxlen=self.stream_maxlen, approximate=True)
+                    rec = AccumRecord(0, newest, rec.seq + 1, np.zeros(self.dim, np.float32))
+                    emitted += 1
+                    self.metrics.bytes += self.dim * 4
+                else:
+                    rec = AccumRecord(count, newest, rec.seq, total.astype(np.float32))
+                pipe.set(key, encode_record(rec), ex=self.record_ttl_s)
+            pipe.execute()
+        return emitted
+
+    def _decode(self, key: bytes, blob: bytes | None) -> AccumRecord:
+        fresh = AccumRecord(0, -(2**62), 0, np.zeros(self.dim, np.float32))
+        if blob is None:
+            return fresh
+        try:
+            return decode_record(blob, self.dim)
+        except MalformedGradientError as e:
+            # A garbage partial sum must not reach the backbone: start the sample over.
+            self.metrics.corrupt += 1
+            self._warn.warn("grad_record_corrupt", key=key.decode(), error=repr(str(e)))
+            return fresh
+
+
+class RedisGradientConsumer:
+    """Slow-gear side: ``read`` ready means, apply them, ``ack``.
+
+    Args:
+        client: redis-py client (:func:`bridge.redis_util.make_client`).
+        dim: gradient width; entries of another width are malformed.
+        prefix: job name (as given to the accumulator).
+        group: consumer group; every slow worker of the job uses the same one.
+        consumer: this worker's name in the group (default host-pid).
+        min_idle_ms: an entry delivered but not acked for this long is taken over (its consumer
+            is presumed dead); must exceed the longest apply.
+        applied_ttl_s: how long an applied key is remembered for de-duplication.
+    """
+
+    def __init__(self, client: redis.Redis, dim: int, prefix: str, group: str = "slow_gear",
+                 consumer: str | None = None, min_idle_ms: int = 60_000,
+                 applied_ttl_s: int = 86_400, retry_after_s: float = 1.0) -> None:
+        self.client = client
+        self.dim = dim
+        self.prefix = prefix
+        self.group = group
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.min_idle_ms = min_idle_ms
+        self.applied_ttl_s = applied_ttl_s
+        self.stream = stream_key(prefix)
+        self.dead = dead_letter_key(prefix)
+        self.metrics = AccumulatorMetrics()
+        self.guard = RedisGuard(f"grad_consumer:{prefix}", retry_after_s)
+        self._warn = RateLimitedLog(log)
+        self._claim_cursor = b"0-0"
+        self._group_ready = False
+        # A blocking XREADGROUP longer than the socket timeout would look like a dead server:
+        # block in slices shorter than it.
+        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self._block_slice_ms = max(1, int(timeout * 500)) if timeout else None
+
+    def applied_key(self, key: bytes) -> bytes:
+        return f"{self.prefix}:applied:".encode() + key
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            log.info("grad_group_created stream=%s group=%s", self.stream.decode(), self.group)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._group_ready = True
+
+    def read(self, max_items: int = 256, block_ms: int = 0) -> GradientBatch:
+        """Up to ``max_items`` mean gradients: first entries abandoned by dead consumers, then
+        new ones, waiting up to ``block_ms`` when there are none. Returns a
+        :class:`bridge.accumulator.GradientBatch` (empty if Redis is down)."""
+        if not self.guard.usable():
+            time.sleep(block_ms / 1000)
+            return empty_batch(self.dim)
+        try:
+            self._ensure_group()
+            raw = self._claim(max_items)
+            if len(raw) < max_items:
+                raw += self._read_new(max_items - len(raw), 0 if raw else block_ms)
+            batch = self._decode_batch(raw)
+        except redis.RedisError as e:
+            self.guard.failed("read", e)
+            # A dead Redis restarted empty has lost the group too; recreate it next time.
+            self._group_ready = False
+            return empty_batch(self.dim)
+        self.guard.ok()
+        return batch
+
+    def _claim(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        cursor, entries, *_ = self.client.xautoclaim(
+            self.stream, self.group, self.consumer, self.min_idle_ms,
+            start_id=self._claim_cursor, count=count)
+        self._claim_cursor = cursor
+        # Entries trimmed from the stream come back with no fields; Redis drops them from the
+        # pending list itself.
+        entries = [(eid, fields) for eid, fields in entries if fields]
+        if entries:
+            self.metrics.claimed += len(entries)
+            log.info("grad_entries_claimed consumer=%s count=%d", self.consumer, len(entries))
+        return entries
+
+    def _read_new(self, count: int, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            block = None
+            if block_ms > 0 and left_ms > 0:
+                block = min(left_ms, self._block_slice_ms or left_ms)
+            reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"},
+                                           count=count, block=block)
+            if reply:
+                return list(reply[0][1])
+            if block is None:
+                return []
+
+    def _decode_batch(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> GradientBatch:
+        good: list[tuple[bytes, bytes, GradEntry]] = []
+        dead: list[tuple[bytes, dict[bytes, bytes], str]] = []
+        for eid, fields in raw:
+            try:
+                entry = decode_grad_entry(fields, self.dim)
+            except MalformedGradientError as e:
+                dead.append((eid, fields, str(e)))
+                continue
+            good.append((eid, apply_key(entry.sample_id, entry.version, entry.seq), entry))
+        if dead:
+            self._dead_letter(dead)
+        # Drop keys applied before, and repeats inside this batch (a mean sent twice).
+        flags = self.client.mget([self.applied_key(k) for _, k, _ in good]) if good else []
+        seen: set[bytes] = set()
+        fresh: list[tuple[bytes, bytes, GradEntry]] = []
+        dupes: list[bytes] = []
+        for (eid, key, entry), flag in zip(good, flags, strict=True):
+            if flag is not None or key in seen:
+                dupes.append(eid)
+            else:
+                seen.add(key)
+                fresh.append((eid, key, entry))
+        if dupes:
+            self._ack_ids(dupes)
+            self.metrics.duplicates += len(dupes)
+        if not fresh:
+            return empty_batch(self.dim)
+        self.metrics.delivered += len(fresh)
+        self.metrics.bytes += len(fresh) * self.dim * 4
+        return GradientBatch(
+            torch.tensor([e.sample_id for _, _, e in fresh], dtype=torch.int64),
+            torch.from_numpy(np.stack([e.grad for _, _, e in fresh])),
+            torch.tensor([e.version for _, _, e in fresh], dtype=torch.int64),
+            [EntryHandle(eid, key) for eid, key, _ in fresh])
+
+    def _dead_letter(self, dead: list[tuple[bytes, dict[bytes, bytes], str]]) -> None:
+        with self.client.pipeline(transaction=True) as pipe:
+            for eid, fields, error in dead:
+                pipe.xadd(self.dead, {**fields, b"error": error.encode(), b"source_id": eid})
+            pipe.xack(self.stream, self.group, *[eid for eid, _, _ in dead])
+            pipe.xdel(self.stream, *[eid for eid, _, _ in dead])
+            pipe.execute()
+        self.metrics.corrupt += len(dead)
+        self._warn.warn("grad_entry_dead_lettered", stream=self.dead.decode(), count=len(dead),
+                        error=repr(dead[0][2]))
+
+    def _ack_ids(self, eids: list[bytes]) -> None:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, self.group, *eids)
+            pipe.xdel(self.stream, *eids)
+            pipe.execute()
+
+    def ack(self, batch: GradientBatch) -> int:
+        """Mark ``batch`` applied (its keys remembered, its entries acked and deleted). Returns
+        how many keys were newly marked. If Redis is down the entries stay pending and will be
+        re-delivered after ``min_idle_ms``."""
+        if not batch.handles:
+            return 0
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                for h in batch.handles:
+                    pipe.set(self.applied_key(h.key), b"1", nx=True, ex=self.applied_ttl_s)
+                eids = [h.entry_id for h in batch.handles]
+                pipe.xack(self.stream, self.group, *eids)
+                pipe.xdel(self.stream, *eids)
+                results = pipe.execute()
+        except redis.RedisError as e:
+            self.guard.failed("ack", e)
+            return 0
+        newly = sum(1 for r in results[:len(batch.handles)] if r)
+        self.metrics.applied += newly
+        self.metrics.duplicates += len(batch.handles) - newly
+        return newly

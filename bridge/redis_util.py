@@ -1,0 +1,56 @@
+"""Redis connection settings and the circuit breaker shared by the Redis cache and accumulator.
+
+Training must not wait on a dead Redis: sockets time out fast, redis-py retries a failed command
+once at once (that reconnects a pooled connection that died with a restarted server), and after
+a failure :class:`RedisGuard` answers "down" without touching the network for ``retry_after_s``
+seconds, then lets the next call try again. redis-py reconnects by itself when that call runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from bridge.ratelimit import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+
+def make_client(host: str = "127.0.0.1", port: int = 6379, db: int = 0,
+                password: str | None = None, socket_timeout_s: float = 0.5) -> redis.Redis:
+    """A bytes-in/bytes-out client with short timeouts and a single immediate retry."""
+    return redis.Redis(
+        host=host, port=port, db=db, password=password,
+        socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 1), decode_responses=False,
+    )
+
+
+class RedisGuard:
+    """Circuit breaker around one client: ``usable()`` is False for ``retry_after_s`` after
+    ``failed()``; ``ok()`` closes it again and logs the recovery."""
+
+    def __init__(self, name: str, retry_after_s: float = 1.0) -> None:
+        self.name = name
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._down = False
+        self._warn = RateLimitedLog(log)
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self, op: str, err: Exception) -> None:
+        self._down = True
+        self._down_until = time.monotonic() + self.retry_after_s
+        self._warn.warn("redis_unavailable", who=self.name, op=op,
+                        error=type(err).__name__, retry_after_s=self.retry_after_s)
+
+    def ok(self) -> None:
+        if self._down:
+            self._down = False
+            log.info("redis_recovered who=%s", self.name)

@@ -1,0 +1,116 @@
+"""Shared fixtures. Real services only: Redis and shard servers are started as processes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tmp_data_dir(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+# --- Redis (gear bridge tests) -------------------------------------------------------------------
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+class RedisServer:
+    """A real ``redis-server`` on 127.0.0.1:``port`` (no persistence), that tests may kill and
+    start again on the same port to play "Redis died mid-run"."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                pytest.fail(f"redis-server exited with {self.proc.returncode}: {err}")
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"redis-server on port {self.port} did not answer PING")
+                time.sleep(0.02)
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (no shutdown handshake)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def client(self, socket_timeout_s: float = 0.5):
+        """A bridge client (short timeouts) for this server."""
+        from bridge.redis_util import make_client
+
+        return make_client(self.host, self.port, socket_timeout_s=socket_timeout_s)
+
+
+def _redis_binary() -> str:
+    binary = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
+    if binary is None:
+        pytest.fail("redis-server not found: run the project setup, which installs it "
+                    "(Debian: apt-get install redis-server)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real Redis for the session; tests keep apart by key prefix."""
+    server = RedisServer(_redis_binary(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis of the test's own, free to reconfigure, kill and restart."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(_redis_binary(), workdir)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,215 @@
+"""Gradient accumulators against a float64 numpy reference; the Redis ones on a real server."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.accumulator import MemoryGradientAccumulator, apply_key
+from bridge.codec import GradEntry, encode_grad_entry
+from bridge.redis_accumulator import (
+    RedisGradientAccumulator,
+    RedisGradientConsumer,
+    dead_letter_key,
+    stream_key,
+)
+
+DIM = 8
+
+
+class Reference:
+    """The specification in float64: per sample, every m-th gradient closes a window whose mean
+    is emitted with the newest version in it."""
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.window: dict[int, list[tuple[np.ndarray, int]]] = {}
+        self.emitted: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (id, seq) -> mean, v
+        self.seq: dict[int, int] = {}
+
+    def add(self, ids: np.ndarray, grads: np.ndarray, version: int) -> None:
+        # One call folds repeated ids together before the count check, as the accumulators do.
+        for i in np.unique(ids).tolist():
+            window = self.window.setdefault(i, [])
+            window += [(g.astype(np.float64), version) for g in grads[ids == i]]
+            if len(window) >= self.m:
+                mean = np.mean([g for g, _ in window], axis=0)
+                seq = self.seq.get(i, 0)
+                self.emitted[(i, seq)] = (mean, max(v for _, v in window))
+                self.seq[i] = seq + 1
+                self.window[i] = []
+
+
+def drive(acc, ref: Reference, steps: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        ids = rng.integers(0, 12, size=10)
+        grads = rng.standard_normal((10, DIM)).astype(np.float32)
+        acc.add(torch.from_numpy(ids), torch.from_numpy(grads), version=step // 3)
+        ref.add(ids, grads, step // 3)
+
+
+def collect(reader, applied: dict, max_items: int = 7) -> None:
+    """Drain ``reader`` the way a slow gear would: read, apply (record), ack."""
+    while True:
+        batch = reader.read(max_items=max_items)
+        if len(batch) == 0:
+            return
+        assert batch.grads.dtype == torch.float32 and batch.grads.shape == (len(batch), DIM)
+        for i, g, v, h in zip(batch.ids.tolist(), batch.grads, batch.versions.tolist(),
+                              batch.handles, strict=True):
+            assert h.key not in applied, "applied twice"
+            applied[h.key] = (i, g.numpy().copy(), v)
+        reader.ack(batch)
+
+
+def check_against(ref: Reference, applied: dict) -> None:
+    expected = {apply_key(i, v, seq): (i, mean, v) for (i, seq), (mean, v) in ref.emitted.items()}
+    assert applied.keys() == expected.keys()
+    for key, (i, grad, v) in applied.items():
+        ri, mean, rv = expected[key]
+        assert (i, v) == (ri, rv)
+        np.testing.assert_allclose(grad, mean, rtol=1e-5, atol=1e-6)
+
+
+# --- in memory -------------------------------------------------------------------------------
+
+
+def test_memory_means_match_float64_reference():
+    acc, ref, applied = MemoryGradientAccumulator(DIM, m=3), Reference(3), {}
+    drive(acc, ref, steps=40, seed=0)
+    collect(acc, applied)
+    assert len(ref.emitted) > 20
+    check_against(ref, applied)
+    assert acc.metrics.added == 400 and acc.metrics.applied == len(applied)
+
+
+def test_memory_rejects_non_finite_and_bad_shapes():
+    acc = MemoryGradientAccumulator(DIM, m=2)
+    bad = np.zeros((2, DIM), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        acc.add(np.array([1, 2]), bad, 0)
+    with pytest.raises(ValueError, match="grads"):
+        acc.add(np.array([1, 2]), np.zeros((2, DIM + 1)), 0)
+    assert acc.pending() == 0
+
+
+def test_memory_read_blocks_until_ready():
+    acc = MemoryGradientAccumulator(DIM, m=1)
+    assert len(acc.read(block_ms=20)) == 0
+    acc.add(np.array([4]), np.ones((1, DIM)), 2)
+    batch = acc.read(block_ms=1000)
+    assert batch.ids.tolist() == [4] and batch.versions.tolist() == [2]
+
+
+# --- Redis -----------------------------------------------------------------------------------
+
+
+def test_redis_two_fast_workers_match_reference(redis_server):
+    prefix = "acc_ref"
+    workers = [RedisGradientAccumulator(redis_server.client(), DIM, 3, prefix) for _ in range(2)]
+    ref = Reference(3)
+    rng = np.random.default_rng(1)
+    for step in range(40):  # alternate workers: one sample's gradients come from both
+        ids = rng.integers(0, 12, size=10)
+        grads = rng.standard_normal((10, DIM)).astype(np.float32)
+        workers[step % 2].add(ids, grads, version=step // 3)
+        ref.add(ids, grads, step // 3)
+    consumer = RedisGradientConsumer(redis_server.client(), DIM, prefix, consumer="slow0")
+    applied: dict = {}
+    collect(consumer, applied)
+    check_against(ref, applied)
+    client = redis_server.client()
+    assert client.xlen(stream_key(prefix)) == 0  # acked entries are deleted
+    assert client.xpending(stream_key(prefix), "slow_gear")["pending"] == 0
+
+
+def test_redis_dead_consumer_entries_redelivered_and_applied_once(redis_server):
+    prefix = "acc_claim"
+    client = redis_server.client()
+    acc = RedisGradientAccumulator(client, DIM, 2, prefix)
+    ref = Reference(2)
+    ids = np.arange(10)
+    for version in range(2):
+        grads = np.random.default_rng(version).standard_normal((10, DIM))
+        acc.add(ids, grads, version)
+        ref.add(ids, grads, version)
+    dying = RedisGradientConsumer(client, DIM, prefix, consumer="dies", min_idle_ms=500)
+    survivor = RedisGradientConsumer(client, DIM, prefix, consumer="lives", min_idle_ms=500)
+    taken = dying.read(max_items=6)  # ... and the process dies before ack
+    assert len(taken) == 6
+    applied: dict = {}
+    collect(survivor, applied)  # at least the 4 nobody holds (the 6 once idle for 0.5 s)
+    free = {apply_key(i, v, seq) for (i, seq), (_, v) in ref.emitted.items()}
+    assert free - {h.key for h in taken.handles} <= applied.keys()
+    # A mean sent twice (a fast worker's EXEC whose reply was lost, then retried).
+    first = taken.handles[0]
+    i, v, seq = (int(x) for x in first.key.split(b":"))
+    dup = GradEntry(i, v, seq, 2, taken.grads[0].numpy())
+    client.xadd(stream_key(prefix), encode_grad_entry(dup))
+    time.sleep(0.6)
+    collect(survivor, applied)
+    assert survivor.metrics.claimed == 6
+    check_against(ref, applied)  # all 10 means, each once
+    assert survivor.metrics.duplicates == 1
+    assert dying.ack(taken) == 0  # the dead one's late ack changes nothing
+    assert client.xpending(stream_key(prefix), "slow_gear")["pending"] == 0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: {**f, b"grad": f[b"grad"][:-4]}, "payload"),
+    (lambda f: {**f, b"dtype": b"int8"}, "dtype"),
+    (lambda f: {**f, b"dtype": b"float16"}, "payload"),
+    (lambda f: {k: v for k, v in f.items() if k != b"id"}, "field"),
+    (lambda f: {**f, b"dim": b"9"}, "dim"),
+    (lambda f: {**f, b"grad": np.full(DIM, np.inf, np.float32).tobytes()}, "non-finite"),
+], ids=["short", "int8", "float16", "no_id", "dim", "inf"])
+def test_redis_malformed_entry_dead_lettered_never_applied(redis_server, request, mutate,
+                                                           message):
+    prefix = f"acc_bad_{request.node.callspec.id}"
+    client = redis_server.client()
+    consumer = RedisGradientConsumer(client, DIM, prefix, consumer="c")
+    consumer.read()  # creates the group
+    good = encode_grad_entry(GradEntry(5, 1, 0, 2, np.ones(DIM, np.float32)))
+    client.xadd(stream_key(prefix), mutate(good))
+    client.xadd(stream_key(prefix), good)
+    batch = consumer.read(max_items=10)
+    assert batch.ids.tolist() == [5]
+    np.testing.assert_array_equal(batch.grads.numpy(), np.ones((1, DIM), np.float32))
+    consumer.ack(batch)
+    dead = client.xrange(dead_letter_key(prefix))
+    assert len(dead) == 1 and message in dead[0][1][b"error"].decode()
+    assert consumer.metrics.corrupt == 1
+    assert client.xpending(stream_key(prefix), "slow_gear")["pending"] == 0
+
+
+def test_redis_corrupt_record_starts_sample_over(redis_server):
+    client = redis_server.client()
+    acc = RedisGradientAccumulator(client, DIM, 2, "acc_rec")
+    acc.add(np.array([3]), np.full((1, DIM), 100.0), 0)
+    client.set(acc.record_key(3), b"garbage")
+    acc.add(np.array([3, 3]), np.stack([np.full(DIM, 1.0), np.full(DIM, 2.0)]), 1)
+    batch = RedisGradientConsumer(client, DIM, "acc_rec", consumer="c").read()
+    np.testing.assert_allclose(batch.grads.numpy(), np.full((1, DIM), 1.5))  # no 100 in it
+    assert acc.metrics.corrupt == 1
+
+
+def test_redis_down_drops_and_recovers(own_redis):
+    client = own_redis.client(socket_timeout_s=0.3)
+    acc = RedisGradientAccumulator(client, DIM, 1, "acc_down", retry_after_s=0.2)
+    consumer = RedisGradientConsumer(client, DIM, "acc_down", consumer="c", retry_after_s=0.2)
+    assert acc.add(np.array([1]), np.ones((1, DIM)), 0) == 1
+    own_redis.kill()
+    assert acc.add(np.array([2]), np.ones((1, DIM)), 0) == 0
+    assert len(consumer.read(block_ms=50)) == 0
+    assert acc.metrics.dropped == 1
+    own_redis.start()
+    time.sleep(0.25)
+    assert acc.add(np.array([3]), np.ones((1, DIM)), 0) == 1
+    assert consumer.read().ids.tolist() == [3]
+    # Blocking longer than the 0.3 s socket timeout is read in slices, not taken for a failure.
+    assert len(consumer.read(block_ms=700)) == 0 and consumer.guard.usable()

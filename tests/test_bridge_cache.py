@@ -1,0 +1,389 @@
+"""Feature cache backends against references: real Redis (conftest), real LMDB, no mocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from bridge.codec import (
+    FEATURE_HEADER,
+    FEATURE_MAGIC,
+    decode_feature_header,
+    encode_features,
+    entry_nbytes,
+)
+from bridge.errors import CorruptEntryError
+from bridge.lmdb_cache import LmdbFeatureCache, footprint, map_size_for
+from bridge.memory_cache import MemoryFeatureCache
+from bridge.redis_cache import RedisFeatureCache
+
+DIM = 16
+
+
+class FakeClock:
+    """Wall clock a test moves by hand (freshness checks without sleeping)."""
+
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def feats(ids: np.ndarray, version: int, dim: int = DIM) -> np.ndarray:
+    """Deterministic features: any reader can recompute what a writer stored for (id, version)."""
+    base = np.arange(dim, dtype=np.float64)[None, :] / dim
+    return (np.asarray(ids, np.float64)[:, None] % 97) * 0.01 + base + version * 0.5
+
+
+def as_fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def any_cache(request, tmp_path, redis_server):
+    """A factory for each backend with the same freshness settings."""
+    made = []
+
+    def make(clock=time.time, ttl_s=60.0, max_staleness_versions=None, dtype="float16"):
+        kind = request.param
+        if kind == "memory":
+            cache = MemoryFeatureCache(DIM, 1 << 20, dtype, ttl_s, max_staleness_versions, clock)
+        elif kind == "lmdb":
+            cache = LmdbFeatureCache(tmp_path / f"lmdb{len(made)}", DIM, 1 << 20, dtype, ttl_s,
+                                     max_staleness_versions, clock)
+        else:
+            cache = RedisFeatureCache(redis_server.client(), DIM, f"t{os.getpid()}x{len(made)}"
+                                      f"x{request.node.name.replace(':', '_')}", ttl_s, dtype,
+                                      max_staleness_versions, clock=clock)
+        made.append(cache)
+        return cache
+
+    yield make
+    for cache in made:
+        if isinstance(cache, LmdbFeatureCache):
+            cache.close()
+
+
+# --- codec -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_codec_round_trip_and_header(dtype):
+    rows = np.random.default_rng(0).standard_normal((5, DIM))
+    blobs = encode_features(rows, version=7, timestamp=123.5, dtype=dtype)
+    assert all(len(b) == entry_nbytes(DIM, dtype) for b in blobs)
+    assert decode_feature_header(blobs[2], DIM, dtype) == (7, 123.5)
+    payload = np.frombuffer(blobs[2][FEATURE_HEADER.size:], dtype=dtype)
+    np.testing.assert_array_equal(payload, rows[2].astype(dtype))
+
+
+def test_codec_rejects_garbage():
+    good = encode_features(np.ones((1, DIM)), 1, 1.0, "float16")[0]
+    bad_magic = b"NOPE" + good[4:]
+    with pytest.raises(CorruptEntryError, match="magic"):
+        decode_feature_header(bad_magic, DIM, "float16")
+    with pytest.raises(CorruptEntryError, match="bytes"):
+        decode_feature_header(good[:-1], DIM, "float16")
+    f32 = encode_features(np.ones((1, DIM // 2)), 1, 1.0, "float32")[0]  # same length as good
+    assert len(f32) == len(good)
+    with pytest.raises(CorruptEntryError, match="dtype"):
+        decode_feature_header(f32, DIM, "float16")
+    wrong_dim = FEATURE_HEADER.pack(FEATURE_MAGIC, 1, DIM + 1, 1, 1.0) + good[FEATURE_HEADER.size:]
+    with pytest.raises(CorruptEntryError, match="dim"):
+        decode_feature_header(wrong_dim, DIM, "float16")
+
+
+# --- every backend ---------------------------------------------------------------------------
+
+
+def test_round_trip_hits_and_misses(any_cache):
+    cache = any_cache()
+    ids = np.array([5, 9, 1_000_000_007, 42], dtype=np.int64)
+    cache.put(torch.from_numpy(ids[:3]), torch.from_numpy(feats(ids[:3], 3)).float(), version=3)
+    out, hit = cache.get(ids)
+    assert out.dtype == torch.float32 and out.shape == (4, DIM) and hit.dtype == torch.bool
+    assert hit.tolist() == [True, True, True, False]
+    np.testing.assert_array_equal(out[:3].numpy(), as_fp16(feats(ids[:3], 3)))
+    assert not out[3].any()
+    m = cache.metrics
+    assert (m.hits, m.misses, m.puts, m.corrupt) == (3, 1, 3, 0)
+    assert m.bytes_read == 3 * entry_nbytes(DIM, "float16") == m.bytes_written
+
+
+def test_float32_storage_is_exact(any_cache):
+    cache = any_cache(dtype="float32")
+    ids = np.arange(4)
+    ref = feats(ids, 0).astype(np.float32)
+    cache.put(ids, ref, 0)
+    out, hit = cache.get(ids)
+    assert hit.all()
+    np.testing.assert_array_equal(out.numpy(), ref)
+
+
+def test_ttl_checked_on_read(any_cache):
+    clock = FakeClock()
+    cache = any_cache(clock=clock, ttl_s=10.0)
+    cache.put(np.arange(4), feats(np.arange(4), 0), 0)
+    clock.t += 5
+    cache.put(np.array([2]), feats(np.array([2]), 1), 1)  # overwrite: fresh timestamp
+    clock.t += 6  # ids 0,1,3 are 11 s old (backend may still hold them), id 2 is 6 s old
+    out, hit = cache.get(np.arange(4))
+    assert hit.tolist() == [False, False, True, False]
+    np.testing.assert_array_equal(out[2].numpy(), as_fp16(feats(np.array([2]), 1))[0])
+    assert not out[[0, 1, 3]].any()
+    assert cache.metrics.expired == 3
+
+
+def test_version_staleness(any_cache):
+    cache = any_cache(max_staleness_versions=2)
+    cache.put(np.array([1]), feats(np.array([1]), 1), version=1)
+    cache.put(np.array([2]), feats(np.array([2]), 3), version=3)
+    _, hit = cache.get(np.array([1, 2]))  # current = newest seen = 3: 1 is 2 behind, allowed
+    assert hit.tolist() == [True, True]
+    _, hit = cache.get(np.array([1, 2]), current_version=4)
+    assert hit.tolist() == [False, True]
+    _, hit = cache.get(np.array([1, 2]))  # the cache remembers version 4
+    assert hit.tolist() == [False, True]
+    assert cache.metrics.stale == 2
+
+
+def test_bad_input_is_refused(any_cache):
+    cache = any_cache()
+    with pytest.raises(ValueError, match="features"):
+        cache.put(np.arange(3), np.zeros((3, DIM + 1)), 0)
+    with pytest.raises(ValueError, match="ids"):
+        cache.get(np.zeros((2, 2), dtype=np.int64))
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def test_memory_lru_bound():
+    size = entry_nbytes(DIM, "float16")
+    cache = MemoryFeatureCache(DIM, max_bytes=10 * size)
+    cache.put(np.arange(10), feats(np.arange(10), 0), 0)
+    cache.get(np.array([0]))  # touch 0: 1 becomes the least recently used
+    cache.put(np.arange(10, 13), feats(np.arange(10, 13), 0), 0)
+    assert cache.nbytes <= 10 * size and len(cache) == 10
+    _, hit = cache.get(np.arange(13))
+    assert hit.tolist() == [True, False, False, False] + [True] * 9
+    assert cache.metrics.evictions == 3
+
+
+# --- Redis -----------------------------------------------------------------------------------
+
+
+def test_redis_every_put_sets_a_fresh_ex(redis_server):
+    client = redis_server.client()
+    cache = RedisFeatureCache(client, DIM, "ttlfresh", ttl_s=2.0)
+    key = cache.key(7)
+    cache.put(np.array([7]), feats(np.array([7]), 0), 0)
+    assert 1500 < client.pttl(key) <= 2000
+    time.sleep(1.1)
+    assert client.pttl(key) <= 900
+    cache.put(np.array([7]), feats(np.array([7]), 1), 1)
+    assert 1500 < client.pttl(key) <= 2000  # the overwrite restarted the expiry
+    time.sleep(1.0)
+    out, hit = cache.get(np.array([7]))  # 1 s after the overwrite: still there
+    assert hit.all()
+    np.testing.assert_array_equal(out[0].numpy(), as_fp16(feats(np.array([7]), 1))[0])
+    time.sleep(1.2)
+    assert client.exists(key) == 0  # Redis expired it by itself
+    assert not cache.get(np.array([7]))[1].any()
+
+
+def test_redis_prefix_isolates_jobs(redis_server):
+    a = RedisFeatureCache(redis_server.client(), DIM, "jobA", ttl_s=60)
+    b = RedisFeatureCache(redis_server.client(), DIM, "jobB", ttl_s=60)
+    a.put(np.array([1]), feats(np.array([1]), 0), 0)
+    assert a.get(np.array([1]))[1].all() and not b.get(np.array([1]))[1].any()
+
+
+def test_redis_garbage_is_rejected_not_returned(redis_server):
+    client = redis_server.client()
+    cache = RedisFeatureCache(client, DIM, "garbage", ttl_s=60)
+    ids = np.arange(6)
+    cache.put(ids, feats(ids, 0), 0)
+    good = client.get(cache.key(0))
+    nan = encode_features(np.full((1, DIM), np.nan), 0, time.time(), "float16")[0]
+    client.set(cache.key(1), b"not a feature")
+    client.set(cache.key(2), good[:-2])
+    client.set(cache.key(3), b"NOPE" + good[4:])
+    client.set(cache.key(4), encode_features(np.ones((1, DIM)), 0, time.time(), "float32")[0])
+    client.set(cache.key(5), nan)
+    out, hit = cache.get(ids)
+    assert hit.tolist() == [True] + [False] * 5
+    assert not out[1:].any() and torch.isfinite(out).all()
+    assert cache.metrics.corrupt == 5
+
+
+def test_redis_maxmemory_allkeys_lru_evicts_quietly(own_redis):
+    client = own_redis.client()
+    client.config_set("maxmemory", str(2 << 20))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    dim = 512
+    cache = RedisFeatureCache(client, dim, "lru", ttl_s=600)
+    batch = 512  # ~0.5 MiB per put; 40 puts write ~10x maxmemory
+    for step in range(40):
+        ids = np.arange(step * batch, (step + 1) * batch)
+        cache.put(ids, feats(ids, step, dim), step)
+    assert cache.metrics.dropped_puts == 0
+    assert client.info("stats")["evicted_keys"] > 0
+    assert client.info("memory")["used_memory"] <= (2 << 20) * 1.2
+    out, hit = cache.get(np.arange(40 * batch))
+    assert 0 < hit.sum() < 40 * batch
+    assert not hit[:batch].any()  # the first writes are long gone
+    newest = np.arange(39 * batch, 40 * batch)
+    hits = hit[39 * batch:].numpy()
+    assert hits.any()
+    np.testing.assert_array_equal(out[39 * batch:][hits].numpy(),
+                                  as_fp16(feats(newest, 39, dim))[hits])
+
+
+def test_redis_killed_mid_run_misses_then_recovers(own_redis, caplog):
+    cache = RedisFeatureCache(own_redis.client(socket_timeout_s=0.3), DIM, "crash", ttl_s=60,
+                              retry_after_s=0.2)
+    ids = np.arange(32)
+    cache.put(ids, feats(ids, 0), 0)
+    assert cache.get(ids)[1].all()
+    own_redis.kill()
+    for _ in range(3):  # the first call fails over, later ones short-circuit
+        out, hit = cache.get(ids)
+        assert not hit.any() and not out.any()
+        cache.put(ids, feats(ids, 1), 1)  # dropped, no exception
+    assert cache.metrics.unavailable == 3 * 32 and cache.metrics.dropped_puts == 3 * 32
+    assert sum("redis_unavailable" in r.getMessage() for r in caplog.records) == 1
+    own_redis.start()  # same port, empty (no persistence)
+    time.sleep(0.25)
+    assert not cache.get(ids)[1].any()  # reachable again, the data died with the server
+    cache.put(ids, feats(ids, 2), 2)
+    out, hit = cache.get(ids)
+    assert hit.all()
+    np.testing.assert_array_equal(out.numpy(), as_fp16(feats(ids, 2)))
+
+
+# --- LMDB ------------------------------------------------------------------------------------
+
+
+def test_lmdb_map_size_follows_the_bound(tmp_path):
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=64 << 20)
+    cache.put(np.arange(3), feats(np.arange(3), 0), 0)
+    assert cache.map_size == map_size_for(64 << 20) >= 64 << 20
+    assert cache._open().info()["map_size"] == cache.map_size != 10 << 20
+    cache.close()
+
+
+def test_lmdb_persists_across_reopen(tmp_path):
+    ids = np.arange(100)
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
+    cache.put(ids, feats(ids, 4), 4)
+    cache.close()
+    again = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
+    out, hit = again.get(ids)
+    assert hit.all()
+    np.testing.assert_array_equal(out.numpy(), as_fp16(feats(ids, 4)))
+    again.close()
+
+
+def test_lmdb_garbage_is_rejected_not_returned(tmp_path):
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
+    cache.put(np.arange(3), feats(np.arange(3), 0), 0)
+    cache.close()
+    env = lmdb.open(str(tmp_path / "c"), max_dbs=3)
+    db = env.open_db(b"feat")
+    with env.begin(write=True, db=db) as txn:
+        txn.put(struct.pack(">q", 1), b"\x00" * 7)
+        txn.put(struct.pack(">q", 2), b"XCF1" + b"\xff" * (entry_nbytes(DIM, "float16") - 4))
+    env.close()
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
+    out, hit = cache.get(np.arange(3))
+    assert hit.tolist() == [True, False, False] and not out[1:].any()
+    assert cache.metrics.corrupt == 2
+    cache.put(np.array([1, 2]), feats(np.array([1, 2]), 1), 1)  # the recompute overwrites it
+    assert cache.get(np.arange(3))[1].all()
+    cache.close()
+
+
+def test_lmdb_bounded_under_churn_and_swept(tmp_path):
+    clock = FakeClock()
+    dim = 128
+    bound = 256 << 10
+    cache = LmdbFeatureCache(tmp_path / "c", dim, max_bytes=bound, ttl_s=100.0, clock=clock)
+    per_entry = footprint(entry_nbytes(dim, "float16"))
+    written = 0
+    for step in range(200):  # 200 x 256 entries x 284 B = ~55x the bound
+        ids = np.arange(step * 256, (step + 1) * 256)
+        cache.put(ids, feats(ids, step, dim), step)
+        written += 256 * entry_nbytes(dim, "float16")
+        clock.t += 0.01
+        assert cache.nbytes <= bound
+    assert written > 50 * bound
+    assert len(cache) * per_entry == cache.nbytes
+    file_size = os.path.getsize(tmp_path / "c" / "data.mdb")
+    assert file_size <= cache.map_size <= 3 * bound + (9 << 20)
+    out, hit = cache.get(np.arange(200 * 256))
+    assert not hit[:256].any() and hit[-256:].all()  # oldest evicted, newest kept
+    np.testing.assert_array_equal(out[-256:].numpy(),
+                                  as_fp16(feats(np.arange(199 * 256, 200 * 256), 199, dim)))
+    # Expired entries are deleted by the next write, not just hidden.
+    clock.t += 101
+    cache.put(np.array([10**9]), feats(np.array([10**9]), 500, dim), 500)
+    assert len(cache) == 1 and cache.nbytes == per_entry
+    cache.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from bridge.lmdb_cache import LmdbFeatureCache
+    from tests.test_bridge_cache import feats
+    cache = LmdbFeatureCache(sys.argv[1], 64, max_bytes=512 << 10)
+    step = 0
+    while True:
+        ids = np.arange(step * 128, (step + 1) * 128) % 5000
+        cache.put(ids, feats(ids, step, 64), step)
+        if step == 20:
+            print("ready", flush=True)
+        step += 1
+""")
+
+
+def test_lmdb_survives_writer_sigkill(tmp_path):
+    path = tmp_path / "c"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for round_ in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), repo],
+                                stdout=subprocess.PIPE, cwd=repo)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.05 * round_)  # kill at different points of a transaction
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    cache = LmdbFeatureCache(path, 64, max_bytes=512 << 10)
+    ids = np.arange(5000)
+    out, hit = cache.get(ids)
+    assert hit.sum() > 0 and cache.metrics.corrupt == 0
+    assert cache.nbytes <= 512 << 10
+    # Every hit is exactly what some committed put wrote: (id, version) for its stored version.
+    env_versions = _stored_versions(cache, ids[hit.numpy()])
+    ref = as_fp16(np.stack([feats(np.array([i]), v, 64)[0]
+                            for i, v in zip(ids[hit.numpy()], env_versions, strict=True)]))
+    np.testing.assert_array_equal(out[hit].numpy(), ref)
+    cache.put(ids[:10], feats(ids[:10], 999, 64), 999)  # and it takes writes again
+    assert cache.get(ids[:10])[1].all()
+    cache.close()
+
+
+def _stored_versions(cache: LmdbFeatureCache, ids: np.ndarray) -> list[int]:
+    return [decode_feature_header(b, cache.dim, cache.dtype)[0] for b in cache._fetch(ids)]
