@@ -1,0 +1,96 @@
+"""Glyph dataset builder on a small set of the installed Debian fonts (skipped without them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workers.data.errors import DatasetError
+from workers.data.fonts import DESIGNS, find_fonts, script_of
+from workers.data.glyphs import build_glyph_dataset
+from workers.data.lmdb_dataset import LmdbImageDataset
+
+# Small fonts (fast coverage scan) that still give >= 4 families for the common hanja, plus a
+# two-design family (NanumGothic regular + bold) to check that families are held out whole.
+SMALL_FONTS = ["ipag.ttf", "ipam.ttf", "VL-Gothic-Regular.ttf", "UnBatang.ttf", "UnDotum.ttf",
+               "NanumGothic.ttf", "NanumGothicBold.ttf"]
+
+
+@pytest.fixture(scope="module")
+def small_font_dir(tmp_path_factory):
+    try:
+        fonts = {f.path.name: f.path for f in find_fonts()}
+    except DatasetError:
+        pytest.skip("Debian CJK fonts not installed (scripts/debian-fonts.txt)")
+    if not all(name in fonts for name in SMALL_FONTS):
+        pytest.skip("some of the test fonts are not installed")
+    d = tmp_path_factory.mktemp("fonts")
+    for name in SMALL_FONTS:
+        (d / name).symlink_to(fonts[name])
+    return d
+
+
+@pytest.fixture(scope="module")
+def built(small_font_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("glyphs")
+    summary = build_glyph_dataset(out, num_classes=50, size=24, min_designs=4, test_designs=1,
+                                  variants=2, seed=3, workers=2, font_dirs=(small_font_dir,),
+                                  cache_dir=out / "cache")
+    return out, summary
+
+
+def test_splits_written_with_labels_in_range(built):
+    out, summary = built
+    assert json.loads((out / "summary.json").read_text())["classes"] == 50
+    for split in ("train", "test"):
+        ds = LmdbImageDataset(out / split)
+        assert ds.metadata.num_classes == 50 and ds.metadata.height == 24
+        labels = ds.labels()
+        assert labels.min() >= 0 and labels.max() < 50
+        assert len(np.unique(labels)) == 50  # every class has train and test images
+        for i in range(0, len(ds), max(1, len(ds) // 200)):
+            _, image, _ = ds[i]
+            assert image.shape == (1, 24, 24) and int(image.max()) > 0  # no blank images
+    assert all(name.startswith("U+") for name in ds.metadata.class_names)
+
+
+def test_test_families_never_in_train(built):
+    _, summary = built
+    family = {d.name: d for d in DESIGNS}
+    for name, split in summary["class_designs"].items():
+        script = script_of(int(name[2:], 16))
+        fam = {n: summary["families"][n][script] for n in split["train"] + split["test"]}
+        train_fams = {fam[n] for n in split["train"]}
+        test_fams = {fam[n] for n in split["test"]}
+        assert test_fams and train_fams and not (test_fams & train_fams)
+        assert len(train_fams | test_fams) >= 4
+        # NanumGothic and its bold share a family: both land on the same side.
+        both = {"nanum-gothic", "nanum-gothic-bold"}
+        sides = {("train" if n in split["train"] else "test") for n in both
+                 if n in split["train"] + split["test"]}
+        assert len(sides) <= 1
+        assert all(n in family for n in fam)
+
+
+def test_deterministic_class_choice(built, small_font_dir, tmp_path):
+    _, summary = built
+    again = build_glyph_dataset(tmp_path / "again", num_classes=50, size=24, seed=3, workers=1,
+                                variants=1, font_dirs=(small_font_dir,),
+                                cache_dir=Path(built[0]) / "cache")
+    assert list(again["class_designs"]) == list(summary["class_designs"])
+
+
+def test_missing_fonts_clear_error(tmp_path):
+    empty = tmp_path / "no-fonts"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match="debian-fonts.txt.*apt-get install"):
+        build_glyph_dataset(tmp_path / "out", num_classes=10, font_dirs=(empty,))
+
+
+def test_too_many_classes_clear_error(small_font_dir, built, tmp_path):
+    with pytest.raises(DatasetError, match="independent designs"):
+        build_glyph_dataset(tmp_path / "o", num_classes=10**6, font_dirs=(small_font_dir,),
+                            cache_dir=Path(built[0]) / "cache")

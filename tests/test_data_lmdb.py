@@ -1,0 +1,190 @@
+"""LMDB image dataset: round trip, lazy open in DataLoader workers, clear errors on bad data."""
+
+from __future__ import annotations
+
+import json
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from workers.data.errors import DatasetError
+from workers.data.lmdb_dataset import (
+    META_DB,
+    META_KEY,
+    SAMPLES_DB,
+    LmdbImageDataset,
+    LmdbImageWriter,
+    close_dataset,
+    encode_png,
+    read_metadata,
+    verify_dataset,
+)
+
+
+def _write(path, images, labels, channels=1, num_classes=5, **kw):
+    h, w = images.shape[1:3]
+    with LmdbImageWriter(path, height=h, width=w, channels=channels,
+                         class_names=[f"c{i}" for i in range(num_classes)], split="train",
+                         batch_size=7, **kw) as writer:
+        for image, label in zip(images, labels, strict=True):
+            writer.add(image, int(label))
+    return writer.close_metadata
+
+
+@pytest.fixture
+def gray(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(40, 12, 10), dtype=np.uint8)
+    labels = rng.integers(0, 5, size=40)
+    path = tmp_path / "ds"
+    _write(path, images, labels)
+    return path, images, labels
+
+
+def _poke(path, sample_id, fn):
+    close_dataset(path)
+    env = lmdb.open(str(path), max_dbs=2)
+    db = env.open_db(SAMPLES_DB)
+    with env.begin(write=True, db=db) as txn:
+        key = sample_id.to_bytes(8, "big")
+        txn.put(key, fn(txn.get(key)))
+    env.close()
+
+
+def test_round_trip_gray(gray):
+    path, images, labels = gray
+    ds = LmdbImageDataset(path)
+    assert len(ds) == 40 and ds.metadata.height == 12 and ds.metadata.width == 10
+    for i in range(40):
+        sid, image, label = ds[i]
+        assert sid.dtype == torch.int64 and int(sid) == i
+        assert image.dtype == torch.uint8 and image.shape == (1, 12, 10)
+        assert np.array_equal(image[0].numpy(), images[i])
+        assert label.dtype == torch.int64 and int(label) == labels[i]
+    assert np.array_equal(ds.labels(), labels)
+    assert verify_dataset(path)["samples"] == 40
+
+
+def test_round_trip_rgb(tmp_path):
+    images = np.random.default_rng(1).integers(0, 256, size=(6, 8, 9, 3), dtype=np.uint8)
+    _write(tmp_path / "rgb", images, [0, 1, 2, 0, 1, 2], channels=3, num_classes=3)
+    ds = LmdbImageDataset(tmp_path / "rgb")
+    _, image, _ = ds[4]
+    assert image.shape == (3, 8, 9)
+    assert np.array_equal(image.permute(1, 2, 0).numpy(), images[4])
+
+
+def test_dataloader_two_workers(gray):
+    path, images, labels = gray
+    ds = LmdbImageDataset(path)
+    ds[0]  # open the env in the parent: workers must reopen their own after fork
+    loader = DataLoader(ds, batch_size=8, num_workers=2, shuffle=True)
+    seen = {}
+    for sids, batch, labs in loader:
+        assert batch.shape[1:] == (1, 12, 10)
+        for sid, img, lab in zip(sids.tolist(), batch, labs.tolist(), strict=True):
+            seen[sid] = lab
+            assert np.array_equal(img[0].numpy(), images[sid])
+    assert seen == {i: int(labels[i]) for i in range(40)}
+
+
+def test_flipped_byte_names_sample(gray):
+    path, _, _ = gray
+    _poke(path, 3, lambda v: v[:-5] + bytes([v[-5] ^ 0xFF]) + v[-4:])
+    with pytest.raises(DatasetError, match="sample 3.*CRC32"):
+        LmdbImageDataset(path)[3]
+
+
+def test_truncated_record(gray):
+    path, _, _ = gray
+    _poke(path, 5, lambda v: v[:-10])
+    with pytest.raises(DatasetError, match="sample 5: record truncated"):
+        LmdbImageDataset(path)[5]
+    _poke(path, 6, lambda v: v[:4])
+    with pytest.raises(DatasetError, match="sample 6: record truncated"):
+        LmdbImageDataset(path)[6]
+    with pytest.raises(DatasetError, match="sample 5"):
+        verify_dataset(path)
+
+
+def test_wrong_image_size_rejected_by_writer_and_reader(tmp_path, gray):
+    path, _, _ = gray
+    writer = LmdbImageWriter(tmp_path / "w", height=12, width=10, channels=1,
+                             class_names=["a"], split="train")
+    with pytest.raises(DatasetError, match="sample 0: image is"):
+        writer.add(np.zeros((11, 10), np.uint8), 0)
+    writer.abort()
+    assert not (tmp_path / "w").exists()
+    # A record whose PNG is the wrong size, with a valid header and CRC.
+    import struct
+    import zlib
+
+    from workers.data.lmdb_dataset import FORMAT_VERSION, RECORD_HEADER, RECORD_MAGIC
+    png = encode_png(np.zeros((5, 5), np.uint8))
+    _poke(path, 2, lambda v: RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, 0, len(png),
+                                                zlib.crc32(png)) + png)
+    assert struct.calcsize("<4sHqII") == RECORD_HEADER.size
+    with pytest.raises(DatasetError, match=r"sample 2: image is \(5, 5\)"):
+        LmdbImageDataset(path)[2]
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"\xff\xfe garbage", "not valid JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (json.dumps({"format": "other"}).encode(), "'format'"),
+])
+def test_garbage_metadata(gray, raw, match):
+    path, _, _ = gray
+    close_dataset(path)
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(META_DB)) as txn:
+        txn.put(META_KEY, raw)
+    env.close()
+    with pytest.raises(DatasetError, match=match):
+        read_metadata(path)
+
+
+def test_bad_metadata_field(gray):
+    path, _, _ = gray
+    close_dataset(path)
+    env = lmdb.open(str(path), max_dbs=2)
+    db = env.open_db(META_DB)
+    with env.begin(write=True, db=db) as txn:
+        meta = json.loads(txn.get(META_KEY))
+        meta["height"] = "tall"
+        txn.put(META_KEY, json.dumps(meta).encode())
+    env.close()
+    with pytest.raises(DatasetError, match="'height'"):
+        LmdbImageDataset(path)
+
+
+def test_missing_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="no dataset here"):
+        LmdbImageDataset(tmp_path / "nope")
+
+
+def test_atomic_write_leaves_nothing_on_error(tmp_path):
+    with pytest.raises(RuntimeError):
+        with LmdbImageWriter(tmp_path / "x", height=4, width=4, channels=1,
+                             class_names=["a"], split="train") as writer:
+            writer.add(np.zeros((4, 4), np.uint8), 0)
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_map_grows_past_initial_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(LmdbImageWriter, "INITIAL_MAP_SIZE", 64 << 10)
+    images = np.random.default_rng(2).integers(0, 256, size=(30, 64, 64), dtype=np.uint8)
+    _write(tmp_path / "big", images, [0] * 30, num_classes=1)
+    assert verify_dataset(tmp_path / "big")["samples"] == 30
+
+
+def test_existing_path_refused_then_overwritten(gray):
+    path, images, _ = gray
+    with pytest.raises(DatasetError, match="already exists"):
+        _write(path, images[:2], [0, 1])
+    _write(path, images[:2], [0, 1], overwrite=True)
+    assert len(LmdbImageDataset(path)) == 2

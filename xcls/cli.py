@@ -1,0 +1,45 @@
+"""The ``xcls`` command. Each subcommand lives in its own module exposing ``add_parser``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from xcls.logs import setup_logging
+
+# Module paths of subcommand groups; each defines add_parser(subparsers) and sets
+# ``func`` (taking the parsed args, returning an exit code) on the parsers it adds.
+COMMAND_MODULES = [
+    "xcls.serve_cmd",
+    "xcls.data_cmd",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xcls",
+        description="Train classifiers with millions of classes: model server (AMS), KNN "
+        "softmax, gear bridge. Run 'xcls COMMAND --help' for each command.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    setup_logging(-1 if args.quiet else args.verbose)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
