@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
-from ams import codec, sharding
+from ams import codec, rowcopy, sharding
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
@@ -284,10 +284,11 @@ class ShardedClient:
             positions = parts[s]
             for start in range(0, positions.numel(), step):
                 chunk = positions[start:start + step]
-                out[chunk] = self.shards[s].pull(name, unique[chunk])
+                rowcopy.scatter(out, chunk,
+                                self.shards[s].pull(name, unique.index_select(0, chunk)))
 
         self._fan_out(work)
-        return out[inverse]
+        return rowcopy.gather(out, inverse)
 
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """Apply ``grads`` to the rows of ``ids`` with sparse momentum SGD on the shards.
@@ -302,8 +303,8 @@ class ShardedClient:
         grads = grads.detach().to(device="cpu", dtype=torch.float32)
         unique, inverse = torch.unique(ids, return_inverse=True)
         if unique.numel() == ids.numel():
-            summed = torch.empty_like(grads)
-            summed[inverse] = grads
+            summed = torch.empty((unique.numel(), spec.dim), dtype=torch.float32)
+            rowcopy.scatter(summed, inverse, grads)
         else:
             summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32)
             summed.index_add_(0, inverse, grads)
@@ -314,7 +315,8 @@ class ShardedClient:
             positions = parts[s]
             for start in range(0, positions.numel(), step):
                 chunk = positions[start:start + step]
-                self.shards[s].push(name, unique[chunk], summed[chunk], float(lr),
+                self.shards[s].push(name, unique.index_select(0, chunk),
+                                    rowcopy.gather(summed, chunk), float(lr),
                                     self.client_id, self._next_sequence())
 
         self._fan_out(work)
@@ -367,6 +369,8 @@ class ShardedClient:
         parts = sharding.split_by_shard(ids, self.num_shards)
 
         def work(s: int) -> None:
+            if parts[s].numel() == 0:
+                return
             sub = neighbors[parts[s]]
             valid = sub >= 0
             offsets = torch.zeros(sub.shape[0] + 1, dtype=torch.int64)
@@ -375,6 +379,20 @@ class ShardedClient:
                                          step, replace_all)
 
         self._fan_out(work)
+
+    def build_graph(self, name: str, k: int, **options: object) -> int:
+        """Build the exact k-NN graph of table ``name`` and store it with the shards; returns
+        the graph version. Options: see ``ams.graph_build.build_graph``."""
+        from ams.graph_build import build_graph
+
+        return build_graph(self, name, k, **options)
+
+    def refresh_graph(self, name: str, class_ids: torch.Tensor, **options: object) -> int:
+        """Recompute the neighbour lists of just ``class_ids``; see
+        ``ams.graph_build.refresh_graph``."""
+        from ams.graph_build import refresh_graph
+
+        return refresh_graph(self, name, class_ids, **options)
 
     # ---- snapshots and stats ------------------------------------------------------------
 

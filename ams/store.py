@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ams import sharding
+from ams import rowcopy, sharding
 from ams.dtypes import DTYPE_NAMES, parse_row_dtype
 from ams.errors import (
     FailedPrecondition,
@@ -216,7 +216,7 @@ class ShardStore:
         table = self.table(name)
         positions = self._positions(table, ids)
         with table.lock:
-            out = table.rows.index_select(0, positions)
+            out = rowcopy.gather(table.rows, positions)
             table.counters.pulls += 1
             table.counters.rows_pulled += positions.numel()
         return out

@@ -6,6 +6,11 @@ import socket
 
 import pytest
 
+# Small fonts (fast coverage scan) that still give >= 4 families for the common hanja, plus a
+# two-design family (NanumGothic regular + bold) to check that families are held out whole.
+SMALL_FONTS = ["ipag.ttf", "ipam.ttf", "VL-Gothic-Regular.ttf", "UnBatang.ttf", "UnDotum.ttf",
+               "NanumGothic.ttf", "NanumGothicBold.ttf"]
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -114,3 +119,31 @@ def own_redis(tmp_path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def small_font_dir(tmp_path_factory):
+    """A folder linking a few of the Debian CJK fonts the setup installs (fails without them:
+    run scripts/setup.sh)."""
+    from workers.data.fonts import find_fonts
+
+    fonts = {f.path.name: f.path for f in find_fonts()}
+    missing = [name for name in SMALL_FONTS if name not in fonts]
+    if missing:
+        pytest.fail(f"fonts {missing} are not installed: run bash scripts/setup.sh")
+    d = tmp_path_factory.mktemp("fonts")
+    for name in SMALL_FONTS:
+        (d / name).symlink_to(fonts[name])
+    return d
+
+
+@pytest.fixture(scope="session")
+def glyphs_small(small_font_dir, tmp_path_factory):
+    """A real glyph dataset: 120 classes at 24x24, test designs unseen in training."""
+    from workers.data.glyphs import build_glyph_dataset
+
+    out = tmp_path_factory.mktemp("glyphs120")
+    build_glyph_dataset(out, num_classes=120, size=24, min_designs=4, test_designs=1,
+                        variants=3, seed=1, workers=2, font_dirs=(small_font_dir,),
+                        cache_dir=out / "cache")
+    return out

@@ -1,4 +1,4 @@
-"""Glyph dataset builder on a small set of the installed Debian fonts (skipped without them)."""
+"""Glyph dataset builder on a small set of the installed Debian fonts (the setup installs them)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,9 @@ import numpy as np
 import pytest
 
 from workers.data.errors import DatasetError
-from workers.data.fonts import DESIGNS, find_fonts, script_of
+from workers.data.fonts import DESIGNS, script_of
 from workers.data.glyphs import build_glyph_dataset
 from workers.data.lmdb_dataset import LmdbImageDataset
-
-# Small fonts (fast coverage scan) that still give >= 4 families for the common hanja, plus a
-# two-design family (NanumGothic regular + bold) to check that families are held out whole.
-SMALL_FONTS = ["ipag.ttf", "ipam.ttf", "VL-Gothic-Regular.ttf", "UnBatang.ttf", "UnDotum.ttf",
-               "NanumGothic.ttf", "NanumGothicBold.ttf"]
-
-
-@pytest.fixture(scope="module")
-def small_font_dir(tmp_path_factory):
-    try:
-        fonts = {f.path.name: f.path for f in find_fonts()}
-    except DatasetError:
-        pytest.skip("Debian CJK fonts not installed (scripts/debian-fonts.txt)")
-    if not all(name in fonts for name in SMALL_FONTS):
-        pytest.skip("some of the test fonts are not installed")
-    d = tmp_path_factory.mktemp("fonts")
-    for name in SMALL_FONTS:
-        (d / name).symlink_to(fonts[name])
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from xcls.logs import setup_logging
 COMMAND_MODULES = [
     "xcls.serve_cmd",
     "xcls.data_cmd",
+    "xcls.graph_cmd",
+    "xcls.train_cmd",
 ]
 
 

@@ -1,0 +1,35 @@
+"""KNN graph over class-weight rows: exact blocked build, ring schedule over shards, CSR
+neighbour table, active-class selection. Pure torch: no gRPC, no ``ams.api``."""
+
+from ams.graph.csr import NeighborTable, csr_to_dense, gather_segments
+from ams.graph.knn import (
+    LOW_PRECISION_DTYPE,
+    LOW_PRECISION_MARGIN,
+    KeyBlock,
+    ScoreBuffer,
+    TopKAccumulator,
+    knn,
+    search_pass,
+)
+from ams.graph.ring import assign_shards, build_shard_neighbors, refresh_neighbors, ring_order
+from ams.graph.select import budget_for_sample_rate, select_active, select_partial
+
+__all__ = [
+    "LOW_PRECISION_DTYPE",
+    "LOW_PRECISION_MARGIN",
+    "KeyBlock",
+    "NeighborTable",
+    "ScoreBuffer",
+    "TopKAccumulator",
+    "assign_shards",
+    "budget_for_sample_rate",
+    "build_shard_neighbors",
+    "csr_to_dense",
+    "gather_segments",
+    "knn",
+    "refresh_neighbors",
+    "ring_order",
+    "search_pass",
+    "select_active",
+    "select_partial",
+]

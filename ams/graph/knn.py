@@ -1,0 +1,408 @@
+"""Exact k-nearest-neighbour search over L2-normalized class-weight rows, blocked and streamed.
+
+Everything here is built on one streaming core, :class:`TopKAccumulator`: a block of query rows
+with a running top-k that consumes key blocks from any source (local memory, a shard Scan
+stream, the ring over all shards). Scores are inner products of L2-normalized rows (cosine
+similarity), so "nearest" means "largest score".
+
+How a key block is consumed (see ``TopKAccumulator.update``):
+
+* The query x key score block is one matmul into a reused buffer (memory ``q * b``, never N).
+* Until a query's running list is full, the block's top candidates are taken densely (topk).
+* Once it is full, only keys scoring at least ``threshold - margin`` can still enter, where
+  ``threshold`` is the query's current k-th best exact score. After the first few blocks this is
+  a handful of keys per row, so a compare + nonzero pass replaces a full-width topk per block,
+  which on CPU costs more than the matmul itself.
+* Low precision (fp16, TensorCore on CUDA): the score block is computed in fp16, candidates are
+  re-scored exactly in fp32 before they enter the running list. The margin ``2**-8`` bounds the
+  fp16 score error of unit rows (inputs rounded to 11-bit mantissa: |err| <= 2 * 2**-11 * sum|q_j
+  k_j| <= 2**-10, output rounding <= 2**-11), so every key whose fp32 score reaches the
+  threshold passes the filter: the low-precision pass loses no neighbour and the result equals
+  the fp32 search. This replaces the paper's heuristic "recall k' > k then re-rank" with a bound.
+
+Each query's own row is forced first in its list (even against exact duplicates) with its true
+score; keys with the query's id are skipped in the stream. Lists shorter than k (fewer than k
+distinct rows streamed) are padded with id -1 and score -inf. Ids are int64 end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LOW_PRECISION_DTYPE = torch.float16
+# Bound on |fp16 score - fp32 score| for unit-norm rows, with room to spare; see module docstring.
+LOW_PRECISION_MARGIN = 2.0**-8
+# Candidates re-scored in fp32 at a time: bounds the gathered (c, d) row copies.
+_RESCORE_CHUNK = 1 << 16
+# Columns per group in the threshold filter (see _entries_at_least).
+_GROUP = 8
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to search on: ``device`` if given, else CUDA when available, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_low_precision(low_precision: bool | None, device: torch.device) -> bool:
+    """``None`` means auto: fp16 scoring on CUDA (fast TensorCore matmul), fp32 elsewhere
+    (fp16/bf16 matmul on CPU runs about 100x slower than fp32)."""
+    if low_precision is None:
+        return device.type == "cuda"
+    return low_precision
+
+
+def normalize_rows(rows: Tensor, device: torch.device) -> Tensor:
+    """(n, d) any float dtype -> (n, d) float32 L2-normalized rows on ``device``."""
+    return F.normalize(rows.to(device=device, dtype=torch.float32), dim=1)
+
+
+class ScoreBuffer:
+    """A grow-only scratch buffer for score blocks, shared by the accumulators of one pass so
+    the (q, b) score memory is paid once, and reused across blocks so the matmul writes into
+    memory that is already mapped (a fresh 64 MB buffer per block costs more than the matmul)."""
+
+    def __init__(self) -> None:
+        self._flat: Tensor | None = None
+
+    def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A contiguous (rows, cols) view of the buffer; contents undefined."""
+        numel = rows * cols
+        flat = self._flat
+        if flat is None or flat.dtype != dtype or flat.device != device or flat.numel() < numel:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            self._flat = flat
+        return flat[:numel].view(rows, cols)
+
+
+class KeyBlock:
+    """A block of key rows prepared for scoring: global ids (b,) int64, fp32 unit rows (b, d),
+    and their fp16 copy (b, d) when searching in low precision (else None)."""
+
+    def __init__(self, ids: Tensor, rows: Tensor, low: Tensor | None) -> None:
+        self.ids = ids
+        self.rows = rows
+        self.low = low
+
+    @classmethod
+    def prepare(
+        cls, ids: Tensor, rows: Tensor, device: torch.device, low_precision: bool
+    ) -> KeyBlock:
+        """Cast rows (b, d) of any float dtype (shards may store fp16/bf16) to fp32 on
+        ``device``, normalize, and make the fp16 copy if ``low_precision``."""
+        _check_ids(ids, rows)
+        unit = normalize_rows(rows, device)
+        low = unit.to(LOW_PRECISION_DTYPE) if low_precision else None
+        return cls(ids.to(device), unit, low)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> KeyBlock:
+        """Rows ``start:stop`` (views, no copy)."""
+        low = None if self.low is None else self.low[start:stop]
+        return KeyBlock(self.ids[start:stop], self.rows[start:stop], low)
+
+
+class TopKAccumulator:
+    """A block of query rows and their running top-k over every key block passed to ``update``.
+
+    Args:
+        query_ids: (q,) int64 global ids of the query rows.
+        query_rows: (q, d) float rows (any float dtype; normalized here).
+        k: list length, the query itself included (k >= 1).
+        device: where to search; None picks CUDA when available.
+        low_precision: fp16 scoring + exact fp32 re-score; None = on for CUDA, off for CPU.
+        key_block_rows: key blocks are scored at most this many rows at a time, which bounds
+            the score block to (q, key_block_rows) whatever size the source delivers.
+        score_buffer: scratch shared with other accumulators of the same pass.
+
+    Memory: the query rows (fp32, plus fp16 when low precision), the running list (q, k-1),
+    and one (q, key_block_rows) score block.
+    """
+
+    def __init__(
+        self,
+        query_ids: Tensor,
+        query_rows: Tensor,
+        k: int,
+        *,
+        device: str | torch.device | None = None,
+        low_precision: bool | None = None,
+        key_block_rows: int = 4096,
+        score_buffer: ScoreBuffer | None = None,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if key_block_rows < 1:
+            raise ValueError(f"key_block_rows must be >= 1, got {key_block_rows}")
+        self.device = resolve_device(device)
+        self.low_precision = resolve_low_precision(low_precision, self.device)
+        self.k = k
+        self.key_block_rows = key_block_rows
+        queries = KeyBlock.prepare(query_ids, query_rows, self.device, self.low_precision)
+        self._query_ids = queries.ids
+        self._query_rows = queries.rows
+        self._query_low = queries.low
+        self._buffer = score_buffer if score_buffer is not None else ScoreBuffer()
+        q = self._query_ids.shape[0]
+        # The running list holds the k-1 best keys other than the query itself.
+        self._ids = torch.full((q, k - 1), -1, dtype=torch.int64, device=self.device)
+        self._scores = torch.full((q, k - 1), -torch.inf, device=self.device)
+
+    def update(self, key_ids: Tensor, key_rows: Tensor) -> None:
+        """Consume a key block: ids (b,) int64 global, rows (b, d) any float dtype."""
+        self.update_block(KeyBlock.prepare(key_ids, key_rows, self.device, self.low_precision))
+
+    def update_block(self, keys: KeyBlock) -> None:
+        """Consume an already prepared key block (lets one pass prepare each block once for
+        all of its accumulators)."""
+        if self.k == 1:
+            return
+        for start in range(0, len(keys), self.key_block_rows):
+            self._update_chunk(keys.slice(start, start + self.key_block_rows))
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(ids (q, k) int64, scores (q, k) float32): the query itself first with its true
+        score, then the neighbours by descending exact fp32 score; -1 / -inf padding."""
+        self_scores = (self._query_rows * self._query_rows).sum(dim=1, keepdim=True)
+        scores, order = self._scores.sort(dim=1, descending=True)
+        ids = self._ids.gather(1, order)
+        return (
+            torch.cat([self._query_ids[:, None], ids], dim=1),
+            torch.cat([self_scores, scores], dim=1),
+        )
+
+    def _update_chunk(self, keys: KeyBlock) -> None:
+        q, b = self._query_ids.shape[0], len(keys)
+        if q == 0 or b == 0:
+            return
+        low = self.low_precision
+        query_mat = self._query_low if low else self._query_rows
+        key_mat = keys.low if low else keys.rows
+        scores = self._buffer.get(q, b, query_mat.dtype, self.device)
+        torch.mm(query_mat, key_mat.T, out=scores)
+        self_rows, self_cols = _matching_positions(self._query_ids, keys.ids)
+        scores[self_rows, self_cols] = -torch.inf
+
+        threshold = self._scores.amin(dim=1, keepdim=True)
+        if bool(torch.isneginf(threshold).any()):
+            taken = self._merge_dense(scores, keys)
+            if not low:
+                return  # the block's exact top-(k-1) went in; nothing else of it can enter
+            # The fp16 top-(k-1) may rank a key below one whose fp32 score is higher: check
+            # the rest of the block against the thresholds now known. A row still short has
+            # taken every valid key of the block.
+            scores.scatter_(1, taken, -torch.inf)
+            threshold = self._scores.amin(dim=1, keepdim=True)
+            threshold = threshold.masked_fill(torch.isneginf(threshold), torch.inf)
+        self._merge_above(scores, keys, threshold)
+
+    def _merge_above(self, scores: Tensor, keys: KeyBlock, threshold: Tensor) -> None:
+        """Merge the keys scoring at least ``threshold`` (q, 1) (less the low-precision
+        margin): after the first blocks a few per row, so no full-width topk is needed."""
+        low = self.low_precision
+        if low:
+            threshold = threshold - LOW_PRECISION_MARGIN
+        rows, cols = _entries_at_least(scores, threshold)
+        if rows.numel() == 0:
+            return
+        if low:
+            cand_scores = self._exact_scores(rows, keys.rows, cols)
+        else:
+            cand_scores = scores[rows, cols]
+        self._merge_sparse(rows, keys.ids[cols], cand_scores)
+
+    def _merge_dense(self, scores: Tensor, keys: KeyBlock) -> Tensor:
+        """Merge the block's best min(k-1, b) keys per query (used while lists are not full);
+        returns their columns (q, min(k-1, b))."""
+        width = min(self.k - 1, scores.shape[1])
+        block_scores, cols = scores.topk(width, dim=1)
+        valid = ~torch.isneginf(block_scores)  # the query's own column, masked above
+        if self.low_precision:
+            rows = torch.arange(cols.shape[0], device=self.device)[:, None].expand_as(cols)
+            exact = self._exact_scores(rows.reshape(-1), keys.rows, cols.reshape(-1))
+            block_scores = exact.view_as(cols)
+        block_scores = block_scores.float().masked_fill(~valid, -torch.inf)
+        block_ids = keys.ids[cols].masked_fill(~valid, -1)
+        self._ids, self._scores = _merge_lists(self._ids, self._scores, block_ids, block_scores)
+        return cols
+
+    def _merge_sparse(self, rows: Tensor, cand_ids: Tensor, cand_scores: Tensor) -> None:
+        """Merge candidates given as (row, id, score) triples, rows ascending (nonzero order):
+        pad them per touched row and merge only those rows."""
+        touched, counts = torch.unique_consecutive(rows, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(rows.numel(), device=self.device)
+        slot -= torch.repeat_interleave(starts, counts)
+        local_row = torch.repeat_interleave(
+            torch.arange(touched.numel(), device=self.device), counts
+        )
+        width = int(counts.max())
+        pad_ids = torch.full((touched.numel(), width), -1, dtype=torch.int64, device=self.device)
+        pad_scores = torch.full((touched.numel(), width), -torch.inf, device=self.device)
+        pad_ids[local_row, slot] = cand_ids
+        pad_scores[local_row, slot] = cand_scores.float()
+        ids, scores = _merge_lists(self._ids[touched], self._scores[touched], pad_ids, pad_scores)
+        self._ids[touched] = ids
+        self._scores[touched] = scores
+
+    def _exact_scores(self, rows: Tensor, key_rows: Tensor, cols: Tensor) -> Tensor:
+        """fp32 scores of (query rows[i], key cols[i]) pairs, (c,) float32."""
+        out = torch.empty(rows.numel(), device=self.device)
+        for start in range(0, rows.numel(), _RESCORE_CHUNK):
+            r = rows[start : start + _RESCORE_CHUNK]
+            c = cols[start : start + _RESCORE_CHUNK]
+            out[start : start + r.numel()] = (self._query_rows[r] * key_rows[c]).sum(dim=1)
+        return out
+
+
+def _merge_lists(
+    ids: Tensor, scores: Tensor, new_ids: Tensor, new_scores: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Top-(width of ``ids``) of two (r, *) lists side by side, by score."""
+    all_scores = torch.cat([scores, new_scores], dim=1)
+    best, pos = all_scores.topk(scores.shape[1], dim=1)
+    best_ids = torch.cat([ids, new_ids], dim=1).gather(1, pos)
+    return best_ids, best
+
+
+def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows, cols), row-major, of the entries of scores (q, b) >= threshold (q, 1).
+
+    A compare + nonzero over all q*b entries costs about half the matmul on CPU. Instead the
+    max of each group of _GROUP columns is compared (one cheap pass, nonzero over b/_GROUP
+    columns), and only groups whose max passes are opened.
+    """
+    q, b = scores.shape
+    if b % _GROUP:
+        return torch.nonzero(scores >= threshold, as_tuple=True)
+    width = b // _GROUP
+    # Group j holds columns j, j + width, j + 2*width, ...: the max is an elementwise max of
+    # contiguous slabs, which vectorizes well.
+    group_max = scores.view(q, _GROUP, width).amax(dim=1)
+    rows, groups = torch.nonzero(group_max >= threshold, as_tuple=True)
+    offsets = torch.arange(0, b, width, device=scores.device)
+    cols = (groups[:, None] + offsets).reshape(-1)
+    rows = rows.repeat_interleave(_GROUP)
+    keep = scores[rows, cols] >= threshold[rows, 0]
+    return rows[keep], cols[keep]
+
+
+def _matching_positions(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(query positions, key positions) of the pairs with equal ids; ids unique per side."""
+    if int(query_ids.max()) < int(key_ids.min()) or int(query_ids.min()) > int(key_ids.max()):
+        empty = torch.empty(0, dtype=torch.int64, device=query_ids.device)
+        return empty, empty  # disjoint id ranges: the common case of blocks from elsewhere
+    sorted_keys, order = key_ids.sort()
+    pos = torch.searchsorted(sorted_keys, query_ids).clamp_max(key_ids.numel() - 1)
+    hit = sorted_keys[pos] == query_ids
+    return hit.nonzero(as_tuple=True)[0], order[pos[hit]]
+
+
+def _check_ids(ids: Tensor, rows: Tensor) -> None:
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64, got {ids.dtype}")
+    if rows.dim() != 2 or ids.shape != (rows.shape[0],):
+        raise ValueError(f"ids {tuple(ids.shape)} do not match rows {tuple(rows.shape)}")
+    if not rows.is_floating_point():
+        raise TypeError(f"rows must be floating point, got {rows.dtype}")
+
+
+def split_blocks(ids: Tensor, rows: Tensor, block_rows: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """(ids (n,), rows (n, d)) -> consecutive blocks of at most ``block_rows`` (views)."""
+    for start in range(0, ids.shape[0], block_rows):
+        yield ids[start : start + block_rows], rows[start : start + block_rows]
+
+
+def search_pass(
+    query_blocks: Sequence[tuple[Tensor, Tensor]],
+    key_stream: Iterable[tuple[Tensor, Tensor]],
+    k: int,
+    *,
+    device: str | torch.device | None = None,
+    low_precision: bool | None = None,
+    key_block_rows: int = 4096,
+    on_key_block: Callable[[], None] | None = None,
+) -> list[tuple[Tensor, Tensor]]:
+    """One pass of a key stream past several query blocks: each key block is prepared once
+    and scored against every query block, so the stream is read once per pass however many
+    query blocks ride on it.
+
+    Args:
+        query_blocks: [(ids (q,) int64, rows (q, d) float)] query blocks.
+        key_stream: (ids (b,) int64, rows (b, d) float) key blocks; ids unique over the stream.
+        on_key_block: called after each key block (progress reporting).
+
+    Returns [(ids (q, k) int64, scores (q, k) float32)] per query block, on CPU.
+    """
+    dev = resolve_device(device)
+    low = resolve_low_precision(low_precision, dev)
+    buffer = ScoreBuffer()
+    accumulators = [
+        TopKAccumulator(
+            ids, rows, k, device=dev, low_precision=low,
+            key_block_rows=key_block_rows, score_buffer=buffer,
+        )
+        for ids, rows in query_blocks
+    ]
+    for key_ids, key_rows in key_stream:
+        keys = KeyBlock.prepare(key_ids, key_rows, dev, low)
+        for acc in accumulators:
+            acc.update_block(keys)
+        if on_key_block is not None:
+            on_key_block()
+    return [tuple(t.cpu() for t in acc.result()) for acc in accumulators]
+
+
+def knn(
+    rows: Tensor,
+    k: int,
+    *,
+    block_size: int = 4096,
+    device: str | torch.device | None = None,
+    low_precision: bool | None = None,
+    ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact k nearest neighbours of every row among all rows, by cosine similarity.
+
+    Args:
+        rows: (N, d) float (any float dtype).
+        k: neighbours per row, the row itself first (k >= 1).
+        block_size: query and key block rows; work memory is O(block_size**2) scores plus the
+            running lists, never O(N**2).
+        device: where to search; None picks CUDA when available.
+        low_precision: fp16 scoring + exact fp32 re-score (same result as fp32); None = on for
+            CUDA, off for CPU.
+        ids: (N,) int64 global ids of the rows (default 0..N-1); returned ids are these.
+
+    Returns:
+        (ids (N, k) int64, scores (N, k) float32) on CPU, scores descending after the row
+        itself; if N < k the lists are padded with -1 / -inf.
+    """
+    if ids is None:
+        ids = torch.arange(rows.shape[0], dtype=torch.int64)
+    _check_ids(ids, rows)
+    # All rows go in as one key block: it is normalized (and moved to the device) once, then
+    # scored block_size columns at a time.
+    results = search_pass(
+        list(split_blocks(ids, rows, block_size)),
+        [(ids, rows)],
+        k,
+        device=device,
+        low_precision=low_precision,
+        key_block_rows=block_size,
+    )
+    return concat_results(results, k)
+
+
+def concat_results(results: Sequence[tuple[Tensor, Tensor]], k: int) -> tuple[Tensor, Tensor]:
+    """Stack per-block (ids (q, k), scores (q, k)) results into (n, k), (n, k)."""
+    if not results:
+        return torch.empty(0, k, dtype=torch.int64), torch.empty(0, k)
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])

@@ -1,0 +1,213 @@
+"""Distributed graph build: ring schedule over shards, resumable per query block.
+
+Each builder owns some home shards (``assign_shards``). For a home shard it takes that shard's
+rows as queries, cut into query blocks, and streams every shard's rows past them in ring order
+starting at its own shard (``ring_order``), so concurrent builders read different shards at
+any moment and W is never gathered in one place (seed 000 §3.2.2, figure 3b).
+
+Every query row needs every key, so the cost of a build is dominated by how often the shards
+are streamed: one full pass over all shards per pass. A pass therefore carries as many query
+blocks as fit in ``pass_memory_bytes`` (each key block is read and normalized once, then
+scored against all of them); with the default 1 GiB budget at d=128 that is ~1.5M query rows
+per pass. The score block memory (query_block_rows x key_block_rows) is shared by the pass.
+
+Resume: when a pass ends, each of its query blocks' lists is written atomically (tmp file +
+os.replace) under ``resume_dir``; a rerun loads finished blocks and computes only the rest.
+Blocks are computed independently of how they were grouped into passes, so the rerun's result
+is identical. Use a fresh ``resume_dir`` per graph version: a stored block is trusted as long
+as its query ids and k match.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from ams.graph.knn import (
+    concat_results,
+    resolve_device,
+    resolve_low_precision,
+    search_pass,
+    split_blocks,
+)
+
+Scan = Callable[[int], Iterable[tuple[Tensor, Tensor]]]
+
+
+def assign_shards(num_shards: int, num_builders: int) -> list[list[int]]:
+    """Home shards of each builder: builder b gets shards b, b + B, b + 2B, ... (round
+    robin, so loads differ by at most one shard)."""
+    if num_shards < 1 or num_builders < 1:
+        raise ValueError(f"need num_shards >= 1 and num_builders >= 1, "
+                         f"got {num_shards}, {num_builders}")
+    return [list(range(b, num_shards, num_builders)) for b in range(num_builders)]
+
+
+def ring_order(home_shard: int, num_shards: int) -> list[int]:
+    """Shards in the order a builder streams them: home, home + 1, ... (mod num_shards).
+    Builders with different homes start on different shards and stay apart."""
+    if not 0 <= home_shard < num_shards:
+        raise ValueError(f"home_shard {home_shard} not in 0..{num_shards - 1}")
+    return [(home_shard + i) % num_shards for i in range(num_shards)]
+
+
+def build_shard_neighbors(
+    home_shard: int,
+    num_shards: int,
+    scan: Scan,
+    k: int,
+    *,
+    query_block_rows: int = 4096,
+    key_block_rows: int = 4096,
+    pass_memory_bytes: int = 1 << 30,
+    device: str | torch.device | None = None,
+    low_precision: bool | None = None,
+    resume_dir: Path | None = None,
+    progress: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Exact k-NN lists of the home shard's rows against the rows of all shards.
+
+    Args:
+        home_shard: the shard whose rows are the queries.
+        num_shards: shards in the ring.
+        scan: ``scan(shard)`` yields (ids (b,) int64, rows (b, d) float) blocks of that
+            shard's rows (rows may be fp16/bf16; they are cast to fp32 and normalized on
+            arrival). Called once for the home shard (its rows then stay in memory) and once
+            per pass for every other shard.
+        k: list length, the class itself first.
+        query_block_rows: rows per query block, the unit of resume.
+        key_block_rows: key rows scored at a time (score memory query_block_rows x this).
+        pass_memory_bytes: budget for the query blocks that ride on one pass over the shards.
+        device, low_precision: see ``knn``.
+        resume_dir: where finished query blocks are kept (None: no resume).
+        progress: show a tqdm bar over query blocks.
+
+    Returns:
+        ids (n,) int64 of the home shard's rows in scan order, neighbours (n, k) int64,
+        scores (n, k) float32 (padding -1 / -inf when fewer than k rows exist).
+    """
+    home_ids, home_rows = _collect(scan(home_shard))
+    n, dim = home_rows.shape
+    starts = list(range(0, n, query_block_rows))
+    store = _BlockStore(resume_dir, home_shard, k) if resume_dir is not None else None
+    results: dict[int, tuple[Tensor, Tensor]] = {}
+    if store is not None:
+        for i, start in enumerate(starts):
+            found = store.load(i, home_ids[start : start + query_block_rows])
+            if found is not None:
+                results[i] = found
+    pending = [i for i in range(len(starts)) if i not in results]
+
+    dev = resolve_device(device)
+    low = resolve_low_precision(low_precision, dev)
+    per_block = query_block_rows * _query_row_bytes(dim, k, low)
+    blocks_per_pass = max(1, pass_memory_bytes // per_block)
+    bar = tqdm(total=len(starts), initial=len(results), unit="block", disable=not progress,
+               desc=f"graph shard {home_shard}")
+    for p in range(0, len(pending), blocks_per_pass):
+        group = pending[p : p + blocks_per_pass]
+        query_blocks = [
+            (home_ids[starts[i] : starts[i] + query_block_rows],
+             home_rows[starts[i] : starts[i] + query_block_rows])
+            for i in group
+        ]
+
+        def key_stream() -> Iterator[tuple[Tensor, Tensor]]:
+            for shard in ring_order(home_shard, num_shards):
+                bar.set_postfix(shard=shard)
+                if shard == home_shard:
+                    yield from split_blocks(home_ids, home_rows, key_block_rows)
+                else:
+                    yield from scan(shard)
+
+        found = search_pass(query_blocks, key_stream(), k, device=dev, low_precision=low,
+                            key_block_rows=key_block_rows)
+        for i, (ids, _), block in zip(group, query_blocks, found, strict=True):
+            if store is not None:
+                store.save(i, ids, *block)
+            results[i] = block
+        bar.update(len(group))
+    bar.close()
+    neighbors, scores = concat_results([results[i] for i in range(len(starts))], k)
+    return home_ids, neighbors, scores
+
+
+def refresh_neighbors(
+    query_ids: Tensor,
+    query_rows: Tensor,
+    scan_all: Iterable[tuple[Tensor, Tensor]],
+    k: int,
+    *,
+    query_block_rows: int = 4096,
+    key_block_rows: int = 4096,
+    device: str | torch.device | None = None,
+    low_precision: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fresh lists for some classes only (partial refresh), in one pass over all rows.
+
+    Args:
+        query_ids: (m,) int64 ids of the classes to refresh.
+        query_rows: (m, d) float their current rows.
+        scan_all: (ids (b,) int64, rows (b, d)) blocks of all rows, read once; all m query
+            blocks ride on this one pass, so memory grows with m (meant for m << N).
+        k, query_block_rows, key_block_rows, device, low_precision: see
+            ``build_shard_neighbors``.
+
+    Returns neighbours (m, k) int64 and scores (m, k) float32, equal to those rows of a full
+    build.
+    """
+    query_blocks = list(split_blocks(query_ids, query_rows, query_block_rows))
+    found = search_pass(query_blocks, scan_all, k, device=device, low_precision=low_precision,
+                        key_block_rows=key_block_rows)
+    return concat_results(found, k)
+
+
+def _collect(blocks: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Concatenate a shard's (ids, rows) blocks, keeping the stored row dtype."""
+    pairs = list(blocks)
+    if not pairs:
+        raise ValueError("the home shard has no rows")
+    return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+
+
+def _query_row_bytes(dim: int, k: int, low_precision: bool) -> int:
+    """Memory one query row holds during a pass: its fp32 (and fp16) copy and running list."""
+    return dim * 4 + (dim * 2 if low_precision else 0) + (k - 1) * (8 + 4)
+
+
+class _BlockStore:
+    """Finished query blocks of one home shard, one file each, written atomically."""
+
+    def __init__(self, root: Path, home_shard: int, k: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.home_shard = home_shard
+        self.k = k
+
+    def _path(self, block: int) -> Path:
+        return self.root / f"shard{self.home_shard:05d}-block{block:07d}.pt"
+
+    def load(self, block: int, query_ids: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The stored (neighbours, scores) of ``block`` if it exists and matches."""
+        path = self._path(block)
+        if not path.exists():
+            return None
+        saved = torch.load(path, weights_only=True)
+        if saved["k"] != self.k or not torch.equal(saved["query_ids"], query_ids):
+            return None
+        return saved["neighbors"], saved["scores"]
+
+    def save(self, block: int, query_ids: Tensor, neighbors: Tensor, scores: Tensor) -> None:
+        path = self._path(block)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        payload = {"k": self.k, "query_ids": query_ids, "neighbors": neighbors, "scores": scores}
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,126 @@
+"""Active-class selection for one training step (seed 000 §3.2.1, algorithm 1; seed 001 PartialFC).
+
+Both samplers share one signature so a head can swap them:
+``(labels, neighbours, budget, generator, num_classes) -> (active, remapped_labels)``.
+
+* ``active``: (A,) int64 class ids, sorted ascending, unique; the rows the step pulls.
+* ``remapped_labels``: (B,) int64 with ``active[remapped_labels] == labels``: the target
+  column of each sample in the (B, A) logits.
+
+Neighbour lists come dense: (B, k) int64 in rank order, -1 padding a short list (a CSR lookup
+result becomes this with ``ams.graph.csr.csr_to_dense``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def budget_for_sample_rate(sample_rate: float, num_classes: int) -> int:
+    """PartialFC's budget: ``sample_rate * num_classes`` classes (at least 1)."""
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    return max(1, int(sample_rate * num_classes))
+
+
+def select_active(
+    labels: Tensor,
+    neighbours: Tensor | None,
+    budget: int,
+    generator: torch.Generator,
+    num_classes: int,
+) -> tuple[Tensor, Tensor]:
+    """KNN-softmax active classes: labels, then neighbours by rank, then uniform random fill.
+
+    Priority order: every label; then rank-1 neighbours of all labels, then rank-2, ...
+    (column by column of ``neighbours``); duplicates count once, at their first place. The
+    first ``budget`` classes of that order are kept, but never fewer than all labels (if the
+    distinct labels alone exceed ``budget``, A is their count). If the order holds fewer than
+    ``budget`` classes, distinct uniformly random other classes fill it (capped at
+    ``num_classes``). Deterministic given the generator's state.
+
+    Args:
+        labels: (B,) int64 in 0..num_classes-1.
+        neighbours: (B, k) int64 rank-ordered lists of the labels' classes, -1 padding, or
+            None (labels + random fill only).
+        budget: target number of active classes A.
+        generator: source of the random fill (CPU generator).
+        num_classes: N.
+
+    Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64).
+    """
+    _check_ids("labels", labels, 1, num_classes)
+    if neighbours is None:
+        order = labels
+    else:
+        _check_ids("neighbours", neighbours, 2, num_classes, allow_padding=True)
+        if neighbours.shape[0] != labels.shape[0]:
+            raise ValueError(f"neighbours has {neighbours.shape[0]} lists for "
+                             f"{labels.shape[0]} labels")
+        ranked = neighbours.T.reshape(-1)  # rank 0 of all lists, then rank 1, ...
+        order = torch.cat([labels, ranked[ranked >= 0]])
+    ranked_unique = _unique_in_order(order)
+    num_labels = torch.unique(labels).numel()  # the labels lead the order
+    keep = max(min(budget, num_classes), num_labels)
+    chosen = ranked_unique[:keep]
+    fill = _sample_excluding(chosen, keep - chosen.numel(), num_classes, generator)
+    active = torch.cat([chosen, fill]).sort().values
+    return active, torch.searchsorted(active, labels)
+
+
+def select_partial(
+    labels: Tensor,
+    neighbours: Tensor | None,
+    budget: int,
+    generator: torch.Generator,
+    num_classes: int,
+) -> tuple[Tensor, Tensor]:
+    """PartialFC active classes: every label plus distinct uniformly random other classes up
+    to ``budget``. ``neighbours`` is ignored (present so heads can swap samplers). Same
+    returns as ``select_active``."""
+    return select_active(labels, None, budget, generator, num_classes)
+
+
+def _unique_in_order(values: Tensor) -> Tensor:
+    """Distinct values of (n,) int64 in order of first occurrence."""
+    uniq, inverse = torch.unique(values, return_inverse=True)
+    first = torch.full((uniq.numel(),), values.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(values.numel()), reduce="amin")
+    return uniq[first.argsort()]
+
+
+def _sample_excluding(
+    excluded: Tensor, count: int, num_classes: int, generator: torch.Generator
+) -> Tensor:
+    """``count`` distinct uniform classes of 0..num_classes-1 not in ``excluded`` (n,) int64.
+
+    Rejection sampling (cheap while the fill is small next to N): i.i.d. draws, first
+    occurrences kept in draw order, excluded ones dropped; that is a uniform random subset.
+    When the fill is most of what is left, a permutation of all classes is cheaper.
+    """
+    if count <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    free = num_classes - excluded.numel()
+    if 2 * count >= free:
+        perm = torch.randperm(num_classes, generator=generator)
+        return perm[~torch.isin(perm, excluded)][:count]
+    out = torch.empty(0, dtype=torch.int64)
+    while out.numel() < count:
+        draws = torch.randint(num_classes, (2 * (count - out.numel()) + 16,), generator=generator)
+        merged = _unique_in_order(torch.cat([out, draws]))
+        out = merged[~torch.isin(merged, excluded)][:count]
+    return out
+
+
+def _check_ids(
+    what: str, ids: Tensor, ndim: int, num_classes: int, allow_padding: bool = False
+) -> None:
+    if ids.dtype != torch.int64 or ids.dim() != ndim:
+        raise ValueError(f"{what}: need a {ndim}-d int64 tensor, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() == 0:
+        return
+    low = -1 if allow_padding else 0
+    if int(ids.min()) < low or int(ids.max()) >= num_classes:
+        raise ValueError(f"{what}: ids must lie in 0..{num_classes - 1}")

@@ -1,0 +1,75 @@
+"""Build or refresh a table's neighbour graph through the client API (local or gRPC shards).
+
+The pure search is ``ams.graph``; this module only feeds it each shard's Scan stream and writes
+each class's list back to the shard that owns it (SetNeighbors).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ams.client import ShardedClient
+from ams.errors import InvalidArgument
+from ams.graph import assign_shards, build_shard_neighbors, refresh_neighbors
+
+log = logging.getLogger(__name__)
+
+
+def current_graph_version(client: ShardedClient, table: str) -> int:
+    """The highest graph version any shard holds for ``table`` (0: none yet)."""
+    return max(s["tables"][table]["graph_version"] for s in client.stats())
+
+
+def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
+                builders: int = 1, builder_index: int | None = None, version: int | None = None,
+                device: str | None = None, low_precision: bool | None = None,
+                resume_dir: Path | None = None, query_block_rows: int = 4096,
+                key_block_rows: int = 4096, progress: bool = False) -> int:
+    """Exact top-k lists of every class of ``table``, stored with the owning shards.
+
+    ``builders`` split the shards (``assign_shards``); this call runs builder ``builder_index``
+    only, or all of them one after the other when None. ``version``: the graph version to write
+    (default: one above the current); builders running in separate processes must be given the
+    same one. Returns the version written.
+    """
+    spec = client.spec(table)
+    if not 0 < k <= spec.num_rows:
+        raise InvalidArgument(f"k={k} must be in [1, num_rows={spec.num_rows}]")
+    if builders < 1 or (builder_index is not None and not 0 <= builder_index < builders):
+        raise InvalidArgument(f"builder_index={builder_index} must be in [0, builders={builders})")
+    version = current_graph_version(client, table) + 1 if version is None else version
+    plan = assign_shards(client.num_shards, builders)
+    mine = plan if builder_index is None else [plan[builder_index]]
+    started = time.perf_counter()
+    for home_shards in mine:
+        for home in home_shards:
+            shard_resume = resume_dir / f"v{version}" if resume_dir is not None else None
+            ids, neighbors, _ = build_shard_neighbors(
+                home, client.num_shards, lambda s: client.scan_shard(table, s, key_block_rows),
+                k, query_block_rows=query_block_rows, key_block_rows=key_block_rows,
+                device=device, low_precision=low_precision, resume_dir=shard_resume,
+                progress=progress)
+            client.set_neighbors(table, ids, neighbors, version=version, step=step,
+                                 replace_all=True)
+    log.info("graph_built table=%s k=%d version=%d step=%d shards=%d seconds=%.2f", table, k,
+             version, step, sum(len(h) for h in mine), time.perf_counter() - started)
+    return version
+
+
+def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, *, step: int = 0,
+                  device: str | None = None, low_precision: bool | None = None) -> int:
+    """Recompute the lists of just ``class_ids`` (int64 (m,), m << N) against all rows, in
+    place, keeping their current length k. Returns the graph version now in force."""
+    version = current_graph_version(client, table)
+    if version == 0:
+        raise InvalidArgument(f"table {table!r} has no graph to refresh; build one first")
+    ids = torch.unique(client._check_ids(class_ids))
+    k = client.neighbors(table, ids[:1]).shape[1]
+    neighbors, _ = refresh_neighbors(ids, client.pull(table, ids), client.scan(table), k,
+                                     device=device, low_precision=low_precision)
+    client.set_neighbors(table, ids, neighbors, version=version, step=step, replace_all=False)
+    return version

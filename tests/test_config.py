@@ -1,0 +1,104 @@
+"""Experiment configs: typed, strict, overridable; hostile files get a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from xcls.config import ConfigError, ExperimentConfig, load_config, to_toml
+
+
+def write(tmp_path, text, name="exp.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_file_values(tmp_path):
+    cfg = load_config(write(tmp_path, '[head]\nkind = "partial"\nsample_rate = 0.2\n'
+                            '[ams]\naddresses = ["127.0.0.1:1", "127.0.0.1:2"]\n'))
+    assert cfg.head.kind == "partial" and cfg.head.sample_rate == 0.2
+    assert cfg.ams.addresses == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert cfg.model == ExperimentConfig().model
+
+
+def test_int_accepted_for_float(tmp_path):
+    assert load_config(write(tmp_path, "[optim]\nlr = 1\n")).optim.lr == 1.0
+
+
+def test_overrides(tmp_path):
+    cfg = load_config(None, ["head.kind=full", "optim.lr=0.05", "train.amp=false",
+                             "ams.addresses=127.0.0.1:7001,127.0.0.1:7002", "data.train=/x/y"])
+    assert cfg.head.kind == "full" and cfg.optim.lr == 0.05 and cfg.train.amp is False
+    assert cfg.ams.addresses == ["127.0.0.1:7001", "127.0.0.1:7002"]
+    assert cfg.data.train == "/x/y"
+
+
+def test_print_round_trips(tmp_path):
+    cfg = load_config(None, ["head.kind=partial", "ams.addresses=a:1"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+    assert tomllib.loads(to_toml(cfg))["head"]["kind"] == "partial"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[head]\nkindd = 'knn'\n", "unknown key head.kindd"),
+    ("[headz]\nkind = 'knn'\n", "unknown key headz"),
+    ("[head]\nkind = 3\n", "head.kind: expected a string"),
+    ("[head]\nkind = 'softer'\n", "head.kind: 'softer' is not one of"),
+    ("[data]\nbatch_size = 'big'\n", "data.batch_size: expected an integer"),
+    ("[data]\nbatch_size = 0\n", "data.batch_size: must be > 0"),
+    ("[data]\nbatch_size = 2.5\n", "data.batch_size: expected an integer"),
+    ("[train]\namp = 1\n", "train.amp: expected true or false"),
+    ("[optim]\nlr = -0.1\n", "optim.lr: must be >= 0"),
+    ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
+    ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
+    ("[head]\nsample_rate = 0\n", "head.sample_rate"),
+    ("[head]\nk = 64\n[graph]\nk = 32\n", "head.k=64 exceeds graph.k=32"),
+    ("[ams]\naddresses = '127.0.0.1:1'\n", "ams.addresses: expected a list"),
+    ("[ams]\naddresses = [1]\n", "ams.addresses[0]: expected a string"),
+    ("head = 3\n", "head: expected a table"),
+    ("[head\nkind = 'knn'\n", "not valid TOML"),
+])
+def test_hostile_files(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(write(tmp_path, text))
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("head.kindx=knn", "unknown key head.kindx"),
+    ("head=knn", "is a section"),
+    ("head.kind.x=1", "not a section"),
+    ("optim.lr=fast", "optim.lr: expected a number"),
+    ("nokey", "expected KEY=VALUE"),
+])
+def test_hostile_overrides(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert needle in str(info.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bin.toml"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+
+
+def test_cli_config_print_and_errors(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "xcls", "config", "print", "--set",
+                          "head.kind=partial"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and 'kind = "partial"' in out.stdout
+    bad = write(tmp_path, "[model]\ndim = -3\n")
+    out = subprocess.run([sys.executable, "-m", "xcls", "train", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "model.dim: must be > 0" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "xcls", "train", str(write(tmp_path, ""))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "data.train" in out.stderr

@@ -1,0 +1,245 @@
+"""ams.graph.knn / ams.graph.ring against a float64 numpy brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ams.graph import (
+    TopKAccumulator,
+    assign_shards,
+    build_shard_neighbors,
+    knn,
+    refresh_neighbors,
+    ring_order,
+)
+
+TOL = 1e-5
+BIG = 5_000_000_000  # global ids above 2**32
+
+
+def random_rows(n: int, d: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def clustered_rows(n: int, d: int, seed: int, clusters: int = 25, spread: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(clusters, d, generator=g)
+    which = torch.randint(clusters, (n,), generator=g)
+    return centers[which] + spread * torch.randn(n, d, generator=g)
+
+
+def reference_scores(rows: torch.Tensor) -> np.ndarray:
+    x = rows.double().numpy()
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-300)
+    return x @ x.T
+
+
+def assert_exact(ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, k: int,
+                 offset: int = 0) -> None:
+    """Lists equal the float64 brute force up to exact ties: row itself first, distinct ids,
+    reported scores are the true scores of the reported ids, and nothing better was missed."""
+    n = rows.shape[0]
+    assert ids.dtype == torch.int64 and scores.dtype == torch.float32
+    assert ids.shape == scores.shape == (n, k)
+    ref = reference_scores(rows)
+    pos = ids.numpy() - offset
+    got = scores.double().numpy()
+    assert (pos[:, 0] == np.arange(n)).all()
+    assert all(len(set(r)) == k for r in pos)
+    assert np.abs(np.take_along_axis(ref, pos, axis=1) - got).max() < TOL
+    assert (np.diff(got[:, 1:], axis=1) <= TOL).all()
+    others = ref.copy()
+    np.fill_diagonal(others, -np.inf)
+    kth_best = -np.sort(-others, axis=1)[:, k - 2]
+    assert (got[:, 1:].min(axis=1) >= kth_best - TOL).all()
+
+
+@pytest.mark.parametrize("make", [random_rows, clustered_rows])
+@pytest.mark.parametrize("block_size", [97, 4096])
+def test_knn_is_exact(make, block_size):
+    rows = make(700, 24, seed=1)
+    ids, scores = knn(rows, 10, block_size=block_size, device="cpu")
+    assert_exact(ids, scores, rows, 10)
+
+
+def test_knn_global_ids_above_int32():
+    rows = clustered_rows(300, 16, seed=2)
+    global_ids = torch.arange(300, dtype=torch.int64) * 3 + BIG
+    ids, scores = knn(rows, 8, block_size=64, ids=global_ids, device="cpu")
+    assert int(ids.min()) >= BIG
+    positions = (ids - BIG) // 3
+    assert torch.equal(positions * 3 + BIG, ids)
+    assert_exact(positions, scores, rows, 8)
+
+
+def test_knn_puts_row_first_among_duplicates():
+    base = random_rows(50, 8, seed=3)
+    rows = torch.cat([base, base, base])  # every vector three times
+    ids, scores = knn(rows, 3, block_size=16, device="cpu")
+    assert torch.equal(ids[:, 0], torch.arange(150))
+    assert torch.allclose(scores, torch.ones(150, 3), atol=TOL)
+    expect = {frozenset({i % 50, i % 50 + 50, i % 50 + 100}) for i in range(150)}
+    assert {frozenset(r.tolist()) for r in ids} == expect
+
+
+def test_low_precision_rerank_equals_fp32():
+    rows = clustered_rows(600, 32, seed=4, spread=0.02)  # many near-ties: hard for fp16
+    ids16, scores16 = knn(rows, 12, block_size=128, device="cpu", low_precision=True)
+    ids32, scores32 = knn(rows, 12, block_size=128, device="cpu", low_precision=False)
+    assert_exact(ids16, scores16, rows, 12)
+    assert torch.allclose(scores16, scores32, atol=1e-6, rtol=0)
+
+
+def test_fewer_rows_than_k_pads():
+    rows = random_rows(4, 5, seed=5)
+    ids, scores = knn(rows, 6, device="cpu")
+    assert (ids[:, 4:] == -1).all() and torch.isneginf(scores[:, 4:]).all()
+    assert_exact(ids[:, :4], scores[:, :4], rows, 4)
+
+
+def test_k1_is_self():
+    rows = random_rows(10, 5, seed=6)
+    ids, scores = knn(rows, 1, device="cpu")
+    assert torch.equal(ids[:, 0], torch.arange(10))
+    assert torch.allclose(scores, torch.ones(10, 1), atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_rows_in_other_dtypes_are_cast(dtype):
+    rows = clustered_rows(200, 16, seed=7).to(dtype)
+    ids, scores = knn(rows, 5, block_size=64, device="cpu")
+    assert_exact(ids, scores, rows.float(), 5)
+
+
+def test_accumulator_streams_blocks_in_any_order_and_size():
+    rows = clustered_rows(400, 12, seed=8)
+    all_ids = torch.arange(400, dtype=torch.int64) + BIG
+    acc = TopKAccumulator(all_ids[100:230], rows[100:230], 7, device="cpu", key_block_rows=33)
+    order = torch.randperm(400, generator=torch.Generator().manual_seed(0))
+    for chunk in torch.split(order, 57):
+        acc.update(all_ids[chunk], rows[chunk])
+    ids, scores = acc.result()
+    ref_ids, ref_scores = knn(rows, 7, ids=all_ids, device="cpu")
+    assert torch.allclose(scores, ref_scores[100:230], atol=TOL)
+    assert_exact(torch.cat([ref_ids[:100], ids, ref_ids[230:]]) - BIG,
+                 torch.cat([ref_scores[:100], scores, ref_scores[230:]]), rows, 7)
+
+
+def test_assign_shards_and_ring_order():
+    assert assign_shards(5, 2) == [[0, 2, 4], [1, 3]]
+    assert assign_shards(2, 3) == [[0], [1], []]
+    assert ring_order(2, 4) == [2, 3, 0, 1]
+    assert ring_order(0, 1) == [0]
+    with pytest.raises(ValueError):
+        ring_order(4, 4)
+
+
+class FakeShards:
+    """In-memory shards: class c lives on shard c % num_shards, scanned in ascending id order
+    in blocks of ``block`` rows, stored in ``dtype``."""
+
+    def __init__(self, rows: torch.Tensor, num_shards: int, block: int, offset: int = BIG,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.rows, self.num_shards, self.block, self.offset = rows, num_shards, block, offset
+        self.dtype = dtype
+        self.calls = 0
+        self.fail_at: int | None = None
+
+    def ids_of(self, shard: int) -> torch.Tensor:
+        return torch.arange(shard, self.rows.shape[0], self.num_shards, dtype=torch.int64)
+
+    def scan(self, shard: int):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise ConnectionError("shard went away")
+        pos = self.ids_of(shard)
+        for chunk in torch.split(pos, self.block):
+            yield chunk + self.offset, self.rows[chunk].to(self.dtype)
+
+    def scan_all(self):
+        for shard in range(self.num_shards):
+            yield from self.scan(shard)
+
+
+def ring_build(shards: FakeShards, k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build every home shard and put the lists back in global row order."""
+    n = shards.rows.shape[0]
+    neigh = torch.full((n, k), -2, dtype=torch.int64)
+    scores = torch.zeros(n, k)
+    for home in range(shards.num_shards):
+        ids, nb, sc = build_shard_neighbors(home, shards.num_shards, shards.scan, k, **kw)
+        assert torch.equal(ids, shards.ids_of(home) + shards.offset)
+        neigh[ids - shards.offset], scores[ids - shards.offset] = nb, sc
+    return neigh, scores
+
+
+def test_ring_over_three_shards_equals_single_build():
+    rows = clustered_rows(500, 16, seed=9)
+    shards = FakeShards(rows, num_shards=3, block=40, dtype=torch.float16)
+    neigh, scores = ring_build(shards, 9, query_block_rows=50, key_block_rows=64,
+                               device="cpu", progress=True)
+    half = rows.half().float()
+    ref_ids, ref_scores = knn(half, 9, device="cpu")
+    assert torch.allclose(scores, ref_scores, atol=TOL)
+    assert_exact(neigh - BIG, scores, half, 9)
+
+
+def test_ring_low_precision_equals_fp32():
+    rows = clustered_rows(300, 16, seed=10, spread=0.02)
+    shards = FakeShards(rows, num_shards=3, block=32)
+    _, scores16 = ring_build(shards, 6, query_block_rows=40, device="cpu", low_precision=True)
+    neigh, scores32 = ring_build(shards, 6, query_block_rows=40, device="cpu")
+    assert torch.allclose(scores16, scores32, atol=1e-6, rtol=0)
+    assert_exact(neigh - BIG, scores32, rows, 6)
+
+
+def test_resume_after_interrupted_build(tmp_path):
+    rows = clustered_rows(400, 16, seed=11)
+    # One 32-row query block per pass: a pass scans the 3 other shards (home stays in memory).
+    kw = dict(query_block_rows=32, pass_memory_bytes=1, device="cpu")
+    shards = FakeShards(rows, num_shards=4, block=25)
+    whole = build_shard_neighbors(1, 4, shards.scan, 8, **kw)
+    num_blocks = -(-100 // 32)
+
+    shards.calls, shards.fail_at = 0, 1 + 3 * 2 + 2  # home scan, two passes, then mid-pass
+    with pytest.raises(ConnectionError):
+        build_shard_neighbors(1, 4, shards.scan, 8, resume_dir=tmp_path, **kw)
+    assert len(list(tmp_path.glob("*.pt"))) == 2
+
+    shards.calls, shards.fail_at = 0, None
+    resumed = build_shard_neighbors(1, 4, shards.scan, 8, resume_dir=tmp_path, **kw)
+    assert shards.calls == 1 + 3 * (num_blocks - 2)  # finished blocks were not recomputed
+    for a, b in zip(whole, resumed, strict=True):
+        assert torch.equal(a, b)
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_resume_ignores_blocks_of_another_k(tmp_path):
+    rows = random_rows(90, 8, seed=12)
+    shards = FakeShards(rows, num_shards=2, block=16)
+    build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16, resume_dir=tmp_path,
+                          device="cpu")
+    ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 6, query_block_rows=16,
+                                               resume_dir=tmp_path, device="cpu")
+    assert neigh.shape == (45, 6)
+    ref_ids, ref_scores = knn(rows, 6, device="cpu")
+    assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
+
+
+def test_partial_refresh_equals_rows_of_full_build():
+    rows = clustered_rows(450, 16, seed=13)
+    shards = FakeShards(rows, num_shards=3, block=50)
+    full_ids, full_scores = knn(rows, 7, device="cpu", ids=torch.arange(450) + BIG)
+    pick = torch.randperm(450, generator=torch.Generator().manual_seed(1))[:70]
+    neigh, scores = refresh_neighbors(pick + BIG, rows[pick], shards.scan_all(), 7,
+                                      query_block_rows=32, key_block_rows=40, device="cpu")
+    assert torch.equal(neigh[:, 0], pick + BIG)
+    assert torch.allclose(scores, full_scores[pick], atol=TOL)
+    # Neighbour sets agree wherever the float64 scores leave no tie at the cut.
+    ref = reference_scores(rows)
+    for i, p in enumerate(pick.tolist()):
+        cut = np.sort(ref[p])[::-1]
+        if cut[6] - cut[7] > 1e-4:
+            assert set(neigh[i].tolist()) == set(full_ids[p].tolist())

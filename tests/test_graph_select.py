@@ -1,0 +1,140 @@
+"""ams.graph.select against a plain-Python model of algorithm 1 (seed 000)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ams.graph import budget_for_sample_rate, select_active, select_partial
+
+BIG = 5_000_000_000
+
+
+def priority_order(labels: list[int], neighbours: list[list[int]]) -> list[int]:
+    """Labels, then rank 1 of every list, rank 2, ... ; first occurrence wins; -1 skipped."""
+    seen: dict[int, None] = dict.fromkeys(labels)
+    width = max((len(r) for r in neighbours), default=0)
+    for rank in range(width):
+        for row in neighbours:
+            if rank < len(row) and row[rank] >= 0:
+                seen.setdefault(row[rank])
+    return list(seen)
+
+
+@st.composite
+def batches(draw):
+    num_classes = draw(st.integers(1, 3000))
+    b = draw(st.integers(1, 40))
+    k = draw(st.integers(0, 12))
+    labels = draw(st.lists(st.integers(0, num_classes - 1), min_size=b, max_size=b))
+    neighbours = []
+    for label in labels:
+        length = draw(st.integers(0, k))
+        rest = draw(st.lists(st.integers(0, num_classes - 1), min_size=length, max_size=length))
+        row = ([label] + rest)[: max(length, 1)] if k else []
+        neighbours.append(row + [-1] * (k - len(row)))
+    budget = draw(st.integers(0, num_classes + 10))
+    seed = draw(st.integers(0, 2**31))
+    return num_classes, labels, neighbours, budget, seed
+
+
+def run(select, labels, neighbours, budget, seed, num_classes):
+    g = torch.Generator().manual_seed(seed)
+    lab = torch.tensor(labels, dtype=torch.int64)
+    nb = None if neighbours is None else torch.tensor(neighbours, dtype=torch.int64).reshape(
+        len(labels), -1)
+    return select(lab, nb, budget, g, num_classes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches())
+def test_select_active_properties(batch):
+    num_classes, labels, neighbours, budget, seed = batch
+    active, remapped = run(select_active, labels, neighbours, budget, seed, num_classes)
+    assert active.dtype == remapped.dtype == torch.int64
+    a = active.tolist()
+    assert a == sorted(set(a)) and all(0 <= x < num_classes for x in a)
+    assert [a[i] for i in remapped.tolist()] == labels
+    distinct_labels = len(set(labels))
+    keep = max(min(budget, num_classes), distinct_labels)
+    assert len(a) == keep
+    order = priority_order(labels, neighbours)
+    if len(order) >= keep:
+        assert a == sorted(order[:keep])  # cut by rank, never dropping a label
+    else:
+        assert set(order) <= set(a)  # the rest is random fill
+    again = run(select_active, labels, neighbours, budget, seed, num_classes)
+    assert torch.equal(again[0], active) and torch.equal(again[1], remapped)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches())
+def test_select_partial_properties(batch):
+    num_classes, labels, neighbours, budget, seed = batch
+    active, remapped = run(select_partial, labels, neighbours, budget, seed, num_classes)
+    ignoring = run(select_partial, labels, None, budget, seed, num_classes)
+    assert torch.equal(active, ignoring[0]) and torch.equal(remapped, ignoring[1])
+    a = active.tolist()
+    assert a == sorted(set(a)) and set(labels) <= set(a)
+    assert [a[i] for i in remapped.tolist()] == labels
+    assert len(a) == max(min(budget, num_classes), len(set(labels)))
+
+
+def test_neighbours_fill_before_random_and_by_rank():
+    labels = torch.tensor([10, 20])
+    neighbours = torch.tensor([[10, 11, 12, 13], [20, 21, 22, -1]])
+    g = torch.Generator().manual_seed(0)
+    active, remapped = select_active(labels, neighbours, 5, g, 100)
+    assert active.tolist() == [10, 11, 12, 20, 21]  # rank 1 of both, then rank 2 of the first
+    assert active[remapped].tolist() == [10, 20]
+    active, _ = select_active(labels, neighbours, 9, g, 100)
+    assert {10, 11, 12, 13, 20, 21, 22} <= set(active.tolist()) and active.numel() == 9
+
+
+def test_labels_over_budget_are_all_kept():
+    labels = torch.tensor([5, 3, 9, 3, 1])
+    neighbours = torch.tensor([[5, 6], [3, 4], [9, 8], [3, 4], [1, 2]])
+    active, remapped = select_active(labels, neighbours, 2, torch.Generator(), 10)
+    assert active.tolist() == [1, 3, 5, 9]
+    assert active[remapped].tolist() == labels.tolist()
+
+
+def test_random_fill_is_uniform_and_excludes_active():
+    counts: collections.Counter[int] = collections.Counter()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3000):
+        active, _ = select_partial(torch.tensor([0]), None, 3, g, 21)
+        assert active[0] == 0
+        counts.update(active[1:].tolist())
+    assert set(counts) == set(range(1, 21))
+    assert all(200 < c < 400 for c in counts.values())  # expected 300 each
+
+
+def test_large_ids_and_big_batches():
+    n = 2 * BIG
+    g = torch.Generator().manual_seed(2)
+    labels = torch.randint(n, (256,), generator=g)
+    neighbours = torch.cat([labels[:, None], torch.randint(n, (256, 1199), generator=g)], 1)
+    active, remapped = select_active(labels, neighbours, 100_000, g, n)
+    assert active.numel() == 100_000 and torch.equal(active[remapped], labels)
+    active, remapped = select_active(labels, neighbours, 400_000, g, n)
+    assert active.numel() == 400_000 and torch.equal(active[remapped], labels)
+    assert bool((active[1:] > active[:-1]).all()) and int(active.max()) < n
+
+
+def test_budget_for_sample_rate():
+    assert budget_for_sample_rate(0.1, 1000) == 100
+    assert budget_for_sample_rate(1e-9, 1000) == 1
+    with pytest.raises(ValueError):
+        budget_for_sample_rate(0.0, 10)
+
+
+def test_rejects_ids_out_of_range():
+    with pytest.raises(ValueError):
+        select_active(torch.tensor([10]), None, 3, torch.Generator(), 10)
+    with pytest.raises(ValueError):
+        select_active(torch.tensor([1]), torch.tensor([[1, -2]]), 3, torch.Generator(), 10)

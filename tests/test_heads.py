@@ -1,0 +1,248 @@
+"""Heads over a real in-process AMS: against a dense float64 reference and against each other."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ams
+from workers.heads import HEADS, build_head
+from workers.losses import CombinedMarginLoss
+
+N, DIM, B = 40, 16, 12
+S, M2 = 16.0, 0.5  # ArcFace at a scale that keeps float32 comparisons tight
+MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4
+INIT_STD = 1 / math.sqrt(DIM)  # rows of norm ~1, so row gradients are O(1)
+
+
+def make_client(dtype: str = "float32", num_rows: int = N, shards: int = 2):
+    client = ams.connect(local_shards=shards)
+    client.create_table("fc", num_rows=num_rows, dim=DIM, dtype=dtype, momentum=MOMENTUM,
+                        weight_decay=WEIGHT_DECAY, seed=7, init_std=INIT_STD)
+    return client
+
+
+def all_rows(client, num_rows: int = N) -> torch.Tensor:
+    return client.pull("fc", torch.arange(num_rows))
+
+
+def write_exact_graph(client, k: int, num_rows: int = N) -> torch.Tensor:
+    """Brute-force cosine KNN of the current rows (self first), stored on the shards."""
+    w = F.normalize(all_rows(client, num_rows).double(), dim=1)
+    similarity = w @ w.t()
+    similarity.fill_diagonal_(2.0)
+    neighbours = similarity.topk(k, dim=1).indices
+    client.set_neighbors("fc", torch.arange(num_rows), neighbours, version=1, step=0,
+                         replace_all=True)
+    return neighbours
+
+
+def arcface_margin() -> CombinedMarginLoss:
+    return CombinedMarginLoss(S, 1.0, M2, 0.0)
+
+
+def batch(seed: int, num_rows: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, DIM, generator=g), torch.randint(0, num_rows, (B,), generator=g)
+
+
+def reference_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """ArcFace cross-entropy over all classes in float64, written out independently."""
+    cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
+    target_cos = cosine.gather(1, labels[:, None]).squeeze(1)
+    theta = torch.acos(target_cos)
+    switch = math.pi - M2
+    target = torch.where(theta <= switch, torch.cos(theta + M2),
+                         target_cos - 1.0 - math.cos(switch))
+    logits = cosine.scatter(1, labels[:, None], target[:, None]) * S
+    return F.cross_entropy(logits, labels)
+
+
+def run_step(head, client, seed: int, lr: float = 0.1):
+    features, labels = batch(seed)
+    step = head.forward_backward(features, head.prepare(labels), lr=lr)
+    return step, all_rows(client)
+
+
+def test_full_head_matches_dense_float64_sgd():
+    client = make_client()
+    head = build_head("full", client, "fc", N, arcface_margin())
+    w = nn.Parameter(all_rows(client).double())
+    optimizer = torch.optim.SGD([w], lr=0.1, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    for seed in (1, 2):
+        step, rows = run_step(head, client, seed)
+        features, labels = batch(seed)
+        x = features.double().requires_grad_(True)
+        optimizer.zero_grad()
+        loss = reference_loss(x, w, labels)
+        loss.backward()
+        optimizer.step()
+        assert step.loss == pytest.approx(loss.item(), abs=1e-5)
+        assert step.num_active == N
+        assert step.feature_grad.dtype == torch.float32
+        torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(rows.double(), w.detach(), rtol=0, atol=1e-6)
+
+
+def test_feature_grad_continues_the_backbone_backward():
+    client = make_client()
+    head = build_head("full", client, "fc", N, arcface_margin())
+    torch.manual_seed(0)
+    backbone = nn.Linear(8, DIM)
+    inputs, labels = torch.randn(B, 8), batch(3)[1]
+    w = all_rows(client).double()
+    step = head.forward_backward(backbone(inputs), head.prepare(labels), lr=0.1)
+    backbone(inputs).backward(step.feature_grad)
+
+    reference = nn.Linear(8, DIM).double()
+    reference.load_state_dict(backbone.state_dict())
+    reference_loss(reference(inputs.double()), w, labels).backward()
+    torch.testing.assert_close(backbone.weight.grad.double(), reference.weight.grad,
+                               rtol=0, atol=1e-5)
+
+
+def run_two_steps(name: str, **options):
+    client = make_client()
+    if name == "knn":
+        write_exact_graph(client, k=5)
+    head = build_head(name, client, "fc", N, arcface_margin(), **options)
+    return [run_step(head, client, seed) for seed in (1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("partial", {"sample_rate": 1.0}), ("knn", {"k": 5, "budget": N}),
+     ("knn", {"k": 5, "budget": 10 * N})],
+)
+def test_heads_covering_all_classes_equal_full(name, options):
+    for (full, full_rows), (other, other_rows) in zip(
+            run_two_steps("full"), run_two_steps(name, **options), strict=True):
+        assert other.num_active == N
+        assert other.loss == pytest.approx(full.loss, abs=1e-6)
+        torch.testing.assert_close(other.feature_grad, full.feature_grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(other_rows, full_rows, rtol=0, atol=1e-6)
+
+
+def assert_only_active_rows_moved(before: torch.Tensor, after: torch.Tensor,
+                                  active: torch.Tensor) -> None:
+    moved = (before != after).any(dim=1)
+    inactive = torch.ones(before.shape[0], dtype=torch.bool)
+    inactive[active] = False
+    assert not moved[inactive].any(), "a row outside the active set changed"
+    assert moved[active].all(), "an active row did not change"
+
+
+def test_partial_head_samples_and_updates_only_its_rows():
+    num_rows = 400
+    client = make_client(num_rows=num_rows)
+    head = build_head("partial", client, "fc", num_rows, arcface_margin(), sample_rate=0.1)
+    features, labels = batch(4, num_rows)
+    active = head.prepare(labels)
+    assert active.active_ids.numel() == 40
+    assert bool((active.active_ids[active.target] == labels).all())
+    before = all_rows(client, num_rows)
+    step = head.forward_backward(features, active, lr=0.1)
+    assert step.num_active == 40 and math.isfinite(step.loss)
+    assert_only_active_rows_moved(before, all_rows(client, num_rows), active.active_ids)
+
+
+def test_knn_head_takes_labels_and_their_neighbours():
+    num_rows, k = 400, 4
+    client = make_client(num_rows=num_rows)
+    neighbours = write_exact_graph(client, k=8, num_rows=num_rows)
+    head = build_head("knn", client, "fc", num_rows, arcface_margin(), k=k, budget=B * k)
+    features, labels = batch(5, num_rows)
+    active = head.prepare(labels)
+    wanted = torch.unique(neighbours[labels, :k])
+    assert bool(torch.isin(wanted, active.active_ids).all())
+    assert bool((active.active_ids[active.target] == labels).all())
+    before = all_rows(client, num_rows)
+    head.forward_backward(features, active, lr=0.1)
+    assert_only_active_rows_moved(before, all_rows(client, num_rows), active.active_ids)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_table_computes_in_float32(dtype):
+    client = make_client(dtype=dtype)
+    head = build_head("full", client, "fc", N, arcface_margin())
+    features, labels = batch(6)
+    active = head.prepare(labels)
+    assert active.rows.dtype == getattr(torch, dtype)
+    x = features.double().requires_grad_(True)
+    want = reference_loss(x, active.rows.double(), labels)
+    want.backward()
+    step = head.forward_backward(features, active, lr=0.1)
+    assert step.loss == pytest.approx(want.item(), abs=1e-5)
+    torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
+
+
+def test_low_precision_features_get_gradients_in_their_dtype():
+    client = make_client()
+    head = build_head("full", client, "fc", N, arcface_margin())
+    features, labels = batch(7)
+    features = features.bfloat16()
+    active = head.prepare(labels)
+    x = features.double().requires_grad_(True)
+    want = reference_loss(x, active.rows.double(), labels)
+    step = head.forward_backward(features, active, lr=0.1)
+    assert step.feature_grad.dtype == torch.bfloat16
+    assert step.loss == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_accuracy_counts_labels_with_the_highest_cosine():
+    client = make_client()
+    head = build_head("full", client, "fc", N, arcface_margin())
+    labels = torch.arange(B)
+    features = all_rows(client)[labels].float() * 3.0  # each feature points at its own row
+    features[0] = -features[0]
+    step = head.forward_backward(features, head.prepare(labels), lr=0.0)
+    assert step.accuracy == pytest.approx((B - 1) / B)
+
+
+def test_knn_head_needs_a_graph_deep_enough():
+    client = make_client()
+    head = build_head("knn", client, "fc", N, arcface_margin(), k=3, budget=20)
+    with pytest.raises(ams.AmsError):
+        head.prepare(torch.tensor([1, 2]))
+    write_exact_graph(client, k=2)
+    with pytest.raises(ValueError, match="k=3"):
+        head.prepare(torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [(torch.tensor([0, N]), r"\[0, 40\)"), (torch.tensor([-1, 0]), r"\[0, 40\)"),
+     (torch.tensor([0, 1], dtype=torch.int32), "int64"), (torch.zeros(2, 2).long(), r"\(B,\)")],
+)
+def test_bad_labels_are_rejected(labels, message):
+    head = build_head("full", make_client(), "fc", N, arcface_margin())
+    with pytest.raises(ValueError, match=message):
+        head.prepare(labels)
+
+
+def test_features_must_match_the_batch_and_the_table():
+    head = build_head("full", make_client(), "fc", N, arcface_margin())
+    active = head.prepare(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="B=3"):
+        head.forward_backward(torch.zeros(4, DIM), active, lr=0.1)
+    with pytest.raises(ValueError, match="dim"):
+        head.forward_backward(torch.zeros(3, DIM + 1), active, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [("fullest", {}, "full, partial, knn"), ("partial", {}, "sample_rate"),
+     ("partial", {"sample_rate": 1.5}, "sample_rate"), ("knn", {"k": 3}, "budget"),
+     ("knn", {"k": 0, "budget": 5}, "positive")],
+)
+def test_bad_head_options_are_rejected(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        build_head(name, make_client(), "fc", N, arcface_margin(), **options)
+
+
+def test_head_names_are_listed():
+    assert HEADS == ("full", "partial", "knn")

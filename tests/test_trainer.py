@@ -1,0 +1,148 @@
+"""Real training runs on real glyph data (small), resume, export/predict, hostile inputs."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.data.lmdb_dataset import LmdbImageDataset
+from workers.predict import Classifier
+from xcls.config import load_config
+from xcls.train_cmd import build_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def overrides(data: Path, out: Path, **extra) -> list[str]:
+    base = {
+        "data.train": str(data / "train"), "data.test": str(data / "test"),
+        "data.batch_size": 64, "data.num_workers": 0, "model.dim": 64,
+        "head.kind": "knn", "head.k": 8, "head.budget": 48, "graph.k": 16,
+        "graph.rebuild_every": 40, "optim.lr": 0.1, "optim.warmup_steps": 10,
+        "train.out_dir": str(out), "train.log_every": 10, "train.threads": 2,
+        "train.epochs": 100,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def test_short_run_learns_and_exports(glyphs_small, tmp_path):
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{"train.max_steps": 120}))
+    run = build_run(cfg)
+    result = run.trainer.train()
+    losses = [row["loss"] for row in result.history]
+    assert losses[-1] < 0.7 * losses[0], losses
+    chance = 1 / 120
+    assert result.eval["top1"] > 8 * chance, result.eval  # unseen designs, 120 classes
+    assert result.eval["top5"] > result.eval["top1"]
+    with open(tmp_path / "run" / "train.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(result.history)
+
+    # export -> Classifier gives the same predictions as the trainer's evaluation
+    out = subprocess.run([sys.executable, "-m", "xcls", "export", "--out", str(tmp_path / "exp"),
+                          str(tmp_path / "run" / "config.toml")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    clf = Classifier.load(tmp_path / "exp")
+    test = LmdbImageDataset(glyphs_small / "test")
+    images = torch.stack([test[i][1] for i in range(len(test))])
+    labels = torch.tensor(test.labels())
+    ids, scores = clf.predict(images, topk=5)
+    assert ids.shape == (len(test), 5) and bool((scores[:, :-1] >= scores[:, 1:]).all())
+    top1 = float((ids[:, 0] == labels).float().mean())
+    assert abs(top1 - result.eval["top1"]) < 1e-6
+    assert clf.names(ids[:1, :1])[0][0].startswith("U+")
+    with pytest.raises(ValueError, match="images must be"):
+        clf.predict(torch.zeros(2, 1, 32, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        clf.predict(torch.zeros(2, 1, 24, 24))
+
+
+def final_state(out: Path, step: int):
+    """Backbone weights of the checkpoint and the class rows of its AMS snapshot."""
+    from ams.snapshot import read_piece, step_dir
+
+    shared = torch.load(out / "checkpoints" / f"step-{step:012d}" / "worker.pt",
+                        weights_only=False)
+    pieces = sorted(step_dir(out / "ams", step).iterdir())
+    rows = [read_piece(p)[1]["fc"] for p in pieces]
+    return shared["backbone"], rows
+
+
+def test_resume_after_kill_is_bit_identical(glyphs_small, tmp_path):
+    args = overrides(glyphs_small, tmp_path, **{"train.max_steps": 36,
+                                                "train.checkpoint_every": 12,
+                                                "graph.rebuild_every": 10,
+                                                "head.kind": "knn", "data.test": ""})
+    cmd = [sys.executable, "-m", "xcls", "-q", "train", "/dev/null"]
+    straight = tmp_path / "straight"
+    subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
+                    f"train.out_dir={straight}"], check=True, timeout=600, capture_output=True)
+
+    crashed = tmp_path / "crashed"
+    proc = subprocess.Popen([*cmd, *sum((["--set", a] for a in args), []), "--set",
+                             f"train.out_dir={crashed}"], stderr=subprocess.DEVNULL)
+    marker = crashed / "checkpoints" / f"step-{12:012d}" / "worker.pt"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    assert not (crashed / "checkpoints" / f"step-{36:012d}").exists()
+    subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
+                    f"train.out_dir={crashed}"], check=True, timeout=600, capture_output=True)
+
+    a_backbone, a_rows = final_state(straight, 36)
+    b_backbone, b_rows = final_state(crashed, 36)
+    assert a_backbone.keys() == b_backbone.keys()
+    for key in a_backbone:
+        assert torch.equal(a_backbone[key], b_backbone[key]), key
+    for a, b in zip(a_rows, b_rows, strict=True):
+        assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
+        assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
+
+
+def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
+    cmd = [sys.executable, "-m", "xcls", "train", "/dev/null"]
+
+    def train(*sets: str) -> subprocess.CompletedProcess:
+        args = overrides(glyphs_small, tmp_path / "run", **{"train.max_steps": 2})
+        args += list(sets)
+        return subprocess.run([*cmd, *sum((["--set", a] for a in args), [])],
+                              capture_output=True, text=True, timeout=300)
+
+    out = train(f"data.train={tmp_path / 'nowhere'}")
+    assert out.returncode != 0 and "nowhere" in out.stderr
+    out = train("model.backbone=iresnet50")
+    assert out.returncode != 0 and "112" in out.stderr
+    out = train("model.backbone=vgg")
+    assert out.returncode != 0 and "resnet_small" in out.stderr
+
+    # a corrupt record: training stops with an error naming the sample
+    broken = tmp_path / "broken"
+    shutil.copytree(glyphs_small / "train", broken)
+    import lmdb
+
+    env = lmdb.open(str(broken), max_dbs=4, subdir=True)
+    db = env.open_db(b"samples")
+    n = len(LmdbImageDataset(glyphs_small / "train"))
+    with env.begin(write=True, db=db) as txn:
+        for sample in range(0, n, 3):  # one in three: every batch meets one
+            key = sample.to_bytes(8, "big")
+            value = bytearray(txn.get(key))
+            value[-3] ^= 0xFF
+            txn.put(key, bytes(value))
+    env.close()
+    out = train(f"data.train={broken}", "data.test=")
+    assert out.returncode != 0
+    assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr

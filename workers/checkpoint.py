@@ -1,0 +1,83 @@
+"""Worker checkpoints: backbone, optimizer, step, data position, written atomically.
+
+Layout: ``OUT/checkpoints/step-000000001200/{worker.pt, rank-00000.pt, ...}``. ``worker.pt``
+holds what all ranks share (backbone and optimizer state, step, data position); ``rank-R.pt``
+what is private to rank R (the selection generator and the batches it had already prepared),
+which makes a resumed run continue bit-identically with the same worker count, and is ignored
+when the count changes. A directory is written under a temporary name and renamed, so a
+checkpoint exists whole or not at all; the AMS snapshot of the same step completes the cut.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STEP_RE = re.compile(r"^step-(\d{12})$")
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step-{step:012d}"
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_shared(out_dir: Path, step: int, state: dict) -> Path:
+    """Rank 0: write ``worker.pt`` of checkpoint ``step`` and publish the directory."""
+    final = checkpoint_dir(out_dir, step)
+    staging = final.with_name(final.name + ".staging")
+    staging.mkdir(parents=True, exist_ok=True)
+    _atomic_save(state, staging / "worker.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    return final
+
+
+def save_rank(out_dir: Path, step: int, rank: int, state: dict) -> None:
+    """Every rank: its private part; written into the staging directory before rank 0
+    publishes (the trainer orders the two with a barrier)."""
+    staging = checkpoint_dir(out_dir, step).with_name(f"step-{step:012d}.staging")
+    staging.mkdir(parents=True, exist_ok=True)
+    _atomic_save(state, staging / f"rank-{rank:05d}.pt")
+
+
+def latest_step(out_dir: Path) -> int | None:
+    """The newest published checkpoint's step, or None."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    steps = sorted((int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name))
+                    and (p / "worker.pt").exists()), reverse=True)
+    return steps[0] if steps else None
+
+
+def load(out_dir: Path, step: int, rank: int) -> tuple[dict, dict | None]:
+    """(shared state, this rank's state or None when that file is absent)."""
+    d = checkpoint_dir(out_dir, step)
+    shared = torch.load(d / "worker.pt", map_location="cpu", weights_only=False)
+    rank_path = d / f"rank-{rank:05d}.pt"
+    private = torch.load(rank_path, map_location="cpu", weights_only=False) \
+        if rank_path.exists() else None
+    return shared, private
+
+
+def prune(out_dir: Path, keep: int = 2) -> None:
+    """Remove all but the newest ``keep`` checkpoints."""
+    root = Path(out_dir) / "checkpoints"
+    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), reverse=True)
+    for old in steps[keep:]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,222 @@
+"""Classification heads over class rows kept in the AMS: ``full``, ``partial`` and ``knn``.
+
+All three share one step and differ only in which classes are active:
+
+* ``full``: all N classes (the accuracy reference; only for small N),
+* ``partial`` (PartialFC): the batch labels plus uniform random negatives, ``sample_rate * N``
+  classes in all,
+* ``knn``: the batch labels plus their ``k`` nearest neighbours in normalized-W space, filled or
+  cut to ``budget`` classes.
+
+A step is split in two so the trainer's prefetch thread can run the first half one step ahead:
+
+1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes and
+   pull their rows. Only talks to the AMS; safe to run in another thread while the previous
+   batch is in ``forward_backward``.
+2. :meth:`ClassifierHead.forward_backward` (features, batch, lr -> :class:`HeadStep`): normalize
+   features and rows, cosine logits, margin, cross-entropy, backward; push dL/dW of the active
+   rows with ``lr`` and hand dL/dX back for the backbone.
+
+Rows pulled ahead miss the previous step's push (one step stale, as in any pipelined parameter
+server); the push is still applied to the shard's current rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ams.graph.select import budget_for_sample_rate, select_active, select_partial
+from workers.losses import CombinedMarginLoss
+
+
+class RowStore(Protocol):
+    """The part of the AMS client API a head uses (``ams.connect(...)`` satisfies it)."""
+
+    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 (n,) -> rows (n, dim) in the table's dtype, in request order."""
+        ...
+
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """Apply momentum SGD with gradients float (n, dim) to rows ids int64 (n,)."""
+        ...
+
+    def neighbors(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 (n,) -> int64 (n, k) neighbour ids, nearest first (the class itself)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ActiveBatch:
+    """One batch's active classes and their rows, as produced by :meth:`ClassifierHead.prepare`.
+
+    active_ids: int64 (A,) sorted unique class ids.
+    target: int64 (B,) position of each sample's label in ``active_ids``.
+    rows: (A, dim) the pulled rows of ``active_ids``, in the table's dtype.
+    """
+
+    active_ids: torch.Tensor
+    target: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HeadStep:
+    """Result of :meth:`ClassifierHead.forward_backward`.
+
+    loss: mean cross-entropy over the batch.
+    feature_grad: (B, dim) dL/dfeatures in the features' dtype; the caller continues the
+        backbone's backward with ``features.backward(step.feature_grad)``.
+    accuracy: fraction of samples whose highest cosine among the active classes is their label.
+    num_active: A, the number of classes in the softmax.
+    """
+
+    loss: float
+    feature_grad: torch.Tensor
+    accuracy: float
+    num_active: int
+
+
+class ActiveSelector(Protocol):
+    """Chooses the active classes of a batch: labels int64 (B,) -> (active_ids int64 (A,)
+    sorted unique, target int64 (B,) positions of the labels in active_ids)."""
+
+    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class AllClasses:
+    """``full``: every class is active, so a label's position is the label itself."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+
+    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(self.num_classes, dtype=torch.int64), labels.clone()
+
+
+class SampledClasses:
+    """``partial``: labels plus uniform random negatives, ``sample_rate * N`` classes in all
+    (never fewer than the distinct labels)."""
+
+    def __init__(self, num_classes: int, sample_rate: float, generator: torch.Generator) -> None:
+        self.num_classes = num_classes
+        self.budget = budget_for_sample_rate(sample_rate, num_classes)
+        self.generator = generator
+
+    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_partial(labels, None, self.budget, self.generator, self.num_classes)
+
+
+class NeighbourClasses:
+    """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
+    uniform random classes or cut (keeping every label) to ``budget``."""
+
+    def __init__(self, store: RowStore, table: str, num_classes: int, k: int, budget: int,
+                 generator: torch.Generator) -> None:
+        if k <= 0 or budget <= 0:
+            raise ValueError(f"k and budget must be positive, got k={k}, budget={budget}")
+        self.store, self.table = store, table
+        self.num_classes, self.k, self.budget = num_classes, k, budget
+        self.generator = generator
+
+    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        neighbours = self.store.neighbors(self.table, labels)
+        if neighbours.shape[1] < self.k:
+            raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
+                             f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
+        return select_active(labels, neighbours[:, :self.k], self.budget, self.generator,
+                             self.num_classes)
+
+
+class ClassifierHead:
+    """Margin softmax over the active classes of each batch, rows in an AMS table.
+
+    store: the AMS client; table: name of the (num_classes, dim) class-row table;
+    margin: the margin applied to the target cosine; selector: which classes are active.
+    The head computes in float32 on the features' device whatever the table's dtype.
+    """
+
+    def __init__(self, store: RowStore, table: str, num_classes: int,
+                 margin: CombinedMarginLoss, selector: ActiveSelector) -> None:
+        self.store, self.table = store, table
+        self.num_classes = num_classes
+        self.margin = margin
+        self.selector = selector
+
+    def prepare(self, labels: torch.Tensor) -> ActiveBatch:
+        """Select the active classes for ``labels`` (int64 (B,) class ids) and pull their rows.
+
+        Not reentrant (the selector's random generator is shared), but independent of
+        ``forward_backward``, so one prefetch thread may call it while the trainer steps.
+        """
+        if labels.dim() != 1 or labels.dtype != torch.int64:
+            raise ValueError(f"labels must be int64 (B,), got {labels.dtype} "
+                             f"{tuple(labels.shape)}")
+        labels = labels.cpu()
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(f"labels must lie in [0, {self.num_classes}), got range "
+                             f"[{int(labels.min())}, {int(labels.max())}]")
+        active_ids, target = self.selector(labels)
+        rows = self.store.pull(self.table, active_ids)
+        return ActiveBatch(active_ids=active_ids, target=target, rows=rows)
+
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
+                         lr: float, grad_scale: float = 1.0) -> HeadStep:
+        """Loss and gradients for one batch; pushes dL/dW of the active rows with ``lr``.
+
+        features: (B, dim) float, the backbone's output (its graph is left untouched: the head
+        differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
+        The pushed gradient is w.r.t. the unnormalized rows, float32 (A, dim), times
+        ``grad_scale``: with W data-parallel workers each pushes its batch-mean gradient and the
+        shards sum the pushes, so 1/W makes the update that of the global batch mean.
+        """
+        if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
+            raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
+                             f"got {tuple(features.shape)}")
+        if features.shape[1] != batch.rows.shape[1]:
+            raise ValueError(f"features have dim {features.shape[1]} but table {self.table!r} "
+                             f"rows have dim {batch.rows.shape[1]}")
+        device = features.device
+        with torch.autocast(device_type=device.type, enabled=False):
+            x = features.detach().float().requires_grad_(True)
+            w = batch.rows.to(device=device, dtype=torch.float32).requires_grad_(True)
+            target = batch.target.to(device)
+            cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
+            loss = F.cross_entropy(self.margin(cosine, target), target)
+            feature_grad, row_grad = torch.autograd.grad(loss, (x, w))
+        if grad_scale != 1.0:
+            row_grad = row_grad * grad_scale
+        self.store.push(self.table, batch.active_ids, row_grad.cpu(), lr=lr)
+        accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
+        return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
+                        accuracy=float(accuracy), num_active=int(batch.active_ids.numel()))
+
+
+HEADS = ("full", "partial", "knn")
+
+
+def build_head(name: str, store: RowStore, table: str, num_classes: int,
+               margin: CombinedMarginLoss, *, sample_rate: float | None = None,
+               k: int | None = None, budget: int | None = None, seed: int = 0) -> ClassifierHead:
+    """The head called ``name`` over table ``table`` of ``num_classes`` rows.
+
+    ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph).
+    ``seed`` seeds the generator that draws random negatives.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if name == "full":
+        selector: ActiveSelector = AllClasses(num_classes)
+    elif name == "partial":
+        if sample_rate is None:
+            raise ValueError("the partial head needs sample_rate")
+        selector = SampledClasses(num_classes, sample_rate, generator)
+    elif name == "knn":
+        if k is None or budget is None:
+            raise ValueError("the knn head needs k and budget")
+        selector = NeighbourClasses(store, table, num_classes, k, budget, generator)
+    else:
+        raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
+    return ClassifierHead(store, table, num_classes, margin, selector)

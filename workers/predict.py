@@ -1,0 +1,149 @@
+"""Deployment: classify by the nearest class row (seed 000 §4.5), and the export format.
+
+An export directory holds everything needed to classify without the AMS:
+
+    export.json          format, backbone name, dim, image size, channels, classes, step
+    backbone.safetensors backbone weights
+    rows.npy             (num_classes, dim) class rows (float16 or float32; memory-mapped)
+    classes.json         class id -> name (e.g. "U+4E00")
+    config.toml          the experiment config it was trained with
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from workers.backbones import Backbone, build_backbone
+
+EXPORT_FORMAT = "xcls-export"
+EXPORT_VERSION = 1
+
+
+def images_to_input(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> float32 in [-1, 1], the backbone's input (one definition, shared
+    by training, evaluation and prediction)."""
+    return images.float().div_(127.5).sub_(1.0)
+
+
+def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k classes of each feature by cosine to the class rows, streaming the rows.
+
+    features: (n, d) float; blocks: (class ids int64 (b,), rows (b, d)) covering the classes.
+    Returns (ids int64 (n, k), cosines float32 (n, k)), best first (-1 / -inf pads k > N).
+    """
+    q = F.normalize(features.float(), dim=1)
+    best_scores = torch.full((q.shape[0], k), -torch.inf)
+    best_ids = torch.full((q.shape[0], k), -1, dtype=torch.int64)
+    for ids, rows in blocks:
+        scores = q @ F.normalize(rows.to(q.device).float(), dim=1).t()
+        merged_scores = torch.cat([best_scores, scores.cpu()], dim=1)
+        merged_ids = torch.cat([best_ids, ids[None, :].expand(q.shape[0], -1)], dim=1)
+        best_scores, pos = merged_scores.topk(k, dim=1)
+        best_ids = merged_ids.gather(1, pos)
+    return best_ids, best_scores
+
+
+def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torch.Tensor,
+                 torch.Tensor]], *, backbone_name: str, num_classes: int, dim: int,
+                 image_size: int, channels: int, class_names: list[str], step: int,
+                 config_toml: str) -> Path:
+    """Write an export directory (see the module docstring) from a trained backbone and the
+    class rows streamed as (ids, rows) blocks."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
+    save_file(state, str(out / "backbone.safetensors"))
+    rows = np.lib.format.open_memmap(out / "rows.npy", mode="w+", dtype=np.float32,
+                                     shape=(num_classes, dim))
+    seen = 0
+    for ids, block in rows_blocks:
+        rows[ids.numpy()] = block.float().numpy()
+        seen += ids.numel()
+    rows.flush()
+    del rows
+    if seen != num_classes:
+        raise ValueError(f"the row blocks covered {seen} rows, expected {num_classes}")
+    (out / "classes.json").write_text(json.dumps(class_names, ensure_ascii=False))
+    (out / "config.toml").write_text(config_toml)
+    (out / "export.json").write_text(json.dumps({
+        "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
+        "dim": dim, "image_size": image_size, "channels": channels,
+        "num_classes": num_classes, "step": step,
+    }, indent=1))
+    return out
+
+
+class Classifier:
+    """A trained model from an export directory: images -> top-k classes by nearest row."""
+
+    def __init__(self, backbone: Backbone, rows: torch.Tensor, class_names: list[str],
+                 image_size: int, channels: int, device: str = "cpu") -> None:
+        self.backbone = backbone.to(device).eval()
+        self.rows = rows
+        self.class_names = class_names
+        self.image_size = image_size
+        self.channels = channels
+        self.device = device
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu") -> Classifier:
+        """Open an export directory written by ``xcls export``."""
+        path = Path(path)
+        try:
+            meta = json.loads((path / "export.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not an xcls export (export.json: {e})") from None
+        if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
+            raise ValueError(f"{path}: export format {meta.get('format')!r} v"
+                             f"{meta.get('version')!r}, this build reads {EXPORT_FORMAT} v"
+                             f"{EXPORT_VERSION}")
+        backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],
+                                  meta["image_size"])
+        backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
+        rows = torch.from_numpy(np.load(path / "rows.npy", mmap_mode="r").copy())
+        if tuple(rows.shape) != (meta["num_classes"], meta["dim"]):
+            raise ValueError(f"{path}: rows.npy is {tuple(rows.shape)}, export.json says "
+                             f"({meta['num_classes']}, {meta['dim']})")
+        names = json.loads((path / "classes.json").read_text(encoding="utf-8"))
+        return cls(backbone, rows, names, meta["image_size"], meta["channels"], device)
+
+    def _check_images(self, images: torch.Tensor | np.ndarray) -> torch.Tensor:
+        t = torch.as_tensor(images)
+        if t.dtype != torch.uint8:
+            raise ValueError(f"images must be uint8, got {t.dtype}")
+        if t.dim() == 3 and self.channels == 1:
+            t = t[:, None]
+        expected = (self.channels, self.image_size, self.image_size)
+        if t.dim() != 4 or tuple(t.shape[1:]) != expected:
+            raise ValueError(f"images must be [N, H, W] (grayscale) or [N, C, H, W] with "
+                             f"(C, H, W) = {expected}, got {tuple(t.shape)}")
+        return t
+
+    @torch.no_grad()
+    def embed(self, images: torch.Tensor | np.ndarray, batch_size: int = 512) -> torch.Tensor:
+        """uint8 images -> (N, dim) float32 features."""
+        t = self._check_images(images)
+        out = [self.backbone(images_to_input(t[i:i + batch_size]).to(self.device)).float().cpu()
+               for i in range(0, t.shape[0], batch_size)]
+        return torch.cat(out) if out else torch.empty((0, self.rows.shape[1]))
+
+    def predict(self, images: torch.Tensor | np.ndarray, topk: int = 5,
+                block_rows: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k class ids int64 (N, topk) and cosine scores float32 (N, topk), best first."""
+        features = self.embed(images)
+        n = self.rows.shape[0]
+        blocks = ((torch.arange(s, min(s + block_rows, n)), self.rows[s:s + block_rows])
+                  for s in range(0, n, block_rows))
+        return nearest_classes(features, blocks, min(topk, n))
+
+    def names(self, ids: torch.Tensor) -> list[list[str]]:
+        """Class names of predicted ids (N, k)."""
+        return [[self.class_names[i] for i in row] for row in ids.tolist()]

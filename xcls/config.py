@@ -1,0 +1,325 @@
+"""Experiment configuration: one TOML file per experiment, read into typed dataclasses.
+
+Unknown keys and wrong types are rejected with the dotted key in the message; ``--set a.b=c``
+overrides any field. Library code never reads this tree: the command line unpacks it into
+explicit arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the dotted key."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """LMDB image dataset to train on (``xcls data glyphs|folder|rec`` writes one)."""
+    test: str = ""
+    """LMDB dataset for evaluation (empty: no evaluation)."""
+    batch_size: int = 256
+    """samples per step per worker"""
+    num_workers: int = 2
+    """DataLoader worker processes (0: load in the training process)"""
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "resnet_small"
+    """resnet_small (32-64 px) or iresnet50 (112 px faces)"""
+    dim: int = 128
+    """embedding width = class-row width"""
+
+
+@dataclass
+class HeadConfig:
+    kind: str = "knn"
+    """full | partial | knn"""
+    sample_rate: float = 0.1
+    """partial: fraction of all classes active per step"""
+    k: int = 16
+    """knn: neighbours per label taken into the active set (the graph keeps graph.k)"""
+    budget: int = 0
+    """knn: active classes per step (0: sample_rate * num_classes, so knn and partial compare
+    at equal size)"""
+    margin: str = "cosface"
+    """arcface | cosface | softmax (normalized softmax, no margin)"""
+    scale: float = 32.0
+    """logit scale s"""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.1
+    """peak learning rate of the backbone"""
+    head_lr: float = 0.0
+    """peak learning rate of the class rows (0: same as lr)"""
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    """cosine | constant (after warmup)"""
+
+
+@dataclass
+class AmsConfig:
+    addresses: list[str] = field(default_factory=list)
+    """shard host:port list in shard order; empty: shards run in this process"""
+    local_shards: int = 2
+    """embedded mode: number of in-process shards"""
+    table: str = "fc"
+    dtype: str = "float32"
+    """row dtype: float32 | float16 | bfloat16"""
+    state_dtype: str = ""
+    """momentum dtype (empty: same as dtype)"""
+    token_file: str = ""
+    """file with the shards' shared secret (empty: none)"""
+
+
+@dataclass
+class GraphConfig:
+    k: int = 32
+    """neighbours kept per class in the graph (>= head.k)"""
+    rebuild_every: int = 0
+    """steps between graph rebuilds (0: once per epoch)"""
+    device: str = ""
+    """where to build (empty: the training device)"""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    max_steps: int = 0
+    """stop after this many steps (0: run all epochs)"""
+    seed: int = 0
+    prefetch_depth: int = 1
+    """batches whose active rows are pulled ahead (0: strict, pull after the last push)"""
+    amp: bool = True
+    """mixed precision on CUDA (ignored on CPU)"""
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)"""
+    out_dir: str = "runs/experiment"
+    """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
+    log_every: int = 50
+    eval_every: int = 0
+    """steps between evaluations (0: at each epoch end)"""
+    checkpoint_every: int = 0
+    """steps between checkpoints (0: at each epoch end)"""
+    resume: bool = True
+    """continue from the newest checkpoint in out_dir if there is one"""
+
+
+@dataclass
+class GearConfig:
+    enabled: bool = False
+    ttl: float = 0.0
+    """seconds a cached feature stays usable (0: never reuse)"""
+    m: int = 1
+    """gradients per sample averaged before the slow gear applies them"""
+    backend: str = "memory"
+    """memory | lmdb | redis"""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class ExperimentConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ams: AmsConfig = field(default_factory=AmsConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gear: GearConfig = field(default_factory=GearConfig)
+
+
+CHOICES = {
+    "head.kind": ("full", "partial", "knn"),
+    "head.margin": ("arcface", "cosface", "softmax"),
+    "optim.schedule": ("cosine", "constant"),
+    "ams.dtype": ("float32", "float16", "bfloat16"),
+    "ams.state_dtype": ("", "float32", "float16", "bfloat16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "gear.backend": ("memory", "lmdb", "redis"),
+}
+POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
+            "train.log_every", "head.scale", "ams.local_shards", "gear.m"}
+NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
+                "optim.weight_decay", "optim.warmup_steps", "graph.rebuild_every",
+                "train.max_steps", "train.seed", "train.prefetch_depth", "train.threads",
+                "train.eval_every", "train.checkpoint_every", "gear.ttl"}
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``kind``; ints are accepted for floats."""
+    origin = typing.get_origin(kind)
+    if origin in (list, types.GenericAlias) or kind is list:
+        (item,) = typing.get_args(kind) or (str,)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {kind}")  # pragma: no cover
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = _build(kind, value, key)
+        else:
+            kwargs[name] = _coerce(value, kind, key)
+    return cls(**kwargs)
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Range and choice checks that a type alone does not express."""
+    for key, allowed in CHOICES.items():
+        value = get_value(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+    for key in POSITIVE:
+        if get_value(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {get_value(cfg, key)}")
+    for key in NON_NEGATIVE:
+        if get_value(cfg, key) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {get_value(cfg, key)}")
+    if not 0 < cfg.head.sample_rate <= 1:
+        raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
+    if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
+        raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
+                          "keep at least as many neighbours as the head takes")
+    if not 0 <= cfg.optim.momentum < 1:
+        raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    return cfg
+
+
+def get_value(cfg: Any, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parse_override(text: str, kind: Any, key: str) -> Any:
+    """``--set`` value text -> a value of the field's type (TOML literal syntax accepted)."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set head.kind=knn
+    if kind is str and not isinstance(value, str):
+        value = text
+    if typing.get_origin(kind) is list and isinstance(value, str):
+        value = [v for v in value.split(",") if v]
+    return _coerce(value, kind, key)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=c`` overrides to the raw config dict (checked against the schema)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. head.kind=knn")
+        dotted, text = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        cls: Any = ExperimentConfig
+        node = data
+        for i, part in enumerate(parts):
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            key = ".".join(parts[:i + 1])
+            if part not in fields:
+                raise ConfigError(f"--set {dotted}: unknown key {key} "
+                                  f"(known: {', '.join(sorted(fields))})")
+            kind = typing.get_type_hints(cls)[part]
+            if dataclasses.is_dataclass(kind):
+                if i == len(parts) - 1:
+                    raise ConfigError(f"--set {dotted}: {key} is a section, name a field in it")
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{key}: expected a table")
+                cls = kind
+            else:
+                if i != len(parts) - 1:
+                    raise ConfigError(f"--set {dotted}: {key} is not a section")
+                node[part] = _parse_override(text.strip(), kind, key)
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a TOML experiment file (None: all defaults), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config {p} is not UTF-8 text") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {p} is not valid TOML: {e}") from None
+    data = apply_overrides(data, overrides or [])
+    return validate(_build(ExperimentConfig, data, ""))
+
+
+def to_toml(cfg: ExperimentConfig) -> str:
+    """The full resolved config as TOML (every field, defaults included)."""
+    lines = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section.name), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
