@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ _STEP_RE = re.compile(r"^step-(\d{12})$")
 _PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _DTYPES = {**ROW_DTYPES, "int64": torch.int64}
 _NAMES = {**DTYPE_NAMES, torch.int64: "int64"}
+# py-lmdb refuses a second open of one path in a process: in-process shards restoring in
+# parallel (the embedded AMS) all read the same pieces, so they take turns.
+_READ_LOCK = threading.Lock()
 
 
 def step_dir(data_dir: Path, step: int) -> Path:
@@ -192,6 +196,11 @@ def read_piece(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
         raise SnapshotError(
             f"{path}: format_version {manifest.get('format_version')!r}, this build reads "
             f"{FORMAT_VERSION}")
+    with _READ_LOCK:
+        return manifest, _read_tensors(path, manifest)
+
+
+def _read_tensors(path: Path, manifest: dict) -> dict[str, dict[str, torch.Tensor]]:
     digest = hashlib.sha256()
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     try:
@@ -218,7 +227,7 @@ def read_piece(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
         env.close()
     if "sha256:" + digest.hexdigest() != manifest.get("checksum"):
         raise SnapshotError(f"{path}: checksum mismatch, the data is corrupt")
-    return manifest, tensors
+    return tensors
 
 
 def list_steps(data_dir: Path) -> list[int]:
