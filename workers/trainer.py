@@ -377,8 +377,7 @@ class Trainer:
         every = self.opt.eval_every
         if self.rank == 0 and self.test_set is not None and (
                 (every and self.step % every == 0) or (not every and end_of_epoch) or last):
-            result.eval = self.evaluate()
-            result.eval["step"] = self.step
+            result.eval = {"step": self.step, **self.evaluate()}
             self._record("eval", dict(result.eval))
             log.info("eval step=%d top1=%.4f top5=%.4f samples=%d", self.step,
                      result.eval["top1"], result.eval["top5"], result.eval["samples"])
