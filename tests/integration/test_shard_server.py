@@ -261,3 +261,20 @@ def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_pa
                           "latest"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "manifest unreadable" in out.stderr
+
+
+def test_tls_and_token(shard_cluster, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    token_file = tmp_path / "token"
+    token_file.write_text("t0k3n")
+    (proc,) = shard_cluster(1, ["--tls-cert", str(cert), "--tls-key", str(key),
+                                "--auth-token-file", str(token_file)])
+    client = ams.connect([proc.address], tls_ca=cert.read_bytes(), token="t0k3n")
+    client.create_table("fc", num_rows=10, dim=4)
+    assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)
+    client.close()
+    with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
+        ams.connect([proc.address], token="t0k3n", ready_timeout=2)
