@@ -368,15 +368,17 @@ class ShardedClient:
         ids = self._check_ids(ids)
         parts = sharding.split_by_shard(ids, self.num_shards)
 
+        step_rows = max(1, REQUEST_BYTES // (8 * (neighbors.shape[1] + 2)))
+
         def work(s: int) -> None:
-            if parts[s].numel() == 0:
-                return
-            sub = neighbors[parts[s]]
-            valid = sub >= 0
-            offsets = torch.zeros(sub.shape[0] + 1, dtype=torch.int64)
-            torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
-            self.shards[s].set_neighbors(name, ids[parts[s]], offsets, sub[valid], version,
-                                         step, replace_all)
+            for start in range(0, parts[s].numel(), step_rows):
+                chunk = parts[s][start:start + step_rows]
+                sub = neighbors[chunk]
+                valid = sub >= 0
+                offsets = torch.zeros(sub.shape[0] + 1, dtype=torch.int64)
+                torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
+                self.shards[s].set_neighbors(name, ids[chunk], offsets, sub[valid], version,
+                                             step, replace_all)
 
         self._fan_out(work)
 

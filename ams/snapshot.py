@@ -324,18 +324,8 @@ def _assemble(store: ShardStore, pieces: list[Path]
         graph = None
         meta = acc["graph_meta"]
         if meta and acc["graph_parts"]:
-            graph = _merge_graph_parts(acc["graph_parts"], acc["rows"].shape[0])
+            graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0])
             graph.version, graph.step = meta["version"], meta["step"]
         result.append((acc["spec"], acc["rows"], acc["state"], graph))
     return result
 
-
-def _merge_graph_parts(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int
-                       ) -> NeighborTable:
-    """CSR pieces for disjoint sets of positions -> one table over positions 0..n-1."""
-    positions = torch.cat([p for p, _, _ in parts])
-    lengths = torch.cat([o[1:] - o[:-1] for _, o, _ in parts])
-    neighbors = torch.cat([nb for _, _, nb in parts])
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return NeighborTable.from_csr(positions, offsets, neighbors, n)

@@ -101,6 +101,7 @@ class ShardTable:
     state: torch.Tensor
     optimizer: SparseMomentumSGD
     graph: NeighborTable | None = None
+    staged_graph: dict | None = None  # parts of the next full graph, see set_neighbors
     counters: TableCounters = field(default_factory=TableCounters)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -299,9 +300,11 @@ class ShardStore:
                       replace_all: bool) -> int:
         """Store neighbour lists (CSR, see ``neighbors``) for owned ``ids``.
 
-        ``replace_all``: the lists form a new table of this ``version`` that must cover every
-        owned row (one call); otherwise the lists of ``ids`` are replaced in place (partial
-        refresh). Returns the graph version now in force.
+        ``replace_all``: the lists belong to a new table of this ``version``, which may arrive in
+        several calls (messages are size-limited); it replaces the current table once its calls
+        have covered every owned row exactly once, and a call of another version starts over.
+        Otherwise the lists of ``ids`` are replaced in place (partial refresh). Returns the graph
+        version now in force (0: none yet).
         """
         table = self.table(name)
         positions = self._positions(table, ids)
@@ -320,25 +323,40 @@ class ShardStore:
             raise IdOutOfRange(
                 f"neighbors: ids must be in 0..{table.spec.num_rows - 1}, got "
                 f"{int(neighbors.min())}..{int(neighbors.max())}")
-        if not replace_all and torch.unique(positions).numel() != n:
+        if torch.unique(positions).numel() != n:
             raise InvalidArgument("ids: repeated ids in one neighbour update")
         with table.lock:
             if replace_all:
-                owned = table.rows.shape[0]
-                if n != owned or not torch.equal(torch.sort(positions).values,
-                                                 torch.arange(owned)):
-                    raise InvalidArgument(
-                        f"ids: a full graph must list each of the {owned} owned rows once")
-                graph = NeighborTable.from_csr(positions, offsets, neighbors, owned)
-                graph.version, graph.step = version, step
-                table.graph = graph
+                self._stage_graph(table, positions, offsets, neighbors, version, step)
             else:
                 if table.graph is None:
                     raise FailedPrecondition(
                         f"table {name!r} has no neighbour graph to refresh; build it first")
                 table.graph.update(positions, offsets, neighbors)
                 table.graph.version, table.graph.step = version, step
-            return table.graph.version
+            return table.graph.version if table.graph is not None else 0
+
+    def _stage_graph(self, table: ShardTable, positions: torch.Tensor, offsets: torch.Tensor,
+                     neighbors: torch.Tensor, version: int, step: int) -> None:
+        """Collect one part of a full graph; install the graph when every row has its list."""
+        owned = table.rows.shape[0]
+        staged = table.staged_graph
+        if staged is None or staged["version"] != version:
+            staged = table.staged_graph = {"version": version, "step": step, "parts": [],
+                                           "covered": torch.zeros(owned, dtype=torch.bool)}
+        seen = staged["covered"][positions]
+        if positions.numel() and bool(seen.all()):
+            return  # a retried delivery of a part already staged
+        if bool(seen.any()):
+            raise InvalidArgument(f"ids: some rows already have a list in graph version "
+                                  f"{version}; each row is sent once per version")
+        staged["covered"][positions] = True
+        staged["parts"].append((positions, offsets, neighbors))
+        if not bool(staged["covered"].all()):
+            return
+        graph = NeighborTable.from_parts(staged["parts"], owned)
+        graph.version, graph.step = version, staged["step"]
+        table.graph, table.staged_graph = graph, None
 
     # ---- introspection ------------------------------------------------------------------
 

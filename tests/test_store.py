@@ -188,3 +188,37 @@ def test_scan_covers_owned_ids_in_order():
     ids = torch.cat([b[0] for b in blocks])
     assert torch.equal(ids, owned(store))
     assert torch.equal(torch.cat([b[1] for b in blocks]), store.pull("fc", ids))
+
+
+def test_full_graph_arrives_in_parts_and_installs_when_complete():
+    store = make_store(1, 2)  # owns 25 rows: ids 1, 3, ..., 49
+    mine = owned(store)
+    lists = torch.stack([mine, (mine + 2) % N, (mine + 4) % N], dim=1)
+
+    def send(rows, version):
+        offsets = torch.arange(0, 3 * rows.numel() + 1, 3)
+        return store.set_neighbors("fc", mine[rows], offsets, lists[rows].reshape(-1), version,
+                                   step=5, replace_all=True)
+
+    assert send(torch.arange(0, 10), 1) == 0  # not complete: no graph yet
+    assert send(torch.arange(0, 10), 1) == 0  # a retried part is harmless
+    with pytest.raises(errors.InvalidArgument, match="already have a list"):
+        send(torch.arange(5, 15), 1)
+    assert send(torch.arange(10, 25), 1) == 1
+    offsets, flat = store.neighbors("fc", mine[[3, 20]])
+    assert flat.tolist() == lists[[3, 20]].reshape(-1).tolist()
+    assert offsets.tolist() == [0, 3, 6]
+    assert send(torch.arange(0, 24), 2) == 1  # version 2 incomplete: version 1 stays
+    assert send(torch.arange(24, 25), 2) == 2
+
+
+def test_client_sends_big_graphs_in_chunks(monkeypatch):
+    import ams
+    import ams.client
+
+    monkeypatch.setattr(ams.client, "REQUEST_BYTES", 8 * 5 * 4)  # 4 lists of k=3 per call
+    client = ams.connect(local_shards=2)
+    client.create_table("fc", num_rows=N, dim=D)
+    lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
+    client.set_neighbors("fc", torch.arange(N), lists, version=1, step=0, replace_all=True)
+    assert torch.equal(client.neighbors("fc", torch.arange(N)), lists)

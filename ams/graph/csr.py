@@ -103,6 +103,17 @@ class NeighborTable:
         new_offsets, new_neighbors = gather_segments(starts, lengths, neighbors)
         return cls(new_offsets, new_neighbors)
 
+    @classmethod
+    def from_parts(cls, parts: list[tuple[Tensor, Tensor, Tensor]], num_rows: int
+                   ) -> NeighborTable:
+        """From CSR parts ``(positions (m,), offsets (m + 1,), neighbors)`` for disjoint sets
+        of positions that together cover 0..num_rows-1 (e.g. lists that arrived in pieces)."""
+        lengths = torch.cat([o[1:] - o[:-1] for _, o, _ in parts])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return cls.from_csr(torch.cat([p for p, _, _ in parts]), offsets,
+                            torch.cat([nb for _, _, nb in parts]), num_rows)
+
     @property
     def num_rows(self) -> int:
         return self.offsets.numel() - 1
