@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to let in-flight calls finish on shutdown")
     p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads per request; requests already run in parallel "
+                        "handler threads, and parallel kernels stall each other on busy cores")
     p.set_defaults(func=run_shard)
     serve.set_defaults(func=lambda args: serve.print_help() or 2)
 
@@ -89,6 +92,11 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.restore is not None and args.data_dir is None:
         raise SystemExit("error: --restore needs --data-dir")
 
+    if args.torch_threads < 1:
+        raise SystemExit(f"error: --torch-threads {args.torch_threads} must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     store = ShardStore(args.shard_id, args.num_shards)
     if args.restore is not None:
         if args.restore == "latest":

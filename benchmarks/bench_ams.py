@@ -1,0 +1,461 @@
+"""AMS pull/push throughput against Redis and a raw TCP socket, plus resident memory per class.
+
+    python benchmarks/bench_ams.py            # full table (a few minutes)
+    python benchmarks/bench_ams.py --quick    # smoke run (seconds)
+
+Backends, measured side by side (each repeat runs every backend once, in turn, on the same ids,
+so drift on a shared machine hits them alike; the table shows medians over repeats):
+
+* in-proc: ``ams.connect(local_shards=S)``, the embedded store;
+* xcls-grpc: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1;
+* redis: S ``redis-server`` processes (no persistence), one key per row holding the row's bytes,
+  ids split by id % S, pipelined MGET / MSET, shards queried from parallel threads;
+* raw: S socket server processes that receive the ids' bytes (plus the gradients on push) and
+  answer with n*d*itemsize bytes, read with recv_into a preallocated buffer: the ceiling for
+  any wire protocol in Python on this machine.
+
+Rows are random unique ids. MB/s counts the row payload (n * d * itemsize of the table dtype) in
+every column; a push moves what each backend must move to update the rows: xcls and raw send
+float32 gradients (the AMS push contract), Redis writes the new rows in the table dtype (no
+read-modify-write, so Redis does strictly less work there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+import ams
+from ams import rowcopy, sharding
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Keys per MGET/MSET command inside one pipeline: large enough to amortise the per-command
+# cost, small enough that Redis streams replies instead of building one huge buffer.
+REDIS_CHUNK = 1000
+
+# ---- raw socket ceiling ------------------------------------------------------------------
+
+# op (0 pull, 1 push), request payload bytes, reply bytes
+_RAW_HEADER = struct.Struct("<BQQ")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("peer closed")
+        view = view[got:]
+
+
+def _raw_server(port_queue: mp.Queue) -> None:
+    """Answer each request with reply-bytes bytes from a preallocated buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header = bytearray(_RAW_HEADER.size)
+    inbox = bytearray(1)
+    outbox = bytearray(1)
+    try:
+        while True:
+            _recv_exact(conn, memoryview(header))
+            _, size, reply = _RAW_HEADER.unpack(header)
+            if size > len(inbox):
+                inbox = bytearray(size)
+            if reply > len(outbox):
+                outbox = bytearray(reply)
+            _recv_exact(conn, memoryview(inbox)[:size])
+            conn.sendall(memoryview(outbox)[:reply])
+    except ConnectionError:
+        pass
+
+
+class RawClient:
+    """One connection per shard; pull/push move exactly the bytes xcls moves for the payload."""
+
+    def __init__(self, num_shards: int, dim: int, pool: ThreadPoolExecutor | None) -> None:
+        ctx = mp.get_context("spawn")
+        self.dim, self.pool, self.num_shards = dim, pool, num_shards
+        self.procs, self.socks = [], []
+        for _ in range(num_shards):
+            q = ctx.Queue()
+            p = ctx.Process(target=_raw_server, args=(q,), daemon=True)
+            p.start()
+            sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.procs.append(p)
+            self.socks.append(sock)
+        self.ack = bytearray(1)
+
+    def _each(self, parts: list[torch.Tensor], work) -> None:
+        if self.pool is None:
+            work(0, parts[0])
+        else:
+            list(self.pool.map(work, range(self.num_shards), parts))
+
+    def pull(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows land in ``out`` grouped by shard (a ceiling: no reassembly into request order)."""
+        parts = _split(ids, self.num_shards)
+        starts = np.cumsum([0] + [p.numel() for p in parts]).tolist()
+        flat = out.view(torch.uint8).numpy().reshape(-1)
+        row_bytes = self.dim * out.element_size()
+
+        def work(s: int, part: torch.Tensor) -> None:
+            sock = self.socks[s]
+            n = part.numel()
+            sock.sendall(_RAW_HEADER.pack(0, n * 8, n * row_bytes))
+            sock.sendall(part.numpy().data)
+            _recv_exact(sock, memoryview(flat)[starts[s] * row_bytes:starts[s + 1] * row_bytes])
+
+        self._each(parts, work)
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        parts = _split(ids, self.num_shards)
+        starts = np.cumsum([0] + [p.numel() for p in parts]).tolist()
+        g = grads.numpy().data.cast("B")
+        row_bytes = self.dim * 4
+
+        def work(s: int, part: torch.Tensor) -> None:
+            sock = self.socks[s]
+            n = part.numel()
+            sock.sendall(_RAW_HEADER.pack(1, n * 8 + n * row_bytes, 1))
+            sock.sendall(part.numpy().data)
+            sock.sendall(g[starts[s] * row_bytes:starts[s + 1] * row_bytes])
+            _recv_exact(sock, memoryview(self.ack))
+
+        self._each(parts, work)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        for p in self.procs:
+            p.join(10)
+
+
+def _split(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
+    return [ids.index_select(0, pos) for pos in sharding.split_by_shard(ids, num_shards)]
+
+
+# ---- Redis -------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisShards:
+    """S redis-server processes; rows of dtype d live in database ``DB[d]``, key id -> bytes."""
+
+    DB = {torch.float32: 0, torch.float16: 1}
+
+    def __init__(self, num_shards: int, workdir: Path, pool: ThreadPoolExecutor | None) -> None:
+        self.num_shards, self.pool = num_shards, pool
+        self.procs, self.clients = [], {}
+        for s in range(num_shards):
+            port = _free_port()
+            self.procs.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir), "--logfile", ""],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for dtype, db in self.DB.items():
+                self.clients[s, dtype] = redis.Redis(host="127.0.0.1", port=port, db=db)
+        deadline = time.monotonic() + 30
+        for s in range(num_shards):
+            while True:
+                try:
+                    self.clients[s, torch.float32].ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+    def _each(self, parts: list[torch.Tensor], work) -> list:
+        if self.pool is None:
+            return [work(0, parts[0])]
+        return list(self.pool.map(work, range(self.num_shards), parts))
+
+    def load(self, rows: torch.Tensor) -> None:
+        ids = torch.arange(rows.shape[0])
+        self.push(ids, rows)
+        self.clients[0, rows.dtype].ping()
+
+    def pull(self, ids: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+        positions = sharding.split_by_shard(ids, self.num_shards)
+        out = torch.empty((ids.numel(), dim), dtype=dtype)
+
+        def work(s: int, pos: torch.Tensor) -> None:
+            keys = ids.index_select(0, pos).tolist()
+            pipe = self.clients[s, dtype].pipeline(transaction=False)
+            for i in range(0, len(keys), REDIS_CHUNK):
+                pipe.mget(keys[i:i + REDIS_CHUNK])
+            raw = b"".join(b"".join(chunk) for chunk in pipe.execute())
+            got = torch.frombuffer(bytearray(raw), dtype=dtype).view(-1, dim)
+            if self.num_shards == 1:
+                out.copy_(got)
+            else:
+                rowcopy.scatter(out, pos, got)
+
+        self._each(positions, work)
+        return out
+
+    def push(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        positions = sharding.split_by_shard(ids, self.num_shards)
+        data = rows.contiguous().view(torch.uint8).numpy().reshape(-1).data
+        row_bytes = rows.shape[1] * rows.element_size()
+
+        def work(s: int, pos: torch.Tensor) -> None:
+            keys, where = ids.index_select(0, pos).tolist(), pos.tolist()
+            pipe = self.clients[s, rows.dtype].pipeline(transaction=False)
+            for i in range(0, len(keys), REDIS_CHUNK):
+                pipe.mset({k: data[p * row_bytes:(p + 1) * row_bytes]
+                           for k, p in zip(keys[i:i + REDIS_CHUNK], where[i:i + REDIS_CHUNK],
+                                           strict=True)})
+            pipe.execute()
+
+        self._each(positions, work)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(10)
+
+
+# ---- xcls shard processes ----------------------------------------------------------------
+
+
+def start_shards(num_shards: int, workdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """``xcls serve shard`` processes as in tests/integration/conftest.py; -> (procs, addresses)."""
+    procs, port_files = [], []
+    for s in range(num_shards):
+        port_file = workdir / f"port-{s}-of-{num_shards}"
+        port_file.unlink(missing_ok=True)
+        port_files.append(port_file)
+        log = open(workdir / f"shard-{s}-of-{num_shards}.log", "ab")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "xcls", "-q", "serve", "shard", "--shard-id", str(s),
+             "--num-shards", str(num_shards), "--port", "0", "--port-file", str(port_file),
+             "--data-dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        log.close()
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in port_files):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            stop(procs)
+            raise SystemExit(f"shards did not start; see {workdir}/shard-*.log")
+        time.sleep(0.05)
+    return procs, [f"127.0.0.1:{int(p.read_text())}" for p in port_files]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+# ---- measurement -------------------------------------------------------------------------
+
+
+def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: int) -> dict:
+    """Median rows/s of each backend and median per-repeat ratios; backends run in turn."""
+    n = batches[0].numel()
+    for fn in backends.values():  # warm-up: connections, buffers, first-touch pages
+        fn(batches[0])
+    rates: dict[str, list[float]] = {name: [] for name in backends}
+    for r in range(repeats):
+        for name, fn in backends.items():
+            t0 = time.perf_counter()
+            for c in range(calls):
+                fn(batches[(r * calls + c) % len(batches)])
+            rates[name].append(calls * n / (time.perf_counter() - t0))
+    out = {name: statistics.median(v) for name, v in rates.items()}
+    for other in ("raw", "redis"):
+        if "xcls-grpc" in rates and other in rates:
+            out[f"grpc/{other}"] = statistics.median(
+                a / b for a, b in zip(rates["xcls-grpc"], rates[other], strict=True))
+    return out
+
+
+def throughput(args: argparse.Namespace, workdir: Path) -> list[tuple]:
+    dim, results = args.dim, []
+    gen = torch.Generator().manual_seed(0)
+    for num_shards in args.shards:
+        pool = ThreadPoolExecutor(num_shards) if num_shards > 1 else None
+        with ExitStack() as stack:
+            procs, addresses = start_shards(num_shards, workdir)
+            stack.callback(stop, procs)
+            remote = stack.enter_context(ams.connect(addresses))
+            local = stack.enter_context(ams.connect(local_shards=num_shards))
+            red = RedisShards(num_shards, workdir, pool)
+            stack.callback(red.close)
+            raw = RawClient(num_shards, dim, pool)
+            stack.callback(raw.close)
+            if pool is not None:
+                stack.callback(pool.shutdown)
+            for dtype_name in args.dtypes:
+                table = f"bench_{dtype_name}"
+                for client in (remote, local):
+                    client.create_table(table, num_rows=args.table_rows, dim=dim, dtype=dtype_name)
+                red.load(local.pull(table, torch.arange(args.table_rows)))
+                for n in args.batches:
+                    batches = [torch.randperm(args.table_rows, generator=gen)[:n]
+                               for _ in range(4)]
+                    grads = torch.randn(n, dim, generator=gen) * 1e-3
+                    calls = max(1, args.rows_per_repeat // n)
+                    pulls, pushes = _backends(local, remote, red, raw, table, grads)
+                    pull = measure(pulls, batches, args.repeats, calls)
+                    push = measure(pushes, batches, args.repeats, calls)
+                    for op, res in (("pull", pull), ("push", push)):
+                        results.append((op, dtype_name, n, num_shards, res))
+                        print(_row(op, dtype_name, n, num_shards, res, dim), flush=True)
+    return results
+
+
+def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, red: RedisShards,
+              raw: RawClient, table: str, grads: torch.Tensor) -> tuple[dict, dict]:
+    """Pull and push callables (ids -> None) of every backend for one table and batch size."""
+    spec = local.spec(table)
+    rows = grads.to(spec.dtype)
+    out = torch.empty_like(rows)
+    pulls = {
+        "in-proc": lambda ids: local.pull(table, ids),
+        "xcls-grpc": lambda ids: remote.pull(table, ids),
+        "redis": lambda ids: red.pull(ids, spec.dtype, spec.dim),
+        "raw": lambda ids: raw.pull(ids, out),
+    }
+    pushes = {
+        "in-proc": lambda ids: local.push(table, ids, grads, 1e-3),
+        "xcls-grpc": lambda ids: remote.push(table, ids, grads, 1e-3),
+        "redis": lambda ids: red.push(ids, rows),
+        "raw": lambda ids: raw.push(ids, grads),
+    }
+    return pulls, pushes
+
+
+def _row(op: str, dtype_name: str, n: int, num_shards: int, res: dict, dim: int) -> str:
+    mb = dim * torch.empty((), dtype=DTYPES[dtype_name]).element_size() / 1e6
+
+    def cell(name: str) -> str:
+        return f"{res[name] / 1e6:.2f} ({res[name] * mb:,.0f})"
+
+    return (f"| {op} | {dtype_name} | {n:,} | {num_shards} | {cell('in-proc')} | "
+            f"{cell('xcls-grpc')} | {cell('redis')} | {cell('raw')} | "
+            f"{res['grpc/raw']:.2f} | {res['grpc/redis']:.1f}x |")
+
+
+TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls-grpc | redis | raw socket | "
+              "grpc/raw | grpc/redis |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+# ---- resident memory ---------------------------------------------------------------------
+
+_MEMORY_PROBE = r"""
+import sys, torch
+from ams.store import ShardStore, TableSpec
+
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+
+rows, dim = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+store = ShardStore(0, 1)
+before = rss()
+store.create_table(TableSpec(name='m', num_rows=rows, dim=dim, dtype=torch.float16,
+                             state_dtype=torch.float16))
+created = rss()
+store.table('m').state.fill_(0)  # momentum pages are committed lazily, on a row's first push
+print(before, created, rss())
+"""
+
+
+def memory(rows: int, dim: int) -> tuple[float, float, float]:
+    """In a fresh process: RSS delta per class after create_table and once every momentum row
+    has been written, against the payload d * (2 + 2) bytes."""
+    got = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(rows), str(dim)],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    before, created, touched = map(int, got.stdout.split())
+    return (created - before) / rows, (touched - before) / rows, dim * 4.0
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=128, help="row width d")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1_000, 10_000, 100_000],
+                        help="rows per pull/push call")
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2], help="shard counts")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--table-rows", type=int, default=500_000,
+                        help="classes in the benchmark table (>= the largest batch)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median is shown)")
+    parser.add_argument("--rows-per-repeat", type=int, default=100_000,
+                        help="rows moved per backend per repeat (calls = this // batch, >= 1)")
+    parser.add_argument("--memory-rows", type=int, default=10_000_000,
+                        help="classes in the resident-memory probe (0: skip it)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1k/10k batches, 2 repeats, small tables")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.repeats = [1_000, 10_000], 2
+        args.table_rows, args.rows_per_repeat, args.memory_rows = 50_000, 20_000, 1_000_000
+    if max(args.batches) > args.table_rows:
+        parser.error("--table-rows must be >= the largest batch (ids are unique)")
+    if shutil.which("redis-server") is None:
+        parser.error("redis-server not found on PATH")
+
+    torch.manual_seed(0)
+    start = time.monotonic()
+    print(f"# bench_ams {datetime.date.today()} {platform.node()} {os.cpu_count()} cpus, "
+          f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"torch threads {torch.get_num_threads()}, redis parser "
+          f"{'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}")
+    print(f"# d={args.dim}, table {args.table_rows:,} rows, {args.repeats} repeats, "
+          f"~{args.rows_per_repeat:,} rows per backend per repeat; cells: M rows/s (MB/s)")
+    print(TABLE_HEAD, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_ams_") as tmp:
+        throughput(args, Path(tmp))
+    if args.memory_rows:
+        created, touched, payload = memory(args.memory_rows, args.dim)
+        print(f"\nresident memory, {args.memory_rows:,} classes, fp16 rows + fp16 momentum, "
+              f"d={args.dim}: payload {payload:.0f} B/class; after create_table "
+              f"{created:.1f} B/class ({created / payload:.3f}x); momentum written "
+              f"{touched:.1f} B/class ({touched / payload:.3f}x)")
+    print(f"\n# wall {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
