@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "xcls.data_cmd",
     "xcls.graph_cmd",
     "xcls.train_cmd",
+    "xcls.cluster_cmd",
 ]
 
 

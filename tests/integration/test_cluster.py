@@ -1,0 +1,149 @@
+"""``xcls cluster up``: real shard processes and torchrun workers on 127.0.0.1, small glyph set."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHECKPOINTS = "checkpoints"
+
+
+def write_config(glyphs: Path, out: Path, path: Path, max_steps: int) -> Path:
+    path.write_text(f"""
+[data]
+train = "{glyphs / 'train'}"
+test = ""
+batch_size = 32
+num_workers = 0
+
+[model]
+dim = 64
+
+[head]
+kind = "knn"
+k = 8
+budget = 48
+
+[optim]
+warmup_steps = 5
+
+[graph]
+k = 16
+rebuild_every = 10
+
+[train]
+max_steps = {max_steps}
+checkpoint_every = 10
+log_every = 5
+threads = 1
+out_dir = "{out}"
+""")
+    return path
+
+
+def cluster_cmd(config: Path, workers: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "xcls", "cluster", "up", str(config), "--shards", "2",
+            "--workers", str(workers), *extra]
+
+
+def our_processes(tag: Path) -> list[int]:
+    """Pids of live processes whose command line mentions ``tag`` (this test's tmp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if str(tag) in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def no_orphans(tmp_path):
+    """Fails the test if any process it started outlives it (and kills those, by pid)."""
+    yield tmp_path
+    left = our_processes(tmp_path)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"
+
+
+def pushes_per_shard(output: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^shard \d+ table fc: (\d+) pushes", output, re.M)]
+
+
+def train_rows(out: Path) -> list[dict]:
+    with open(out / "train.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_cluster_trains_then_resumes_with_fewer_workers(glyphs_small, no_orphans):
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=20)
+
+    first = subprocess.run(cluster_cmd(config, 2), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert our_processes(tmp) == []
+    rows = train_rows(out)
+    losses = [float(r["loss"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == [5, 10, 15, 20]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    # every shard saw both ranks' pushes: one per rank and step
+    assert pushes_per_shard(first.stdout) == [2 * 20, 2 * 20], first.stdout
+    assert (out / CHECKPOINTS / f"step-{20:012d}" / "worker.pt").exists()
+    assert (out / CHECKPOINTS / f"step-{20:012d}" / "rank-00001.pt").exists()
+    assert sorted(p.name for p in (out / "ams" / "snapshots" / f"step-{20:012d}").iterdir()) \
+        == ["shard-00000-of-00002", "shard-00001-of-00002"]
+    assert re.findall(r"stopped role=(\S+) exit_code=(-?\d+)", first.stderr) == [
+        ("workers", "0"), ("shard-0", "0"), ("shard-1", "0")]
+
+    # the same out_dir with one worker: the rows come back from the shards' snapshot
+    second = subprocess.run(cluster_cmd(config, 1, "--set", "train.max_steps=30"),
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed step=20" in second.stderr
+    assert [int(r["step"]) for r in train_rows(out)] == [5, 10, 15, 20, 25, 30]
+    assert pushes_per_shard(second.stdout) == [10, 10], second.stdout
+    assert (out / CHECKPOINTS / f"step-{30:012d}" / "worker.pt").exists()
+
+
+def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=100_000)
+    log_path = tmp / "cluster.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "train.csv").exists():  # training is under way
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert code == 128 + signal.SIGTERM, text
+    assert "stop_requested signal=SIGTERM" in text
+    stops = re.findall(r"stopped role=(\S+) exit_code=(-?\d+)", text)
+    assert [role for role, _ in stops] == ["workers", "shard-0", "shard-1"], text
+    assert [c for role, c in stops if role.startswith("shard")] == ["0", "0"], text
+    assert our_processes(tmp) == []

@@ -1,0 +1,113 @@
+"""docker-compose.yml and Dockerfile, checked without a Docker engine: the file parses, every
+role's command is one the real parsers (xcls, torchrun) accept, and the roles agree with each
+other (shard ids and count, addresses in shard order, volumes, secrets, mounted paths)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from torch.distributed.run import get_args_parser as torchrun_parser
+
+from xcls.cli import build_parser
+from xcls.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+XCLS_ROLES = {name: s for name, s in SERVICES.items() if s.get("build") == "."}
+SHARDS = sorted(name for name in SERVICES if re.fullmatch(r"shard-\d+", name))
+
+
+def xcls_args(argv: list[str], where: str) -> object:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"{where}: xcls rejects {argv} (exit {e.code})")
+
+
+def parsed(name: str) -> object:
+    """The xcls arguments of a role, through torchrun when that is its entrypoint."""
+    service = SERVICES[name]
+    command = [str(a) for a in service["command"]]
+    entrypoint = service.get("entrypoint")
+    if entrypoint is None:  # the image's ENTRYPOINT ["xcls"]
+        return xcls_args(command, name)
+    assert entrypoint == ["python", "-m", "torch.distributed.run"], entrypoint
+    launch = torchrun_parser().parse_args(command)
+    assert launch.module and launch.training_script == "xcls", command
+    return xcls_args(launch.training_script_args, name)
+
+
+def shard_addresses() -> list[str]:
+    """host:port of each shard service, in shard order."""
+    return [f"{name}:{parsed(name).port}" for name in SHARDS]
+
+
+def test_roles_present():
+    assert len(SHARDS) >= 2
+    assert {"graph-build", "worker", "redis"} <= set(SERVICES)
+    assert "scheduler" not in SERVICES  # no scheduler role exists yet
+
+
+def test_shards_are_one_consistent_cluster():
+    args = [parsed(name) for name in SHARDS]
+    assert [a.shard_id for a in args] == list(range(len(SHARDS)))
+    assert {a.num_shards for a in args} == {len(SHARDS)}
+    assert len({a.port for a in args}) == len(SHARDS)
+    for name, a in zip(SHARDS, args, strict=True):
+        assert (a.command, a.role, a.host) == ("serve", "shard", "0.0.0.0"), name
+        # a non-loopback bind needs the token; it must be a secret the service mounts
+        assert str(a.auth_token_file) == "/run/secrets/ams_token", name
+        assert "ams_token" in SERVICES[name]["secrets"], name
+        assert str(a.data_dir).startswith("/shared/"), name
+        health = " ".join(SERVICES[name]["healthcheck"]["test"])
+        assert f"127.0.0.1:{a.port}" in health, name
+        compile(SERVICES[name]["healthcheck"]["test"][3], f"{name} healthcheck", "exec")
+
+
+def test_graph_builder_and_worker_address_all_shards():
+    graph = parsed("graph-build")
+    assert (graph.command, graph.graph_command) == ("graph", "build")
+    assert graph.ams.split(",") == shard_addresses()
+    assert str(graph.auth_token_file) == "/run/secrets/ams_token"
+
+    train = parsed("worker")
+    assert train.command == "train"
+    cfg = load_config(ROOT / train.config, train.overrides)  # the mounted config, as run
+    assert cfg.ams.addresses == shard_addresses()
+    assert cfg.ams.token_file == "/run/secrets/ams_token"
+    assert cfg.train.out_dir.startswith("/shared/")
+    assert cfg.gear.redis_url.startswith("redis://redis:")
+    for name in ("worker", "graph-build"):
+        deps = SERVICES[name]["depends_on"]
+        assert all(deps[s]["condition"] == "service_healthy" for s in SHARDS), name
+
+
+def test_volumes_secrets_and_mounts_exist():
+    named_volumes = set(COMPOSE["volumes"])
+    secrets = set(COMPOSE["secrets"])
+    for name, service in XCLS_ROLES.items():
+        for mount in service.get("volumes", []):
+            source, target = mount.split(":")[:2]
+            if source.startswith("."):
+                # bind mounts: the repo folder must exist and sit where relative config
+                # paths resolve (the image's WORKDIR is /work)
+                assert (ROOT / source).is_dir() or source == "./data", (name, mount)
+                assert target == "/work/" + source[2:], (name, mount)
+            else:
+                assert source in named_volumes, (name, mount)
+        assert set(service.get("secrets", [])) <= secrets, name
+    assert all(s["file"].startswith("./") for s in COMPOSE["secrets"].values())
+
+
+def test_dockerfile_installs_the_package_and_runs_xcls():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.\d+", text, re.M)
+    assert re.search(r"pip install .*torch", text)
+    for package in ("ams", "workers", "bridge", "xcls"):
+        assert re.search(rf"^COPY {package} ", text, re.M), package
+    assert re.search(r"^RUN pip install \.$", text, re.M)
+    assert 'ENTRYPOINT ["xcls"]' in text and re.search(r"^WORKDIR /work$", text, re.M)

@@ -1,0 +1,115 @@
+"""scripts/launch_server.sh and scripts/launch_worker.sh: help, argument checks, and dry runs
+whose printed command the real parsers (xcls, torchrun) accept."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser as torchrun_parser
+
+from xcls.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = ROOT / "scripts" / "launch_server.sh"
+WORKER = ROOT / "scripts" / "launch_worker.sh"
+# the variables launch_worker.sh reads, cleared so the caller's environment cannot leak in
+WORKER_ENV = ("AMS_ADDRESSES", "AMS_TOKEN_FILE", "NNODES", "NODE_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "NPROC_PER_NODE", "PYTHON")
+
+
+def run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in WORKER_ENV}
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                          timeout=60, env={**clean, **env})
+
+
+def dry_run(script: Path, *args: str, **env: str) -> list[str]:
+    out = run(script, "--dry-run", *args, **env)
+    assert out.returncode == 0, out.stderr
+    return shlex.split(out.stdout)
+
+
+def xcls_args(argv: list[str]) -> object:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"xcls rejects {argv}: exit {e.code}")
+
+
+@pytest.mark.parametrize("script", [SERVER, WORKER])
+def test_help(script):
+    out = run(script, "--help")
+    assert out.returncode == 0 and out.stdout.startswith("Usage: scripts/"), out.stderr
+    assert "--dry-run" in out.stdout
+
+
+def test_scripts_are_strict_and_executable():
+    for script in (SERVER, WORKER):
+        assert "set -euo pipefail" in script.read_text()
+        assert script.stat().st_mode & 0o111, f"{script} is not executable"
+
+
+def test_server_dry_run_is_a_valid_shard_command():
+    argv = dry_run(SERVER, "1", "4", "7002", "/data/ams", "/etc/xcls/token", PYTHON="py")
+    assert argv[:3] == ["py", "-m", "xcls"]
+    args = xcls_args(argv[3:])
+    assert (args.command, args.role) == ("serve", "shard")
+    assert (args.shard_id, args.num_shards, args.port) == (1, 4, 7002)
+    assert args.host == "0.0.0.0" and str(args.auth_token_file) == "/etc/xcls/token"
+    assert str(args.data_dir) == "/data/ams" and args.restore == "latest"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "expected SHARD_ID"),
+    (["0", "2", "70x1", "/d", "/t"], "PORT must be a number"),
+    (["--bogus", "0", "2", "7001", "/d", "/t"], "unknown option"),
+    (["0", "2", "7001", "/d", "/nonexistent/token"], "missing or empty"),
+])
+def test_server_bad_args(argv, message):
+    out = run(SERVER, *argv)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_worker_dry_run_is_a_valid_torchrun_command():
+    argv = dry_run(WORKER, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
+                   "--nproc-per-node", "8", "--ams", "s0:7001,s1:7001", "--token-file",
+                   "/etc/xcls/token", "exp.toml", "--set", "train.epochs=3")
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    launch = torchrun_parser().parse_args(argv[3:])
+    assert (launch.nnodes, launch.node_rank, launch.master_addr) == ("2", 1, "node0")
+    assert launch.nproc_per_node == "8" and launch.module and launch.training_script == "xcls"
+    args = xcls_args(launch.training_script_args)
+    assert args.command == "train" and str(args.config) == "exp.toml"
+    assert args.overrides == ["ams.addresses=s0:7001,s1:7001", "ams.token_file=/etc/xcls/token",
+                              "train.epochs=3"]
+
+    from xcls.config import load_config
+
+    cfg = load_config(None, args.overrides)  # the overrides are valid config fields
+    assert cfg.ams.addresses == ["s0:7001", "s1:7001"]
+
+
+def test_worker_reads_the_environment():
+    argv = dry_run(WORKER, "exp.toml", AMS_ADDRESSES="h:1", NNODES="3", NODE_RANK="2",
+                   MASTER_ADDR="m", MASTER_PORT="1234", NPROC_PER_NODE="gpu")
+    launch = torchrun_parser().parse_args(argv[3:])
+    assert (launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port,
+            launch.nproc_per_node) == ("3", 2, "m", 1234, "gpu")
+    assert "ams.addresses=h:1" in launch.training_script_args
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ams", "h:1"], "CONFIG is required"),
+    (["exp.toml"], "--ams (or AMS_ADDRESSES) is required"),
+    (["--ams"], "needs a value"),
+    (["--ams", "h:1", "--node-rank", "2", "--nnodes", "2", "e.toml"], "must be below"),
+    (["--ams", "h:1", "--nproc-per-node", "many", "e.toml"], "number or 'gpu'"),
+    (["--ams", "h:1", "--frobnicate", "e.toml"], "unknown option"),
+])
+def test_worker_bad_args(argv, message):
+    out = run(WORKER, "--dry-run", *argv)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -1,0 +1,353 @@
+"""``xcls cluster up``: a whole cluster (shards, then training workers) as processes on this host.
+
+Shards bind 127.0.0.1 only; workers run under ``torchrun --standalone``. Every child runs in a
+session of its own, so a Ctrl-C in the terminal reaches this process alone and the stop order
+stays ours: workers first (their last pushes land on live shards), then shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from xcls.config import ConfigError, ExperimentConfig, load_config
+
+log = logging.getLogger("xcls.cluster")
+
+HOST = "127.0.0.1"
+POLL_S = 0.2
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    cluster = sub.add_parser("cluster", help="run shards and workers as local processes",
+                             description="Local multi-process cluster. See 'xcls cluster up "
+                             "--help'.")
+    cmds = cluster.add_subparsers(dest="cluster_command", metavar="COMMAND")
+    p = cmds.add_parser(
+        "up", help="start shards, train with torchrun workers, stop everything",
+        description="Start S model-server shards on 127.0.0.1, wait until every one answers "
+        "its health check, then train CONFIG with W data-parallel workers (torchrun "
+        "--standalone; ams.addresses is filled in for them). When training ends, or on "
+        "Ctrl-C/SIGTERM, the workers are stopped first and the shards second, each with "
+        "SIGTERM, and their exit codes are reported. Exit code: the workers' (0 when training "
+        "finished), 128+signal when interrupted, 1 when a shard fails. With --shards-only the "
+        "shards stay up in the foreground until Ctrl-C, for running 'xcls train' by hand.")
+    p.add_argument("config", type=Path, nargs="?",
+                   help="experiment TOML file (see configs/); optional with --shards-only "
+                        "when --data-dir is given")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field for the workers, e.g. --set "
+                        "train.max_steps=100 (repeatable; ams.addresses is set for you)")
+    p.add_argument("--shards", type=int, default=2, metavar="S",
+                   help="number of shard processes; class c lives on shard c mod S "
+                        "(default: %(default)s)")
+    p.add_argument("--workers", type=int, default=1, metavar="W",
+                   help="number of training processes (ranks); each trains data.batch_size "
+                        "samples per step (default: %(default)s)")
+    p.add_argument("--data-dir", type=Path,
+                   help="the shards' snapshot directory (default: TRAIN_OUT_DIR/ams, next to "
+                        "the checkpoints, which is what resuming a run needs)")
+    p.add_argument("--base-port", type=int, metavar="P",
+                   help="shard i listens on port P+i (default: free ports picked by the OS)")
+    p.add_argument("--shards-only", action="store_true",
+                   help="start the shards (restoring their newest snapshot), print the "
+                        "addresses to put in a config, and serve until Ctrl-C/SIGTERM")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long the shards may take to start serving (default: %(default)s)")
+    p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long each role may take to exit after SIGTERM before SIGKILL "
+                        "(default: %(default)s)")
+    p.set_defaults(func=run_up)
+    cluster.set_defaults(func=lambda args: cluster.print_help() or 2)
+
+
+@dataclass
+class Role:
+    """One child process (a shard, or torchrun with its workers) and its output relay."""
+
+    name: str
+    proc: subprocess.Popen
+    relay: threading.Thread | None = None
+
+
+def _relay(stream: IO[bytes], prefix: str) -> None:
+    """Copy a child's output to our stderr line by line, prefixed with its role."""
+    for line in iter(stream.readline, b""):
+        sys.stderr.write(f"{prefix}{line.decode(errors='replace')}")
+        sys.stderr.flush()
+    stream.close()
+
+
+def _child_flags(args: argparse.Namespace) -> list[str]:
+    """The global verbosity flags, passed on so every role logs as loudly as this one."""
+    return ["-q"] if args.quiet else ["-v"] * args.verbose
+
+
+def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
+    """Validate the options and load the config before any process starts."""
+    if args.shards < 1:
+        raise SystemExit(f"error: --shards {args.shards} must be >= 1")
+    if args.workers < 1:
+        raise SystemExit(f"error: --workers {args.workers} must be >= 1")
+    if args.base_port is not None and not 1 <= args.base_port <= 65536 - args.shards:
+        raise SystemExit(f"error: --base-port {args.base_port}: ports {args.base_port}.."
+                         f"{args.base_port + args.shards - 1} must lie in 1..65535")
+    if args.start_timeout <= 0 or args.stop_timeout <= 0:
+        raise SystemExit("error: --start-timeout and --stop-timeout must be > 0")
+    if args.config is None:
+        if not args.shards_only:
+            raise SystemExit("error: CONFIG is required to train (or use --shards-only)")
+        if args.data_dir is None:
+            raise SystemExit("error: --shards-only without CONFIG needs --data-dir (where the "
+                             "shards keep their snapshots)")
+        if args.overrides:
+            raise SystemExit("error: --set needs CONFIG")
+        return None
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if cfg.ams.addresses:
+        log.warning("config_addresses_replaced was=%s", ",".join(cfg.ams.addresses))
+    if cfg.ams.token_file and not Path(cfg.ams.token_file).is_file():
+        raise SystemExit(f"error: ams.token_file: {cfg.ams.token_file} does not exist")
+    return cfg
+
+
+class Cluster:
+    """Starts and stops the roles; ``stop_requested`` is set by SIGINT/SIGTERM."""
+
+    def __init__(self, args: argparse.Namespace, cfg: ExperimentConfig | None,
+                 port_dir: Path) -> None:
+        self.args, self.cfg, self.port_dir = args, cfg, port_dir
+        self.data_dir: Path = args.data_dir or Path(cfg.train.out_dir) / "ams"
+        self.token_file = cfg.ams.token_file if cfg else ""
+        self.shards: list[Role] = []
+        self.workers: Role | None = None
+        self.addresses: list[str] = []
+        self.stop_requested = threading.Event()
+        self.signum = 0
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if not self.stop_requested.is_set():
+            log.info("stop_requested signal=%s", signal.Signals(signum).name)
+        self.signum = self.signum or signum
+        self.stop_requested.set()
+
+    def _spawn(self, name: str, cmd: list[str], prefix: str | None) -> Role:
+        """Start a child in its own session; ``prefix``: relay its output with that prefix
+        (None: it writes to our stdout/stderr directly)."""
+        log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
+        pipe = subprocess.PIPE if prefix is not None else None
+        proc = subprocess.Popen(cmd, stdout=pipe, stderr=subprocess.STDOUT if pipe else None,
+                                start_new_session=True)
+        role = Role(name, proc)
+        if prefix is not None:
+            role.relay = threading.Thread(target=_relay, args=(proc.stdout, prefix),
+                                          daemon=True)
+            role.relay.start()
+        return role
+
+    # ---- shards -------------------------------------------------------------------------
+
+    def _port_file(self, shard: int) -> Path:
+        return self.port_dir / f"port-{shard}"
+
+    def start_shards(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        num = self.args.shards
+        for s in range(num):
+            port = self.args.base_port + s if self.args.base_port is not None else 0
+            cmd = [sys.executable, "-m", "xcls", *_child_flags(self.args), "serve", "shard",
+                   "--shard-id", str(s), "--num-shards", str(num), "--host", HOST,
+                   "--port", str(port), "--port-file", str(self._port_file(s)),
+                   "--data-dir", str(self.data_dir)]
+            if self.token_file:
+                cmd += ["--auth-token-file", self.token_file]
+            if self.args.shards_only:
+                # In training mode the workers restore the exact step of their checkpoint;
+                # by hand, the newest snapshot is the natural state to come back to.
+                cmd += ["--restore", "latest"]
+            self.shards.append(self._spawn(f"shard-{s}", cmd, f"[shard-{s}] "))
+
+    def wait_shards_serving(self) -> bool:
+        """True once every shard answers SERVING; False if a stop was requested first."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from ams.server import SERVICE_NAME
+
+        deadline = time.monotonic() + self.args.start_timeout
+        for s, role in enumerate(self.shards):
+            port_file = self._port_file(s)
+            while True:
+                if self.stop_requested.is_set():
+                    return False
+                if role.proc.poll() is not None:
+                    raise ClusterError(f"shard {s} exited with code {role.proc.returncode} "
+                                       "while starting (its output is above)")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"shard {s} was not serving after "
+                                       f"{self.args.start_timeout:.0f}s (--start-timeout)")
+                if port_file.exists():
+                    address = f"{HOST}:{int(port_file.read_text())}"
+                    with grpc.insecure_channel(address) as channel:
+                        try:
+                            reply = health_pb2_grpc.HealthStub(channel).Check(
+                                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
+                        except grpc.RpcError:
+                            reply = None
+                    if reply is not None and \
+                            reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        self.addresses.append(address)
+                        break
+                self.stop_requested.wait(POLL_S)
+        log.info("shards_serving addresses=%s data_dir=%s", ",".join(self.addresses),
+                 self.data_dir)
+        return True
+
+    def dead_shard(self) -> int | None:
+        return next((s for s, r in enumerate(self.shards) if r.proc.poll() is not None), None)
+
+    def report_shard_stats(self) -> None:
+        """Print each shard's traffic for the run (pushes count every worker's pushes)."""
+        import ams
+        from ams.errors import AmsError
+
+        token = Path(self.token_file).read_text().strip() if self.token_file else None
+        try:
+            with ams.connect(self.addresses, token=token, timeout=10, ready_timeout=5) as c:
+                stats = c.stats()
+        except AmsError as e:
+            log.warning("shard_stats_unavailable error=%s", e)
+            return
+        for s in stats:
+            for table, t in s["tables"].items():
+                print(f"shard {s['shard_id']} table {table}: {t['pushes']} pushes, "
+                      f"{t['rows_pushed']} rows pushed, {t['pulls']} pulls, graph version "
+                      f"{t['graph_version']}", flush=True)
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def worker_command(self) -> list[str]:
+        overrides = [x for item in self.args.overrides for x in ("--set", item)]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(self.args.workers), "-m", "xcls",
+                *_child_flags(self.args), "train", str(self.args.config), *overrides,
+                "--set", f"ams.addresses={json.dumps(self.addresses)}"]
+
+    def run_workers(self) -> int | None:
+        """Train until the workers exit (their exit code), a stop is requested or a shard
+        dies (None)."""
+        self.workers = self._spawn("workers", self.worker_command(), None)
+        while self.workers.proc.poll() is None:
+            if self.stop_requested.wait(POLL_S):
+                return None
+            dead = self.dead_shard()
+            if dead is not None:
+                log.error("shard_died shard=%d exit_code=%s; stopping the workers", dead,
+                          self.shards[dead].proc.returncode)
+                return None
+        return self.workers.proc.returncode
+
+    # ---- stopping -----------------------------------------------------------------------
+
+    def _stop(self, roles: list[Role]) -> None:
+        """SIGTERM all, then wait for each (SIGKILL after --stop-timeout); report codes."""
+        signalled = set()
+        for role in roles:
+            if role.proc.poll() is None:
+                role.proc.send_signal(signal.SIGTERM)
+                signalled.add(role.name)
+        deadline = time.monotonic() + self.args.stop_timeout
+        for role in roles:
+            try:
+                role.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("stop_timeout role=%s pid=%d; sending SIGKILL", role.name,
+                          role.proc.pid)
+                role.proc.kill()
+                role.proc.wait()
+            if role.relay is not None:
+                role.relay.join()
+            # a role that failed on its own is worth a line even under -q
+            failed = role.proc.returncode != 0 and role.name not in signalled
+            log.log(logging.WARNING if failed else logging.INFO, "stopped role=%s exit_code=%d",
+                    role.name, role.proc.returncode)
+
+    def stop_all(self) -> None:
+        if self.workers is not None:
+            self._stop([self.workers])
+        self._stop(self.shards)
+
+
+class ClusterError(RuntimeError):
+    """A role failed to start or died; the message says which."""
+
+
+@contextmanager
+def _signals_to(handler: object) -> Iterator[None]:
+    """Route SIGINT/SIGTERM to ``handler`` for the block, restoring the old handlers after."""
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    cfg = _check_args(args)
+    with tempfile.TemporaryDirectory(prefix="xcls-cluster-") as port_dir:
+        cluster = Cluster(args, cfg, Path(port_dir))
+        # Handlers go in before the first child starts: a signal at any point must still
+        # lead to the ordered stop below, never to orphans.
+        with _signals_to(cluster.on_signal):
+            code = 1
+            try:
+                cluster.start_shards()
+                if cluster.wait_shards_serving():
+                    code = _serve_or_train(cluster)
+            except ClusterError as e:
+                print(f"error: {e}", file=sys.stderr)
+            finally:
+                cluster.stop_all()
+    if cluster.signum:
+        return 128 + cluster.signum
+    return code
+
+
+def _serve_or_train(cluster: Cluster) -> int:
+    listed = json.dumps(cluster.addresses)
+    if cluster.args.shards_only:
+        print(f"shards serving; put this in the [ams] section of your config:\n"
+              f"addresses = {listed}\n"
+              f"or pass: --set 'ams.addresses={listed}'\n"
+              f"Ctrl-C stops them.", flush=True)
+        while not cluster.stop_requested.wait(POLL_S):
+            dead = cluster.dead_shard()
+            if dead is not None:
+                raise ClusterError(f"shard {dead} exited with code "
+                                   f"{cluster.shards[dead].proc.returncode}")
+        return 0
+    code = cluster.run_workers()
+    if code is None:
+        if cluster.stop_requested.is_set():
+            return 1  # run_up turns this into 128 + the signal number
+        raise ClusterError(f"shard {cluster.dead_shard()} died during training")
+    log.info("workers_finished exit_code=%d", code)
+    if cluster.dead_shard() is None:
+        cluster.report_shard_stats()
+    return code
