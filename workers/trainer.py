@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from ams.client import ShardedClient
 from workers import checkpoint
+from workers.gear import Gear
 from workers.heads import ClassifierHead
 from workers.predict import images_to_input, nearest_classes
 from workers.prefetch import Prefetcher
@@ -126,20 +127,22 @@ class Trainer:
     client: the AMS client (embedded or remote); table: the class-row table; backbone: the
     (possibly DDP-wrapped) embedding network; optimizer: over the backbone's parameters;
     head: full / partial / knn; build_graph: ``build_graph(step)`` rebuilds the neighbour graph
-    (None when the head needs none); rank/world: torch.distributed position.
+    (None when the head needs none); rank/world: torch.distributed position; gear: gear mode
+    (``workers.gear``), None for plain training.
     """
 
     def __init__(self, *, client: ShardedClient, table: str, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, head: ClassifierHead, train_set: Dataset,
                  test_set: Dataset | None, options: LoopOptions, device: torch.device,
                  build_graph: Callable[[int], None] | None = None, rank: int = 0,
-                 world: int = 1) -> None:
+                 world: int = 1, gear: Gear | None = None) -> None:
         self.client, self.table = client, table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
         self.train_set, self.test_set = train_set, test_set
         self.opt, self.device = options, device
         self.build_graph = build_graph
         self.rank, self.world = rank, world
+        self.gear = gear
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
         total = self.plan.steps_per_epoch * options.epochs
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
@@ -315,6 +318,8 @@ class Trainer:
                     row = {"step": self.step, "epoch": epoch, "loss": sum(losses) / len(losses),
                            "train_acc": acc, "lr": self._lr(self.step - 1), "active": active,
                            "images_per_s": round(speed, 1)}
+                    if self.gear is not None:
+                        row.update(self.gear.summary())
                     self._record("train", row)
                     result.history.append(row)
                     if self.rank == 0:
@@ -343,18 +348,25 @@ class Trainer:
                      self.opt.schedule)
 
     def _step(self, prepared: object) -> tuple[float, float, int]:
-        _, images, _ = prepared.batch
+        ids, images, _ = prepared.batch
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        images = images_to_input(images.to(self.device, non_blocking=True))
-        with torch.autocast(self.device.type, enabled=self._amp):
-            features = self.backbone(images)
+        if self.gear is not None:
+            # gear mode: features from the cache (misses computed without grad); the slow gear
+            # steps the backbone (with the lr just set) from accumulated dL/dX
+            features = self.gear.features(ids, images)
+        else:
+            images = images_to_input(images.to(self.device, non_blocking=True))
+            with torch.autocast(self.device.type, enabled=self._amp):
+                features = self.backbone(images)
         # the pull for step+depth must see exactly the state before this push
         self._prefetcher.wait_prepared(self.step)
         out = self.head.forward_backward(features, prepared.active, lr=self._head_lr(self.step),
                                          grad_scale=1.0 / self.world)
-        if self._scaler is not None:
+        if self.gear is not None:
+            self.gear.backward(ids, out.feature_grad)
+        elif self._scaler is not None:
             features.backward(self._scaler.scale(out.feature_grad))
             self._scaler.step(self.optimizer)
             self._scaler.update()

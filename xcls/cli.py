@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "xcls.graph_cmd",
     "xcls.train_cmd",
     "xcls.cluster_cmd",
+    "xcls.gear_cmd",
 ]
 
 

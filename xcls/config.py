@@ -132,6 +132,19 @@ class GearConfig:
     backend: str = "memory"
     """memory | lmdb | redis"""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "xcls"
+    """job name: every Redis key of the job starts with it (no ':')"""
+    slow: str = "local"
+    """local: the slow gear runs in the trainer after each step | external: separate
+    'xcls gear slow' processes (redis backend only)"""
+    slow_batch: int = 256
+    """most mean gradients the slow gear applies in one backbone step"""
+    cache_mb: int = 512
+    """memory/lmdb backend: feature cache bound in MiB (lmdb lives in train.out_dir/gear_cache)"""
+    sync_every: int = 10
+    """slow=external: trainer steps between checks for newer published backbone weights"""
+    publish_every: int = 10
+    """slow=external: slow-gear backbone steps between weight publications"""
 
 
 @dataclass
@@ -154,9 +167,11 @@ CHOICES = {
     "ams.state_dtype": ("", "float32", "float16", "bfloat16"),
     "train.device": ("auto", "cpu", "cuda"),
     "gear.backend": ("memory", "lmdb", "redis"),
+    "gear.slow": ("local", "external"),
 }
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
-            "train.log_every", "head.scale", "ams.local_shards", "gear.m"}
+            "train.log_every", "head.scale", "ams.local_shards", "gear.m", "gear.slow_batch",
+            "gear.cache_mb", "gear.sync_every", "gear.publish_every"}
 NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
                 "optim.weight_decay", "optim.warmup_steps", "graph.rebuild_every",
                 "train.max_steps", "train.seed", "train.prefetch_depth", "train.threads",
@@ -229,6 +244,12 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
                           "keep at least as many neighbours as the head takes")
+    if cfg.gear.slow == "external" and cfg.gear.backend != "redis":
+        raise ConfigError("gear.slow: 'external' slow gears read the Redis stream; set "
+                          "gear.backend=redis")
+    if not cfg.gear.prefix or ":" in cfg.gear.prefix:
+        raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
+                          f"got {cfg.gear.prefix!r}")
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
     return cfg

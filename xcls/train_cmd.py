@@ -96,6 +96,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     from workers.heads import build_head
     from workers.losses import CombinedMarginLoss
     from workers.trainer import LoopOptions, Trainer
+    from xcls.gear_cmd import build_gear
 
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: 'cuda' but no CUDA device is available")
@@ -171,11 +172,12 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
         eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
         rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
         resume=cfg.train.resume)
+    gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, world)
     try:
         trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
                           optimizer=optimizer, head=head, train_set=train_set,
                           test_set=test_set, options=options, device=device,
-                          build_graph=build_graph, rank=rank, world=world)
+                          build_graph=build_graph, rank=rank, world=world, gear=gear)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     (out_dir / "config.toml").write_text(to_toml(cfg))

@@ -1,0 +1,227 @@
+"""Gear mode in the trainer on real glyph data, with a real Redis for the shared backends.
+
+Backbone work is counted by a forward hook on the backbone (independent of the gear's own
+counters): a no-grad forward is a fast-gear cache miss, a forward with grad a training forward.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bridge.codec import GradEntry, encode_features, encode_grad_entry
+from bridge.redis_accumulator import dead_letter_key, stream_key
+from workers.backbones import build_backbone
+from workers.gear import WeightStore
+from xcls.config import load_config
+from xcls.train_cmd import build_run
+
+CLASSES = 120
+
+
+def overrides(data: Path, out: Path, **extra: object) -> list[str]:
+    base = {
+        "data.train": str(data / "train"), "data.test": str(data / "test"),
+        "data.batch_size": 64, "data.num_workers": 0, "model.dim": 64, "head.kind": "full",
+        "optim.lr": 0.1, "optim.warmup_steps": 5, "train.out_dir": str(out),
+        "train.log_every": 5, "train.threads": 2, "train.epochs": 100, "train.resume": False,
+        "train.checkpoint_every": 1000, "train.eval_every": 1000, "gear.enabled": True,
+    }
+    base.update(extra)
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in base.items()]
+
+
+def build(data: Path, out: Path, **extra: object):
+    """A built run plus its backbone-row counter {"nograd": n, "grad": n}."""
+    run = build_run(load_config(None, overrides(data, out, **extra)))
+    counts = Counter()
+
+    def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        counts["grad" if torch.is_grad_enabled() else "nograd"] += inputs[0].shape[0]
+
+    run.backbone.register_forward_hook(hook)
+    return run, counts
+
+
+def visits(run, steps: int) -> Counter:
+    """How often each sample id is trained on in the first ``steps`` steps (from the plan)."""
+    plan, seen = run.trainer.plan, Counter()
+    for epoch in range(steps // plan.steps_per_epoch + 1):
+        for batch in plan.batches(epoch, 0):
+            if sum(seen.values()) >= steps * plan.batch_size:
+                return seen
+            seen.update(batch)
+    return seen
+
+
+def test_gear_trains_with_fewer_backbone_forwards(glyphs_small, tmp_path):
+    off, off_counts = build(glyphs_small, tmp_path / "off", **{"gear.enabled": False,
+                                                               "train.max_steps": 4,
+                                                               "data.test": ""})
+    off.trainer.train()
+    # gear off: one forward with grad per trained sample, nothing else
+    assert off_counts == {"grad": 4 * 64}
+
+    steps, m = 150, 2
+    run, counts = build(glyphs_small, tmp_path / "on", **{"gear.ttl": 1e6, "gear.m": m,
+                                                         "train.max_steps": steps})
+    result = run.trainer.train()
+    seen = visits(run, steps)
+    # ttl long: a sample is computed once, on its first visit; m=2: every second visit of a
+    # sample trains the backbone on it (the in-process slow gear drains after every step)
+    evaluated = len(run.trainer.test_set)  # the one evaluation, at the end, runs without grad
+    assert counts["nograd"] == len(seen) + evaluated
+    assert counts["grad"] == sum(v // m for v in seen.values())
+    assert run.trainer.gear.version > 0
+    gear_per_sample = (counts["nograd"] - evaluated + counts["grad"]) / (steps * 64)
+    off_per_sample = off_counts["grad"] / (4 * 64)
+    assert gear_per_sample < 0.95 * off_per_sample, (gear_per_sample, off_per_sample)
+    # the head trains on features up to a whole run old, so the loss falls slower than with
+    # gear off (0.64x in half the steps), but test accuracy is far above chance
+    losses = [row["loss"] for row in result.history]
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert result.eval["top1"] > 10 / CLASSES, result.eval  # unseen designs
+
+
+def test_ttl_zero_recomputes_every_sample(glyphs_small, tmp_path):
+    run, counts = build(glyphs_small, tmp_path / "run", **{"gear.ttl": 0, "gear.m": 1,
+                                                          "train.max_steps": 20,
+                                                          "data.test": ""})
+    run.trainer.train()
+    assert run.trainer.gear.cache is None
+    assert counts == {"nograd": 20 * 64, "grad": 20 * 64}
+    assert run.trainer.gear.version == 20  # m=1: one backbone step after every fast step
+
+
+def redis_sets(server, prefix: str) -> dict[str, object]:
+    return {"gear.backend": "redis", "gear.prefix": prefix,
+            "gear.redis_url": f"redis://{server.host}:{server.port}/0"}
+
+
+def test_redis_outage_mid_run_degrades_and_recovers(glyphs_small, tmp_path, own_redis):
+    steps = 40
+    run, _ = build(glyphs_small, tmp_path / "run", **{
+        "gear.ttl": 1e6, "gear.m": 1, "train.max_steps": steps, "data.test": "",
+        **redis_sets(own_redis, "outage")})
+    gear = run.trainer.gear
+    slow, consumer = gear.slow
+    # Retry a dead Redis after 50 ms instead of 1 s, so recovery shows within a short run.
+    for guard in (gear.cache.guard, gear.accumulator.guard, consumer.guard):
+        guard.retry_after_s = 0.05
+    marks: dict[str, tuple[int, int, int]] = {}
+    fast_features = gear.features
+    calls = [0]
+
+    def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 8:
+            marks["kill"] = (slow.version, gear.cache.metrics.hits,
+                             gear.cache.metrics.unavailable)
+            own_redis.kill()
+        elif calls[0] == 20:
+            marks["restart"] = (slow.version, gear.cache.metrics.hits,
+                                gear.cache.metrics.unavailable)
+            own_redis.start()
+        return fast_features(ids, images)
+
+    gear.features = features
+    result = run.trainer.train()
+    assert result.steps == steps
+    assert all(np.isfinite(row["loss"]) for row in result.history)
+    # down: every lookup a miss, gradients dropped, the backbone left alone
+    assert gear.cache.metrics.unavailable - marks["kill"][2] >= 64
+    assert gear.accumulator.metrics.dropped > 0
+    assert marks["restart"][0] == marks["kill"][0]
+    # back: the slow gear trains again and the (restarted, empty) cache fills and hits again
+    assert slow.version >= marks["restart"][0] + 10
+    assert gear.cache.metrics.hits > marks["restart"][1]
+
+
+def test_garbage_in_cache_and_stream_is_rejected(glyphs_small, tmp_path, redis_server):
+    prefix = f"garbage{uuid.uuid4().hex[:8]}"
+    client = redis_server.client()
+    dim, n_bad = 64, 40
+    nan_entry = encode_features(np.full((1, dim), np.nan, np.float32), 0, 1e18, "float16")[0]
+    for i in range(n_bad):
+        client.set(f"{prefix}:f:{i}".encode(), b"not a feature" if i % 2 else nan_entry)
+        client.set(f"{prefix}:acc:{i}".encode(), b"not a record")
+    stream = stream_key(prefix)
+    client.xgroup_create(stream, "slow_gear", id="0", mkstream=True)
+    client.xadd(stream, {b"junk": b"1"})
+    client.xadd(stream, {**encode_grad_entry(GradEntry(0, 0, 0, 1, np.ones(dim, np.float32))),
+                         b"grad": b"\x00" * 3})
+    unknown = GradEntry(10**9, 0, 0, 1, np.ones(dim, np.float32))
+    client.xadd(stream, encode_grad_entry(unknown))
+
+    run, _ = build(glyphs_small, tmp_path / "run", **{
+        "gear.ttl": 1e6, "gear.m": 1, "train.max_steps": 16, "data.test": "",
+        **redis_sets(redis_server, prefix)})
+    gear = run.trainer.gear
+    slow, consumer = gear.slow
+    result = run.trainer.train()
+    assert all(np.isfinite(row["loss"]) for row in result.history)
+    seen = visits(run, 16)
+    bad_seen = sum(1 for i in range(n_bad) if i in seen)
+    assert gear.cache.metrics.corrupt >= bad_seen > 0  # answered as misses, then overwritten
+    assert gear.accumulator.metrics.corrupt >= bad_seen  # garbage partial sums start over
+    assert consumer.metrics.corrupt == 2 and client.xlen(dead_letter_key(prefix)) == 2
+    assert slow.counts.rejected == 1  # well-formed, but no such sample
+    # only the fast gear's own means reached the backbone, each exactly once
+    assert slow.counts.slow_forwards == gear.accumulator.metrics.emitted == 16 * 64
+    client.close()
+
+
+def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
+    prefix = f"ext{uuid.uuid4().hex[:8]}"
+    sets = overrides(glyphs_small, tmp_path / "run", **{
+        "gear.ttl": 1e6, "gear.m": 1, "gear.slow": "external", "gear.sync_every": 2,
+        "gear.publish_every": 2, "gear.slow_batch": 32, "train.max_steps": 12,
+        "data.batch_size": 32,
+        "data.test": "", **redis_sets(redis_server, prefix)})
+    # m=1 and 32 means per read: one backbone step per trainer step, so the worker stops after
+    # 12 (--idle-exit only guards against a hang)
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "xcls", "gear", "slow", "/dev/null", "--max-steps", "12",
+         "--idle-exit", "60", "--block-ms", "200", *sum((["--set", s] for s in sets), [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = redis_server.client()
+    try:
+        # the worker is reading once its consumer group exists
+        deadline = time.monotonic() + 60
+        while not (client.exists(stream_key(prefix)) and client.xinfo_groups(stream_key(prefix))):
+            assert slow.poll() is None and time.monotonic() < deadline, slow.stderr.read()
+            time.sleep(0.05)
+        run = build_run(load_config(None, sets))
+        result = run.trainer.train()
+        out, err = slow.communicate(timeout=120)
+    finally:
+        slow.kill()
+    assert slow.returncode == 0, err
+    assert result.steps == 12
+    gear = run.trainer.gear
+    emitted = gear.accumulator.metrics.emitted
+    assert emitted == 12 * 32
+    assert f"{emitted} means applied, 0 rejected, 0 malformed" in out, out
+
+    # the trainer's next sync takes the final publication, the same a fresh model loads
+    store = WeightStore(client, prefix)
+    final = store.published_version()
+    assert final == 12  # one backbone step per trainer step
+    gear.sync()
+    assert gear.version == final
+    model = build_backbone("resnet_small", 64, 1, 24)
+    assert store.load_into(model, -1) == final
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(loaded[k], v) for k, v in run.backbone.state_dict().items())
+    # garbage never replaces good weights
+    store.client.set(store.key, b"XGW1" + b"\x00" * 100)
+    store.client.set(store.version_key, str(final + 1).encode())
+    assert store.load_into(model, final) is None
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

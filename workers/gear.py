@@ -1,0 +1,313 @@
+"""Gear mode in the trainer: a fast gear that trains the head from cached features and a slow
+gear that trains the backbone from averaged feature gradients (seed 002; ARCHITECTURE.md, "Gear
+mode").
+
+Per step the trainer calls :meth:`Gear.features` before the head and :meth:`Gear.backward` after
+it:
+
+* fast gear: look the batch up in the :class:`bridge.FeatureCache` (entries younger than the
+  cache's ``ttl_s``), run the backbone without grad on the misses only and cache what it
+  computed; after the head, hand dL/dX of every sample to the accumulator
+  (``acc.add(ids, grad, version)``);
+* slow gear (:class:`SlowGear`), in this process after every fast step or in separate
+  ``xcls gear slow`` processes: read ready mean gradients, reload those samples' images by id,
+  forward with grad, ``features.backward(mean_grad)``, step the backbone, bump its version.
+
+With separate slow processes the weights travel through :class:`WeightStore` (a versioned Redis
+key): the slow worker publishes every few backbone steps and fast workers reload the newest
+every few steps. A cache, stream or weight-store outage never stops training: the bridge answers
+misses / drops gradients, and the fast gear keeps the weights it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from bridge import FeatureCache, GradientBatch
+from bridge.ratelimit import RateLimitedLog
+from bridge.redis_util import RedisGuard
+from workers.predict import images_to_input
+
+log = logging.getLogger(__name__)
+
+
+class GradientSink(Protocol):
+    """The fast gear's side of an accumulator (memory or Redis)."""
+
+    def add(self, ids: torch.Tensor, grads: torch.Tensor, version: int) -> int: ...
+
+
+class GradientSource(Protocol):
+    """The slow gear's side: the memory accumulator or a Redis consumer."""
+
+    def read(self, max_items: int = 256, block_ms: int = 0) -> GradientBatch: ...
+
+    def ack(self, batch: GradientBatch) -> int: ...
+
+
+@dataclass
+class GearCounts:
+    """Work done since the gear was built. ``fast_forwards``: samples the fast gear ran through
+    the backbone (cache misses); ``slow_forwards``: samples the slow gear ran forward+backward;
+    ``rejected``: ready means dropped because their sample id is not in the dataset."""
+
+    samples: int = 0
+    fast_forwards: int = 0
+    slow_forwards: int = 0
+    slow_steps: int = 0
+    rejected: int = 0
+
+
+class SlowGear:
+    """Applies ready mean gradients to the backbone.
+
+    backbone: the network (not DDP-wrapped: the slow gear steps it alone); optimizer: over its
+    parameters; dataset: ``dataset[id]`` -> (id, uint8 image (C, H, W), label), the LMDB training
+    set; ``max_items``: most means in one backward. ``version`` counts backbone steps (start it
+    at a published version to continue that count).
+    """
+
+    def __init__(self, backbone: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
+                 device: torch.device, max_items: int = 256, version: int = 0) -> None:
+        self.backbone, self.optimizer, self.dataset = backbone, optimizer, dataset
+        self.device = device
+        self.max_items = max_items
+        self.version = version
+        self.counts = GearCounts()
+        self._warn = RateLimitedLog(log)
+
+    def apply(self, batch: GradientBatch) -> int:
+        """One backbone step from ``batch`` (ids (k,) int64, grads (k, dim) float32 mean dL/dX).
+        Returns how many means were applied (ids outside the dataset are dropped)."""
+        ids, grads = batch.ids, batch.grads
+        # A well-formed entry can still name a sample this dataset does not have (another
+        # job's stream, a bad writer): it must neither crash the worker nor train anything.
+        valid = (ids >= 0) & (ids < len(self.dataset))
+        if not bool(valid.all()):
+            bad = int((~valid).sum())
+            self.counts.rejected += bad
+            self._warn.warn("gear_grad_unknown_sample", count=bad, dataset_size=len(self.dataset))
+            ids, grads = ids[valid], grads[valid]
+        k = int(ids.numel())
+        if k == 0:
+            return 0
+        images = torch.stack([self.dataset[int(i)][1] for i in ids])
+        was_training = self.backbone.training
+        # BatchNorm cannot take batch statistics of one sample; its running statistics stand in.
+        self.backbone.train(k > 1)
+        features = self.backbone(images_to_input(images.to(self.device)))
+        features.backward(grads.to(self.device, features.dtype))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backbone.train(was_training)
+        self.version += 1
+        self.counts.slow_forwards += k
+        self.counts.slow_steps += 1
+        return k
+
+    def run_once(self, source: GradientSource, block_ms: int = 0) -> int:
+        """Read up to ``max_items`` ready means, apply them, ack them. Returns how many were
+        read (applied or rejected); 0 when nothing was ready within ``block_ms``."""
+        batch = source.read(self.max_items, block_ms)
+        if not len(batch):
+            return 0
+        self.apply(batch)
+        # Rejected ids are acked too: re-delivering them would only reject them again.
+        source.ack(batch)
+        return len(batch)
+
+    def drain(self, source: GradientSource) -> None:
+        """Apply everything ready now (in-process slow gear, after each fast step)."""
+        while self.run_once(source):
+            pass
+
+
+_WEIGHTS_HEADER = struct.Struct("<4sq32s")  # magic, version, sha256 of the payload
+_WEIGHTS_MAGIC = b"XGW1"
+
+
+class WeightStore:
+    """Backbone weights published by the slow worker in Redis, versioned.
+
+    ``{prefix}:weights`` holds header (magic, version, sha256) + ``torch.save`` of the state
+    dict; ``{prefix}:weights:version`` the version alone, so a fast worker polls one small key
+    and fetches the blob only when it changed. Both are written in one MULTI. A blob that fails
+    its checks (magic, checksum, keys/shapes of the model) is logged and ignored.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str, retry_after_s: float = 1.0) -> None:
+        self.client = client
+        self.key = f"{prefix}:weights".encode()
+        self.version_key = f"{prefix}:weights:version".encode()
+        self.guard = RedisGuard(f"weights:{prefix}", retry_after_s)
+        self._warn = RateLimitedLog(log)
+
+    def publish(self, model: nn.Module, version: int) -> bool:
+        """Store ``model``'s state dict as ``version``; False if Redis is unreachable."""
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+        payload = buf.getvalue()
+        blob = _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
+                                    hashlib.sha256(payload).digest()) + payload
+        if not self.guard.usable():
+            return False
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(self.key, blob)
+                pipe.set(self.version_key, str(version).encode())
+                pipe.execute()
+        except redis.RedisError as e:
+            self.guard.failed("publish", e)
+            return False
+        self.guard.ok()
+        return True
+
+    def published_version(self) -> int | None:
+        """The newest published version, None if none (or Redis is down, or it is garbage)."""
+        if not self.guard.usable():
+            return None
+        try:
+            raw = self.client.get(self.version_key)
+        except redis.RedisError as e:
+            self.guard.failed("version", e)
+            return None
+        self.guard.ok()
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            self._warn.warn("gear_weights_bad_version", value=repr(raw[:32]))
+            return None
+
+    def load_into(self, model: nn.Module, newer_than: int) -> int | None:
+        """Load the published weights into ``model`` if their version > ``newer_than``.
+        Returns the loaded version, or None (nothing newer, unreachable or rejected)."""
+        version = self.published_version()
+        if version is None or version <= newer_than:
+            return None
+        try:
+            blob = self.client.get(self.key)
+        except redis.RedisError as e:
+            self.guard.failed("fetch", e)
+            return None
+        try:
+            state, version = self._decode(blob, model)
+        except ValueError as e:
+            self._warn.warn("gear_weights_rejected", error=repr(str(e)))
+            return None
+        model.load_state_dict(state)
+        return version
+
+    @staticmethod
+    def _decode(blob: bytes | None, model: nn.Module) -> tuple[dict, int]:
+        if blob is None or len(blob) < _WEIGHTS_HEADER.size:
+            raise ValueError("weights blob missing or truncated")
+        magic, version, digest = _WEIGHTS_HEADER.unpack_from(blob)
+        payload = blob[_WEIGHTS_HEADER.size:]
+        if magic != _WEIGHTS_MAGIC or hashlib.sha256(payload).digest() != digest:
+            raise ValueError(f"weights blob fails its magic/checksum (magic {magic!r})")
+        try:
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch.load raises many types on bad pickles
+            raise ValueError(f"weights payload does not load: {e}") from e
+        own = model.state_dict()
+        if not isinstance(state, dict) or state.keys() != own.keys() or any(
+                not isinstance(state[k], torch.Tensor) or state[k].shape != own[k].shape
+                for k in own):
+            raise ValueError("published weights do not match this backbone's parameters")
+        return state, version
+
+
+class Gear:
+    """The trainer's gear: fast gear here, slow gear in-process (``slow``) or elsewhere
+    (``weights``: reload what the slow workers publish every ``sync_every`` steps).
+
+    backbone: the network (possibly DDP-wrapped; the fast gear only runs it without grad);
+    cache: None means ttl 0, never reuse a feature; accumulator: gradient sink.
+    Exactly one of ``slow`` and ``weights`` is given.
+    """
+
+    def __init__(self, backbone: nn.Module, cache: FeatureCache | None,
+                 accumulator: GradientSink, device: torch.device, *,
+                 slow: tuple[SlowGear, GradientSource] | None = None,
+                 weights: WeightStore | None = None, sync_every: int = 10) -> None:
+        if (slow is None) == (weights is None):
+            raise ValueError("give exactly one of slow (in-process) and weights (external)")
+        self.backbone, self.cache, self.accumulator = backbone, cache, accumulator
+        self.device = device
+        self.slow, self.weights, self.sync_every = slow, weights, sync_every
+        # In one process the fast and slow gear share one tally, so it tells all the work.
+        self.counts = slow[0].counts if slow else GearCounts()
+        self._version = 0
+        self._steps = 0
+
+    @property
+    def version(self) -> int:
+        """Backbone version the fast gear computes with."""
+        return self.slow[0].version if self.slow else self._version
+
+    def features(self, ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """ids int64 (B,), images uint8 (B, C, H, W) -> features float32 (B, dim), no grad.
+
+        Misses run in the backbone's training mode, as the slow gear's forward does: with
+        BatchNorm's running statistics instead, the head would learn on features of another
+        distribution than the one the slow gear backpropagates through (on the glyph study
+        that cost most of the accuracy early in training)."""
+        n = int(ids.numel())
+        if self.cache is not None:
+            feats, hit = self.cache.get(ids, self.version)
+            feats = feats.to(self.device)
+        else:
+            feats, hit = None, torch.zeros(n, dtype=torch.bool)
+        miss = ~hit
+        if bool(miss.any()):
+            was_training = self.backbone.training
+            # BatchNorm cannot take batch statistics of one sample; running statistics stand in.
+            self.backbone.train(was_training and int(miss.sum()) > 1)
+            with torch.no_grad():
+                computed = self.backbone(images_to_input(images[miss].to(self.device))).float()
+            self.backbone.train(was_training)
+            if feats is None:
+                feats = computed
+            else:
+                feats[miss.to(self.device)] = computed
+            if self.cache is not None:
+                self.cache.put(ids[miss], computed, self.version)
+        self.counts.samples += n
+        self.counts.fast_forwards += int(miss.sum())
+        return feats
+
+    def backward(self, ids: torch.Tensor, feature_grad: torch.Tensor) -> None:
+        """Hand dL/dX (B, dim) of ``ids`` to the accumulator, then run the slow gear (in
+        process) or pick up newer published weights (external slow gear)."""
+        self.accumulator.add(ids, feature_grad.detach().float().cpu(), self.version)
+        self._steps += 1
+        if self.slow is not None:
+            gear, source = self.slow
+            gear.drain(source)
+        elif self._steps % self.sync_every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """Load the newest published weights if they are newer than ours."""
+        model = getattr(self.backbone, "module", self.backbone)
+        loaded = self.weights.load_into(model, self._version)
+        if loaded is not None:
+            self._version = loaded
+
+    def summary(self) -> dict[str, float]:
+        """Per-sample work so far, for the train log."""
+        c = self.counts
+        per = max(c.samples, 1)
+        return {"fast_fwd_per_sample": round(c.fast_forwards / per, 4),
+                "slow_fwd_per_sample": round(c.slow_forwards / per, 4),
+                "backbone_version": self.version}

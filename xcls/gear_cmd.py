@@ -1,0 +1,206 @@
+"""``xcls gear slow``, and the config -> objects wiring of gear mode used by ``xcls train``.
+
+With ``gear.slow = "external"`` the trainers (fast gears) do not step the backbone: one
+``xcls gear slow`` process reads the Redis Stream of ready mean gradients through the consumer
+group, owns the backbone optimizer, and publishes the weights (a versioned Redis key, see
+:class:`workers.gear.WeightStore`) every ``gear.publish_every`` backbone steps; the trainers
+reload the newest every ``gear.sync_every`` steps. A second slow process in the same group takes
+over the entries of one that died (after ``--min-idle-ms``) and starts from the last published
+weights; running several at once would train several diverging copies of the backbone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+from xcls.config import ConfigError, ExperimentConfig, GearConfig, load_config
+
+if TYPE_CHECKING:  # the command line imports torch and redis only when a command runs
+    import redis
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from bridge import FeatureCache
+    from workers.gear import Gear
+
+log = logging.getLogger("xcls.gear")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    gear = sub.add_parser("gear", help="gear mode workers (slow gear)",
+                          description="Gear mode commands. See 'xcls gear slow --help'.")
+    cmds = gear.add_subparsers(dest="gear_command", metavar="COMMAND")
+    p = cmds.add_parser(
+        "slow", help="slow-gear worker: apply mean feature gradients to the backbone",
+        description="Read ready mean gradients of CONFIG's job from the Redis Stream (consumer "
+        "group 'slow_gear'), reload those samples' images from data.train, run the backbone "
+        "forward with grad and backward with the mean gradient, step the backbone, and publish "
+        "the weights every gear.publish_every steps for the trainers (gear.slow=external, "
+        "gear.backend=redis). Stops on SIGTERM/SIGINT after publishing.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("config", type=Path, help="the experiment TOML file the trainers use")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set gear.prefix=job7 (repeatable)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many backbone steps (0: run until stopped)")
+    p.add_argument("--idle-exit", type=float, default=0.0,
+                   help="stop after this many seconds without a gradient (0: never)")
+    p.add_argument("--consumer", default=None,
+                   help="this worker's name in the consumer group (default: host-pid)")
+    p.add_argument("--min-idle-ms", type=int, default=60_000,
+                   help="take over entries another consumer left unacked this long")
+    p.add_argument("--block-ms", type=int, default=500,
+                   help="how long one read waits for new gradients")
+    p.set_defaults(func=run_slow)
+    gear.set_defaults(func=lambda args: gear.print_help() or 2)
+
+
+def redis_client(url: str) -> redis.Redis:
+    """A bridge Redis client (short timeouts) for ``redis://[:password@]host[:port][/db]``."""
+    from bridge import make_client
+
+    u = urlparse(url)
+    if u.scheme != "redis" or not u.hostname:
+        raise ConfigError(f"gear.redis_url: expected redis://host[:port][/db], got {url!r}")
+    try:
+        db = int(u.path.lstrip("/") or 0)
+        port = u.port or 6379
+    except ValueError:
+        raise ConfigError(f"gear.redis_url: bad port or db in {url!r}") from None
+    return make_client(u.hostname, port, db, unquote(u.password) if u.password else None)
+
+
+def build_cache(g: GearConfig, dim: int, out_dir: Path,
+                client: redis.Redis | None) -> FeatureCache | None:
+    """The feature cache of ``g.backend``; None when ``g.ttl`` is 0 (never reuse)."""
+    from bridge import LmdbFeatureCache, MemoryFeatureCache, RedisFeatureCache
+
+    if g.ttl == 0:
+        return None
+    if g.backend == "memory":
+        return MemoryFeatureCache(dim, g.cache_mb << 20, ttl_s=g.ttl)
+    if g.backend == "lmdb":
+        return LmdbFeatureCache(out_dir / "gear_cache", dim, g.cache_mb << 20, ttl_s=g.ttl)
+    return RedisFeatureCache(client, dim, g.prefix, ttl_s=g.ttl)
+
+
+def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+               train_set: Dataset, device: torch.device, out_dir: Path,
+               world: int) -> Gear | None:
+    """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
+
+    model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters.
+    """
+    from bridge import MemoryGradientAccumulator, RedisGradientAccumulator, RedisGradientConsumer
+    from workers.gear import Gear, SlowGear, WeightStore
+
+    g = cfg.gear
+    if not g.enabled:
+        return None
+    if g.slow == "local" and world > 1:
+        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
+                          "alone, which data-parallel workers cannot share; use "
+                          "gear.slow=external with 'xcls gear slow'")
+    dim = cfg.model.dim
+    client = redis_client(g.redis_url) if g.backend == "redis" else None
+    cache = build_cache(g, dim, out_dir, client)
+    if client is not None:
+        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix)
+    else:
+        accumulator = MemoryGradientAccumulator(dim, g.m)
+    if g.slow == "external":
+        return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
+                    sync_every=g.sync_every)
+    source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
+    backbone = getattr(model, "module", model)
+    slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
+    return Gear(model, cache, accumulator, device, slow=(slow, source))
+
+
+def run_slow(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.gear.backend != "redis":
+            raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
+                              "gear.backend=redis")
+        return _slow_loop(cfg, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
+    import torch
+
+    from bridge import RedisGradientConsumer
+    from workers.backbones import build_backbone
+    from workers.data.errors import DatasetError
+    from workers.data.lmdb_dataset import LmdbImageDataset
+    from workers.gear import SlowGear, WeightStore
+    from workers.schedule import lr_at
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        train_set = LmdbImageDataset(cfg.data.train)
+    except DatasetError as e:
+        raise ConfigError(f"data.train: {e}") from None
+    meta = train_set.metadata
+    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available()
+                          else "cpu")
+    torch.manual_seed(cfg.train.seed)  # the trainers' initial backbone, should none be published
+    try:
+        backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    backbone = backbone.to(device).train()
+    optimizer = torch.optim.SGD(backbone.parameters(), lr=cfg.optim.lr,
+                                momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    client = redis_client(cfg.gear.redis_url)
+    weights = WeightStore(client, cfg.gear.prefix)
+    # Take over where a previous slow worker stopped (its optimizer momentum is not kept).
+    start = weights.load_into(backbone, -1)
+    version = start if start is not None else 0
+    consumer = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix,
+                                     consumer=args.consumer, min_idle_ms=args.min_idle_ms)
+    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version)
+    log.info("slow_gear_started prefix=%s version=%d consumer=%s", cfg.gear.prefix, version,
+             consumer.consumer)
+
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    steps, published, last_work = 0, version, time.monotonic()
+    while not stop and not (args.max_steps and steps >= args.max_steps):
+        # No cosine decay: this worker does not know how long the trainers will run.
+        lr = lr_at(steps, cfg.optim.lr, cfg.optim.warmup_steps, 0, "constant")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        before = slow.version
+        if slow.run_once(consumer, args.block_ms):
+            last_work = time.monotonic()
+        if slow.version != before:
+            steps += 1
+            if steps % cfg.gear.publish_every == 0 and weights.publish(backbone, slow.version):
+                published = slow.version
+        if args.idle_exit and time.monotonic() - last_work > args.idle_exit:
+            break
+    if slow.version != published:
+        weights.publish(backbone, slow.version)
+    c = slow.counts
+    print(f"slow gear: {steps} backbone steps, {c.slow_forwards} means applied, "
+          f"{c.rejected} rejected, {consumer.metrics.corrupt} malformed, version {slow.version}")
+    return 0
