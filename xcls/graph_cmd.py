@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume-dir", type=Path,
                    help="keep finished query blocks here so an interrupted build resumes")
     p.add_argument("--auth-token-file", type=Path, help="shared secret of the shards")
+    p.add_argument("--connect-timeout", type=float, default=30.0,
+                   help="seconds to wait for every shard to answer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_build)
     graph.set_defaults(func=lambda args: graph.print_help() or 2)
@@ -51,7 +53,7 @@ def run_build(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --builders {args.builders} must be >= 1")
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
     try:
-        client = ams.connect(args.ams, token=token)
+        client = ams.connect(args.ams, token=token, ready_timeout=args.connect_timeout)
     except AmsError as e:
         raise SystemExit(f"error: {e}") from None
     with client:

@@ -109,3 +109,32 @@ def test_neighbors_rpc_bad_input(shard_cluster):
     assert restored.restore() == 1
     assert torch.equal(restored.neighbors("fc", torch.arange(N)), lists)
     client.close()
+
+
+@pytest.fixture(scope="module")
+def one_shard_with_table(module_cluster):
+    (proc,) = module_cluster(1)
+    with ams.connect([proc.address]) as client:
+        client.create_table("fc", num_rows=N, dim=D)
+    return proc
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--table", "fc", "--k", "0"], "--k 0"),
+    (["--table", "nope"], "unknown table 'nope'"),
+    (["--table", "fc", "--k", str(N + 1)], "k=601"),
+    (["--table", "fc", "--builders", "0"], "--builders 0"),
+    (["--table", "fc", "--builders", "2", "--builder-index", "5"], "builder_index=5"),
+])
+def test_cli_bad_arguments(one_shard_with_table, args, needle):
+    proc = one_shard_with_table
+    out = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams", proc.address,
+                          *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and needle in out.stderr, out.stderr
+
+
+def test_cli_unreachable_shard():
+    out = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams",
+                          "127.0.0.1:1", "--table", "fc", "--connect-timeout", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "not reachable" in out.stderr
