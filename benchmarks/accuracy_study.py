@@ -33,6 +33,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
         "train.seed": args.seed, "train.threads": args.threads,
+        "train.max_steps": args.max_steps,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     run = build_run(cfg)
@@ -55,6 +56,7 @@ def main() -> int:
                    help="glyph dataset dir with train/ and test/ (xcls data glyphs)")
     p.add_argument("--heads", default="full,partial,knn", help="comma-separated heads to run")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=0, help="stop each run here (0: all epochs)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--sample-rate", type=float, default=0.1,
                    help="partial's active fraction; knn gets the same active-set size")
@@ -73,7 +75,8 @@ def main() -> int:
     summary = json.loads((args.data / "summary.json").read_text())
     num_classes = summary["classes"]
     rows = [run_head(kind, args, num_classes) for kind in args.heads.split(",")]
-    print(f"\n{num_classes} classes, {args.epochs} epochs, batch {args.batch_size}, "
+    print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
+          f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | rows pulled / step |")
     print("|---|---:|---:|---:|---:|")
