@@ -10,15 +10,18 @@ How a key block is consumed (see ``TopKAccumulator.update``):
 * The query x key score block is one matmul into a reused buffer (memory ``q * b``, never N).
 * Until a query's running list is full, the block's top candidates are taken densely (topk).
 * Once it is full, only keys scoring at least ``threshold - margin`` can still enter, where
-  ``threshold`` is the query's current k-th best exact score. After the first few blocks this is
-  a handful of keys per row, so a compare + nonzero pass replaces a full-width topk per block,
-  which on CPU costs more than the matmul itself.
+  ``threshold`` is the query's current k-th best exact score. After the first few blocks that
+  is a handful of keys per row, so a filter replaces the full-width topk per block (which on
+  CPU costs about twice the matmul): the max of each group of 8 columns is compared to the
+  threshold and only passing groups are opened. Passing keys are queued and merged into the
+  running lists in batches (one padded topk per ~q*k candidates, not per block).
 * Low precision (fp16, TensorCore on CUDA): the score block is computed in fp16, candidates are
   re-scored exactly in fp32 before they enter the running list. The margin ``2**-8`` bounds the
   fp16 score error of unit rows (inputs rounded to 11-bit mantissa: |err| <= 2 * 2**-11 * sum|q_j
   k_j| <= 2**-10, output rounding <= 2**-11), so every key whose fp32 score reaches the
   threshold passes the filter: the low-precision pass loses no neighbour and the result equals
-  the fp32 search. This replaces the paper's heuristic "recall k' > k then re-rank" with a bound.
+  the fp32 search. This replaces the paper's heuristic "recall k' > k, re-rank, hope" with a
+  bound, so there is no recall_k knob: the recall is exact by construction.
 
 Each query's own row is forced first in its list (even against exact duplicates) with its true
 score; keys with the query's id are skipped in the stream. Lists shorter than k (fewer than k
@@ -151,9 +154,18 @@ class TopKAccumulator:
         self._query_low = queries.low
         self._buffer = score_buffer if score_buffer is not None else ScoreBuffer()
         q = self._query_ids.shape[0]
-        # The running list holds the k-1 best keys other than the query itself.
+        # The running list holds the k-1 best keys other than the query itself; its minimum
+        # per row is the filter threshold (-inf while the list is not full).
         self._ids = torch.full((q, k - 1), -1, dtype=torch.int64, device=self.device)
         self._scores = torch.full((q, k - 1), -torch.inf, device=self.device)
+        self._threshold = torch.full((q, 1), -torch.inf, device=self.device)
+        self._full = False
+        # Filtered candidates (rows, ids, exact scores) wait here and are merged in batches:
+        # one merge per key chunk would cost more than the filtering. The threshold they were
+        # filtered with is stale but still a lower bound of the final k-th score, so no key
+        # that belongs in the result is lost.
+        self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._pending_count = 0
 
     def update(self, key_ids: Tensor, key_rows: Tensor) -> None:
         """Consume a key block: ids (b,) int64 global, rows (b, d) any float dtype."""
@@ -170,6 +182,7 @@ class TopKAccumulator:
     def result(self) -> tuple[Tensor, Tensor]:
         """(ids (q, k) int64, scores (q, k) float32): the query itself first with its true
         score, then the neighbours by descending exact fp32 score; -1 / -inf padding."""
+        self._merge_pending()
         self_scores = (self._query_rows * self._query_rows).sum(dim=1, keepdim=True)
         scores, order = self._scores.sort(dim=1, descending=True)
         ids = self._ids.gather(1, order)
@@ -188,35 +201,34 @@ class TopKAccumulator:
         scores = self._buffer.get(q, b, query_mat.dtype, self.device)
         torch.mm(query_mat, key_mat.T, out=scores)
         self_rows, self_cols = _matching_positions(self._query_ids, keys.ids)
-        scores[self_rows, self_cols] = -torch.inf
+        if self_rows.numel():
+            scores[self_rows, self_cols] = -torch.inf
 
-        threshold = self._scores.amin(dim=1, keepdim=True)
-        if bool(torch.isneginf(threshold).any()):
+        if not self._full:
             taken = self._merge_dense(scores, keys)
             if not low:
                 return  # the block's exact top-(k-1) went in; nothing else of it can enter
             # The fp16 top-(k-1) may rank a key below one whose fp32 score is higher: check
             # the rest of the block against the thresholds now known. A row still short has
-            # taken every valid key of the block.
+            # taken every valid key of the block, so it needs nothing more.
             scores.scatter_(1, taken, -torch.inf)
-            threshold = self._scores.amin(dim=1, keepdim=True)
-            threshold = threshold.masked_fill(torch.isneginf(threshold), torch.inf)
-        self._merge_above(scores, keys, threshold)
+        self._filter(scores, keys)
 
-    def _merge_above(self, scores: Tensor, keys: KeyBlock, threshold: Tensor) -> None:
-        """Merge the keys scoring at least ``threshold`` (q, 1) (less the low-precision
-        margin): after the first blocks a few per row, so no full-width topk is needed."""
+    def _filter(self, scores: Tensor, keys: KeyBlock) -> None:
+        """Queue the keys scoring at least the threshold (less the low-precision margin):
+        after the first blocks a few per row, so no full-width topk is needed."""
         low = self.low_precision
+        threshold = self._threshold.masked_fill(torch.isneginf(self._threshold), torch.inf)
         if low:
             threshold = threshold - LOW_PRECISION_MARGIN
-        rows, cols = _entries_at_least(scores, threshold)
+        rows, cols, values = _entries_at_least(scores, threshold)
         if rows.numel() == 0:
             return
-        if low:
-            cand_scores = self._exact_scores(rows, keys.rows, cols)
-        else:
-            cand_scores = scores[rows, cols]
-        self._merge_sparse(rows, keys.ids[cols], cand_scores)
+        exact = self._exact_scores(rows, keys.rows, cols) if low else values
+        self._pending.append((rows, keys.ids[cols], exact))
+        self._pending_count += rows.numel()
+        if self._pending_count >= self._ids.numel():
+            self._merge_pending()
 
     def _merge_dense(self, scores: Tensor, keys: KeyBlock) -> Tensor:
         """Merge the block's best min(k-1, b) keys per query (used while lists are not full);
@@ -230,27 +242,31 @@ class TopKAccumulator:
             block_scores = exact.view_as(cols)
         block_scores = block_scores.float().masked_fill(~valid, -torch.inf)
         block_ids = keys.ids[cols].masked_fill(~valid, -1)
-        self._ids, self._scores = _merge_lists(self._ids, self._scores, block_ids, block_scores)
+        self._set_lists(*_merge_lists(self._ids, self._scores, block_ids, block_scores))
         return cols
 
-    def _merge_sparse(self, rows: Tensor, cand_ids: Tensor, cand_scores: Tensor) -> None:
-        """Merge candidates given as (row, id, score) triples, rows ascending (nonzero order):
-        pad them per touched row and merge only those rows."""
-        touched, counts = torch.unique_consecutive(rows, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(rows.numel(), device=self.device)
-        slot -= torch.repeat_interleave(starts, counts)
-        local_row = torch.repeat_interleave(
-            torch.arange(touched.numel(), device=self.device), counts
-        )
+    def _merge_pending(self) -> None:
+        """Merge the queued (row, id, score) candidates: pad them per row, then one topk."""
+        if not self._pending:
+            return
+        rows, cand_ids, cand_scores = (torch.cat(t) for t in zip(*self._pending, strict=True))
+        self._pending, self._pending_count = [], 0
+        q = self._ids.shape[0]
+        counts = torch.bincount(rows, minlength=q)
         width = int(counts.max())
-        pad_ids = torch.full((touched.numel(), width), -1, dtype=torch.int64, device=self.device)
-        pad_scores = torch.full((touched.numel(), width), -torch.inf, device=self.device)
-        pad_ids[local_row, slot] = cand_ids
-        pad_scores[local_row, slot] = cand_scores.float()
-        ids, scores = _merge_lists(self._ids[touched], self._scores[touched], pad_ids, pad_scores)
-        self._ids[touched] = ids
-        self._scores[touched] = scores
+        order = rows.argsort(stable=True)
+        rows, cand_ids, cand_scores = rows[order], cand_ids[order], cand_scores[order]
+        slot = torch.arange(rows.numel(), device=self.device) - (counts.cumsum(0) - counts)[rows]
+        pad_ids = torch.full((q, width), -1, dtype=torch.int64, device=self.device)
+        pad_scores = torch.full((q, width), -torch.inf, device=self.device)
+        pad_ids[rows, slot] = cand_ids
+        pad_scores[rows, slot] = cand_scores.float()
+        self._set_lists(*_merge_lists(self._ids, self._scores, pad_ids, pad_scores))
+
+    def _set_lists(self, ids: Tensor, scores: Tensor) -> None:
+        self._ids, self._scores = ids, scores
+        self._threshold = scores.amin(dim=1, keepdim=True)
+        self._full = not bool(torch.isneginf(self._threshold).any())
 
     def _exact_scores(self, rows: Tensor, key_rows: Tensor, cols: Tensor) -> Tensor:
         """fp32 scores of (query rows[i], key cols[i]) pairs, (c,) float32."""
@@ -272,8 +288,8 @@ def _merge_lists(
     return best_ids, best
 
 
-def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor]:
-    """(rows, cols), row-major, of the entries of scores (q, b) >= threshold (q, 1).
+def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows, cols, values) of the entries of scores (q, b) >= threshold (q, 1).
 
     A compare + nonzero over all q*b entries costs about half the matmul on CPU. Instead the
     max of each group of _GROUP columns is compared (one cheap pass, nonzero over b/_GROUP
@@ -281,17 +297,22 @@ def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor
     """
     q, b = scores.shape
     if b % _GROUP:
-        return torch.nonzero(scores >= threshold, as_tuple=True)
+        rows, cols = torch.nonzero(scores >= threshold, as_tuple=True)
+        return rows, cols, scores[rows, cols]
     width = b // _GROUP
     # Group j holds columns j, j + width, j + 2*width, ...: the max is an elementwise max of
     # contiguous slabs, which vectorizes well.
     group_max = scores.view(q, _GROUP, width).amax(dim=1)
     rows, groups = torch.nonzero(group_max >= threshold, as_tuple=True)
+    if rows.numel() == 0:
+        return rows, groups, scores.new_empty(0)
+    # Flat (1-d) indexing: much cheaper than 2-d advanced indexing.
     offsets = torch.arange(0, b, width, device=scores.device)
-    cols = (groups[:, None] + offsets).reshape(-1)
-    rows = rows.repeat_interleave(_GROUP)
-    keep = scores[rows, cols] >= threshold[rows, 0]
-    return rows[keep], cols[keep]
+    flat = (rows * b + groups)[:, None] + offsets  # (opened groups, _GROUP)
+    values = scores.view(-1)[flat]
+    keep = values >= threshold.view(-1)[rows][:, None]
+    flat, values = flat[keep], values[keep]
+    return flat // b, flat % b, values
 
 
 def _matching_positions(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
