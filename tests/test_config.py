@@ -30,6 +30,8 @@ def test_int_accepted_for_float(tmp_path):
 
 
 def test_overrides(tmp_path):
+    assert load_config(None, ["train.amp=False"]).train.amp is False
+    assert load_config(None, ["train.amp=yes"]).train.amp is True
     cfg = load_config(None, ["head.kind=full", "optim.lr=0.05", "train.amp=false",
                              "ams.addresses=127.0.0.1:7001,127.0.0.1:7002", "data.train=/x/y"])
     assert cfg.head.kind == "full" and cfg.optim.lr == 0.05 and cfg.train.amp is False

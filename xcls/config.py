@@ -270,6 +270,9 @@ def _parse_override(text: str, kind: Any, key: str) -> Any:
         value = text  # bare words are strings: --set head.kind=knn
     if kind is str and not isinstance(value, str):
         value = text
+    if kind is bool and isinstance(value, str):
+        value = {"true": True, "yes": True, "1": True, "false": False, "no": False,
+                 "0": False}.get(value.lower(), value)
     if typing.get_origin(kind) is list and isinstance(value, str):
         value = [v for v in value.split(",") if v]
     return _coerce(value, kind, key)
