@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 
 from xcls.config import ConfigError, ExperimentConfig, load_config, to_toml
 

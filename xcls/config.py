@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 
 class ConfigError(ValueError):
