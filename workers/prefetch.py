@@ -122,3 +122,9 @@ class Prefetcher:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            # A run that stops mid-epoch leaves the batch source suspended with live loader
+            # workers; closing it shuts them down now rather than at some later collection.
+            close = getattr(self._batches, "close", None)
+            if close is not None:
+                close()

@@ -213,8 +213,9 @@ class Trainer:
         model = self._unwrapped()
         was_training = model.training
         model.eval()
-        loader = DataLoader(self.test_set, batch_size=512, num_workers=self.opt.num_workers,
-                            collate_fn=_collate)
+        # Loaded in this process: worker processes forked here would inherit the training
+        # loader's live iterator, whose finaliser then fails noisily in the child.
+        loader = DataLoader(self.test_set, batch_size=512, num_workers=0, collate_fn=_collate)
         features, labels = [], []
         for _, images, y in loader:
             with torch.autocast(self.device.type, enabled=self._amp):
