@@ -199,7 +199,17 @@ class TopKAccumulator:
         query_mat = self._query_low if low else self._query_rows
         key_mat = keys.low if low else keys.rows
         scores = self._buffer.get(q, b, query_mat.dtype, self.device)
-        torch.mm(query_mat, key_mat.T, out=scores)
+        if low and self.device.type == "cuda":
+            # The error bound above assumes fp32 accumulation; cuBLAS may otherwise reduce
+            # fp16 products in fp16 (torch's default allows it), whose error grows with d.
+            allowed = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+            try:
+                torch.mm(query_mat, key_mat.T, out=scores)
+            finally:
+                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = allowed
+        else:
+            torch.mm(query_mat, key_mat.T, out=scores)
         self_rows, self_cols = _matching_positions(self._query_ids, keys.ids)
         if self_rows.numel():
             scores[self_rows, self_cols] = -torch.inf
