@@ -246,3 +246,25 @@ def test_bad_head_options_are_rejected(name, options, message):
 
 def test_head_names_are_listed():
     assert HEADS == ("full", "partial", "knn")
+
+
+def test_push_false_leaves_the_push_to_the_caller():
+    import ams
+    from workers.heads import build_head
+    from workers.losses import CombinedMarginLoss
+
+    clients = [ams.connect(local_shards=2) for _ in range(2)]
+    heads = []
+    for c in clients:
+        c.create_table("fc", num_rows=40, dim=8, seed=1)
+        heads.append(build_head("full", c, "fc", 40, CombinedMarginLoss.from_preset("cosface")))
+    features = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 5, 5, 9, 30, 39])
+    before = clients[1].pull("fc", torch.arange(40))
+    pushed = heads[0].forward_backward(features, heads[0].prepare(labels), lr=0.1)
+    held = heads[1].forward_backward(features, heads[1].prepare(labels), lr=0.1, push=False)
+    assert torch.equal(clients[1].pull("fc", torch.arange(40)), before)
+    assert torch.equal(held.row_grad, pushed.row_grad)
+    clients[1].push("fc", torch.arange(40), held.row_grad, lr=0.1)
+    assert torch.equal(clients[1].pull("fc", torch.arange(40)), clients[0].pull("fc",
+                                                                               torch.arange(40)))

@@ -72,12 +72,15 @@ class HeadStep:
         backbone's backward with ``features.backward(step.feature_grad)``.
     accuracy: fraction of samples whose highest cosine among the active classes is their label.
     num_active: A, the number of classes in the softmax.
+    row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows);
+        already pushed unless ``forward_backward`` was called with ``push=False``.
     """
 
     loss: float
     feature_grad: torch.Tensor
     accuracy: float
     num_active: int
+    row_grad: torch.Tensor
 
 
 class ActiveSelector(Protocol):
@@ -164,14 +167,13 @@ class ClassifierHead:
         return ActiveBatch(active_ids=active_ids, target=target, rows=rows)
 
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
-                         lr: float, grad_scale: float = 1.0) -> HeadStep:
+                         lr: float, push: bool = True) -> HeadStep:
         """Loss and gradients for one batch; pushes dL/dW of the active rows with ``lr``.
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
-        The pushed gradient is w.r.t. the unnormalized rows, float32 (A, dim), times
-        ``grad_scale``: with W data-parallel workers each pushes its batch-mean gradient and the
-        shards sum the pushes, so 1/W makes the update that of the global batch mean.
+        The gradient is w.r.t. the unnormalized rows, float32 (A, dim). ``push=False`` leaves
+        the push to the caller (data-parallel workers combine theirs into one push per step).
         """
         if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
             raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
@@ -187,12 +189,13 @@ class ClassifierHead:
             cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
             loss = F.cross_entropy(self.margin(cosine, target), target)
             feature_grad, row_grad = torch.autograd.grad(loss, (x, w))
-        if grad_scale != 1.0:
-            row_grad = row_grad * grad_scale
-        self.store.push(self.table, batch.active_ids, row_grad.cpu(), lr=lr)
+        row_grad = row_grad.cpu()
+        if push:
+            self.store.push(self.table, batch.active_ids, row_grad, lr=lr)
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
-                        accuracy=float(accuracy), num_active=int(batch.active_ids.numel()))
+                        accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),
+                        row_grad=row_grad)
 
 
 HEADS = ("full", "partial", "knn")

@@ -363,8 +363,11 @@ class Trainer:
                 features = self.backbone(images)
         # the pull for step+depth must see exactly the state before this push
         self._prefetcher.wait_prepared(self.step)
-        out = self.head.forward_backward(features, prepared.active, lr=self._head_lr(self.step),
-                                         grad_scale=1.0 / self.world)
+        head_lr = self._head_lr(self.step)
+        out = self.head.forward_backward(features, prepared.active, lr=head_lr,
+                                         push=self.world == 1)
+        if self.world > 1:
+            self._push_combined(prepared.active.active_ids, out.row_grad, head_lr)
         if self.gear is not None:
             self.gear.backward(ids, out.feature_grad)
         elif self._scaler is not None:
@@ -376,6 +379,17 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return out.loss, out.accuracy, out.num_active
+
+    def _push_combined(self, ids: torch.Tensor, row_grad: torch.Tensor, lr: float) -> None:
+        """One push per step for all ranks: rank 0 sends the sum of every rank's row gradients
+        (each a batch mean, so divided by W: the gradient of the global batch mean). Separate
+        pushes would give a row W momentum updates per step, in arrival order. The gather also
+        orders every rank's prefetch pull for this step before the push."""
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (ids, row_grad))
+        if self.rank == 0:
+            self.client.push(self.table, torch.cat([i for i, _ in parts]),
+                                 torch.cat([g for _, g in parts]) / self.world, lr=lr)
 
     def _boundary(self, end_of_epoch: bool, result: TrainResult) -> None:
         """Work between steps, in a fixed order: graph rebuild, checkpoint, evaluation."""
