@@ -106,16 +106,12 @@ class RemoteShard:
             raise Unavailable(f"shard {self.address} not reachable within {timeout:.0f}s") from None
 
     def create_table(self, spec: TableSpec) -> bool:
-        from ams.server import spec_to_wire  # the wire form of a spec is defined once, there
-
-        reply = self._call("CreateTable", pb.CreateTableRequest(spec=spec_to_wire(spec)))
+        reply = self._call("CreateTable", pb.CreateTableRequest(spec=codec.spec_to_wire(spec)))
         return reply.created
 
     def table_specs(self) -> dict[str, TableSpec]:
-        from ams.server import spec_from_wire
-
         reply = self._call("Stats", pb.StatsRequest())
-        return {t.spec.name: spec_from_wire(t.spec) for t in reply.tables}
+        return {t.spec.name: codec.spec_from_wire(t.spec) for t in reply.tables}
 
     def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         request = pb.PullRequest(table=table)

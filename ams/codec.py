@@ -14,6 +14,7 @@ import torch
 
 from ams.api import shard_pb2 as pb
 from ams.errors import InvalidArgument
+from ams.store import TableSpec
 
 _TO_WIRE: dict[torch.dtype, int] = {
     torch.float32: pb.FLOAT32,
@@ -85,3 +86,19 @@ def decode(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(msg.data, dtype=got)
     return flat.view(shape)
+
+
+def spec_from_wire(msg: pb.TableSpec) -> TableSpec:
+    """Wire spec -> validated ``TableSpec`` (state dtype defaults to the row dtype)."""
+    dtype = torch_dtype(msg.dtype, "spec.dtype")
+    state = torch_dtype(msg.state_dtype, "spec.state_dtype") if msg.state_dtype else dtype
+    return TableSpec(name=msg.name, num_rows=msg.num_rows, dim=msg.dim, dtype=dtype,
+                     state_dtype=state, momentum=msg.momentum, weight_decay=msg.weight_decay,
+                     seed=msg.seed, init_std=msg.init_std)
+
+
+def spec_to_wire(spec: TableSpec) -> pb.TableSpec:
+    return pb.TableSpec(name=spec.name, num_rows=spec.num_rows, dim=spec.dim,
+                        dtype=wire_dtype(spec.dtype),
+                        state_dtype=wire_dtype(spec.state_dtype), momentum=spec.momentum,
+                        weight_decay=spec.weight_decay, seed=spec.seed, init_std=spec.init_std)

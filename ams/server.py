@@ -23,7 +23,7 @@ from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import AmsError, FailedPrecondition
-from ams.store import ShardStore, TableSpec
+from ams.store import ShardStore
 from ams.wire import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -47,22 +47,6 @@ def _rpc(method: Callable) -> Callable:
     return wrapper
 
 
-def spec_from_wire(msg: pb.TableSpec) -> TableSpec:
-    """Wire spec -> validated ``TableSpec`` (state dtype defaults to the row dtype)."""
-    dtype = codec.torch_dtype(msg.dtype, "spec.dtype")
-    state = codec.torch_dtype(msg.state_dtype, "spec.state_dtype") if msg.state_dtype else dtype
-    return TableSpec(name=msg.name, num_rows=msg.num_rows, dim=msg.dim, dtype=dtype,
-                     state_dtype=state, momentum=msg.momentum, weight_decay=msg.weight_decay,
-                     seed=msg.seed, init_std=msg.init_std)
-
-
-def spec_to_wire(spec: TableSpec) -> pb.TableSpec:
-    return pb.TableSpec(name=spec.name, num_rows=spec.num_rows, dim=spec.dim,
-                        dtype=codec.wire_dtype(spec.dtype),
-                        state_dtype=codec.wire_dtype(spec.state_dtype), momentum=spec.momentum,
-                        weight_decay=spec.weight_decay, seed=spec.seed, init_std=spec.init_std)
-
-
 class ShardServicer(pb_grpc.ShardServicer):
     """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused)."""
 
@@ -74,7 +58,8 @@ class ShardServicer(pb_grpc.ShardServicer):
     @_rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext
                     ) -> pb.CreateTableReply:
-        return pb.CreateTableReply(created=self.store.create_table(spec_from_wire(request.spec)))
+        spec = codec.spec_from_wire(request.spec)
+        return pb.CreateTableReply(created=self.store.create_table(spec))
 
     @_rpc
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
@@ -124,7 +109,7 @@ class ShardServicer(pb_grpc.ShardServicer):
                               last_snapshot_step=self.last_snapshot_step)
         for name, t in stats["tables"].items():
             reply.tables.add(
-                spec=spec_to_wire(self.store.table(name).spec), owned_rows=t["owned_rows"],
+                spec=codec.spec_to_wire(self.store.table(name).spec), owned_rows=t["owned_rows"],
                 row_bytes=t["row_bytes"], state_bytes=t["state_bytes"], pulls=t["pulls"],
                 pushes=t["pushes"], rows_pulled=t["rows_pulled"], rows_pushed=t["rows_pushed"],
                 graph_version=t["graph_version"], graph_step=t["graph_step"],

@@ -240,6 +240,8 @@ def list_steps(data_dir: Path) -> list[int]:
 
 
 def _pieces_of(step_path: Path) -> list[Path]:
+    if not step_path.is_dir():
+        raise SnapshotError(f"{step_path} does not exist")
     pieces = sorted(p for p in step_path.iterdir() if _PIECE_RE.match(p.name))
     if not pieces:
         raise SnapshotError(f"{step_path}: no shard pieces")
@@ -267,7 +269,7 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
     for s in candidates:
         path = step_dir(data_dir, s)
         try:
-            tables = _assemble(store, _pieces_of(path) if path.is_dir() else _missing(path))
+            tables = _assemble(store, _pieces_of(path))
         except SnapshotError as e:
             log.warning("snapshot_skipped step=%d reason=%r", s, str(e))
             problems.append(str(e))
@@ -277,10 +279,6 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
         log.info("snapshot_restored step=%d path=%s tables=%d", s, path, len(tables))
         return s, path
     raise SnapshotError("no usable snapshot: " + "; ".join(problems))
-
-
-def _missing(path: Path) -> list[Path]:
-    raise SnapshotError(f"{path} does not exist")
 
 
 def _assemble(store: ShardStore, pieces: list[Path]

@@ -26,6 +26,12 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step-{step:012d}"
 
 
+def _staging_dir(out_dir: Path, step: int) -> Path:
+    """Where every rank writes its part before rank 0 publishes the checkpoint."""
+    final = checkpoint_dir(out_dir, step)
+    return final.with_name(final.name + ".staging")
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
@@ -38,7 +44,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def save_shared(out_dir: Path, step: int, state: dict) -> Path:
     """Rank 0: write ``worker.pt`` of checkpoint ``step`` and publish the directory."""
     final = checkpoint_dir(out_dir, step)
-    staging = final.with_name(final.name + ".staging")
+    staging = _staging_dir(out_dir, step)
     staging.mkdir(parents=True, exist_ok=True)
     _atomic_save(state, staging / "worker.pt")
     if final.exists():
@@ -50,7 +56,7 @@ def save_shared(out_dir: Path, step: int, state: dict) -> Path:
 def save_rank(out_dir: Path, step: int, rank: int, state: dict) -> None:
     """Every rank: its private part; written into the staging directory before rank 0
     publishes (the trainer orders the two with a barrier)."""
-    staging = checkpoint_dir(out_dir, step).with_name(f"step-{step:012d}.staging")
+    staging = _staging_dir(out_dir, step)
     staging.mkdir(parents=True, exist_ok=True)
     _atomic_save(state, staging / f"rank-{rank:05d}.pt")
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from ams.client import ShardedClient
+from ams.graph_build import current_graph_version
 from workers import checkpoint
 from workers.gear import Gear
 from workers.heads import ClassifierHead
@@ -277,7 +278,7 @@ class Trainer:
         Path(self.opt.out_dir).mkdir(parents=True, exist_ok=True)
         self._prefetcher = None
         self.try_resume()
-        if self.build_graph is not None and self._graph_version() == 0:
+        if self.build_graph is not None and current_graph_version(self.client, self.table) == 0:
             self._rebuild_graph()
         result = TrainResult(steps=self.step, last_loss=math.nan)
         if self.step >= self.total_steps:
@@ -408,9 +409,6 @@ class Trainer:
             self._record("eval", dict(result.eval))
             log.info("eval step=%d top1=%.4f top5=%.4f samples=%d", self.step,
                      result.eval["top1"], result.eval["top5"], result.eval["samples"])
-
-    def _graph_version(self) -> int:
-        return max(s["tables"][self.table]["graph_version"] for s in self.client.stats())
 
     def _rebuild_graph(self) -> None:
         self._barrier()
