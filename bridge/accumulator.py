@@ -149,3 +149,39 @@ class MemoryGradientAccumulator:
         self.metrics.applied += len(batch)
         return len(batch)
 
+    def state_dict(self) -> dict:
+        """Partial sums and queued means, for a checkpoint that must resume exactly:
+        ``ids`` (s,) int64, ``sums`` (s, dim) float32, ``counts``/``versions``/``seqs`` (s,)
+        int64, and ``ready``: the queued means in order as (ids, means, versions, seqs)."""
+        with self._cond:
+            items = sorted(self._state.items())
+            ready = list(self._ready)
+        dim = self.dim
+        return {
+            "ids": np.array([i for i, _ in items], dtype=np.int64),
+            "sums": np.stack([s[0] for _, s in items]) if items else np.zeros((0, dim), np.float32),
+            "counts": np.array([s[1] for _, s in items], dtype=np.int64),
+            "versions": np.array([s[2] for _, s in items], dtype=np.int64),
+            "seqs": np.array([s[3] for _, s in items], dtype=np.int64),
+            "ready": (np.array([r[0] for r in ready], dtype=np.int64),
+                      np.stack([r[1] for r in ready]) if ready else np.zeros((0, dim), np.float32),
+                      np.array([r[2] for r in ready], dtype=np.int64),
+                      np.array([r[3] for r in ready], dtype=np.int64)),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the partial sums and queue with :meth:`state_dict`'s (same dim)."""
+        sums = np.asarray(state["sums"], dtype=np.float32)
+        ready_means = np.asarray(state["ready"][1], dtype=np.float32)
+        if sums.shape[1:] != (self.dim,) or ready_means.shape[1:] != (self.dim,):
+            raise ValueError(f"accumulator state has width {sums.shape[1:]}, expected "
+                             f"({self.dim},)")
+        rows = zip(state["ids"].tolist(), sums, state["counts"].tolist(),
+                   state["versions"].tolist(), state["seqs"].tolist(), strict=True)
+        ready = zip(state["ready"][0].tolist(), ready_means, state["ready"][2].tolist(),
+                    state["ready"][3].tolist(), strict=True)
+        with self._cond:
+            self._state = {i: [total.copy(), count, version, seq]
+                           for i, total, count, version, seq in rows}
+            self._ready = deque((i, mean.copy(), version, seq)
+                                for i, mean, version, seq in ready)

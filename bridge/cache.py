@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from bridge.codec import check_dtype, decode_features, encode_features
+from bridge.codec import check_dtype, decode_feature_header, decode_features, encode_features
+from bridge.errors import CorruptEntryError
 from bridge.metrics import CacheMetrics
 from bridge.ratelimit import RateLimitedLog
 
@@ -142,6 +143,23 @@ class FeatureCache(ABC):
         self.metrics.dropped_puts += len(blobs) - stored
         self.metrics.bytes_written += stored * len(blobs[0])
 
+    def drop_newer_than(self, version: int) -> int:
+        """Delete every entry written by a backbone newer than ``version`` (-1: every entry),
+        and every entry that does not decode. Returns how many were deleted.
+
+        A run that resumes from a checkpoint of backbone ``version`` calls this: newer entries
+        were computed by weights the checkpoint discarded, and the resumed run will reach those
+        version numbers again with other weights, so they would pass every freshness check.
+        A fresh run calls it with -1 (a job reusing its prefix must not see old features).
+        """
+        def doomed(blob: bytes) -> bool:
+            try:
+                return decode_feature_header(blob, self.dim, self.dtype)[0] > version
+            except CorruptEntryError:
+                return True
+
+        return self._delete_where(doomed)
+
     def _observe_version(self, version: int) -> None:
         if self.latest_version is None or version > self.latest_version:
             self.latest_version = int(version)
@@ -155,3 +173,8 @@ class FeatureCache(ABC):
     def _store(self, ids: np.ndarray, blobs: list[bytes]) -> int:
         """Write encoded entries (all the same length); returns how many were stored, the rest
         were dropped (backend unreachable or full)."""
+
+    @abstractmethod
+    def _delete_where(self, doomed: Callable[[bytes], bool]) -> int:
+        """Delete the entries whose raw bytes satisfy ``doomed``; returns how many (0 if the
+        backend cannot be reached)."""

@@ -162,6 +162,21 @@ class LmdbFeatureCache(FeatureCache):
             total = self._sweep(txn, total, bound)
             txn.put(b"bytes", _U64.pack(max(total, 0)), db=self._meta)
 
+    def _delete_where(self, doomed: Callable[[bytes], bool]) -> int:
+        with self._open().begin(write=True) as txn:
+            raw = txn.get(b"bytes", db=self._meta)
+            total = _U64.unpack(raw)[0] if raw else 0
+            gone = [(key, blob) for key, blob in txn.cursor(db=self._feat) if doomed(blob)]
+            for key, blob in gone:
+                txn.delete(key, db=self._feat)
+                stamp_us = _stamp_us(blob)
+                # Entries without an index key were never counted (see _stamp_us).
+                if stamp_us is not None and txn.delete(
+                        _STAMP.pack(stamp_us, _ID.unpack(key)[0]), db=self._bytime):
+                    total -= footprint(len(blob))
+            txn.put(b"bytes", _U64.pack(max(total, 0)), db=self._meta)
+        return len(gone)
+
     def _sweep(self, txn: lmdb.Transaction, total: int, bound: int) -> int:
         """Delete from the oldest end while entries are expired or the footprint is over
         ``bound``; returns the new footprint."""

@@ -65,3 +65,31 @@ class MemoryFeatureCache(FeatureCache):
                 self._bytes -= len(old)
                 self.metrics.evictions += 1
         return len(blobs)
+
+    def _delete_where(self, doomed: Callable[[bytes], bool]) -> int:
+        with self._lock:
+            gone = [i for i, blob in self._entries.items() if doomed(blob)]
+            for i in gone:
+                self._bytes -= len(self._entries.pop(i))
+        return len(gone)
+
+    def export_entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry in LRU order (least recent first): (ids (n,) int64, raw entries (n,
+        entry bytes) uint8), for a checkpoint that must restore the cache exactly."""
+        with self._lock:
+            ids = np.fromiter(self._entries.keys(), dtype=np.int64, count=len(self._entries))
+            raw = b"".join(self._entries.values())
+        width = entry_nbytes(self.dim, self.dtype)
+        return ids, np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), width).copy()
+
+    def import_entries(self, ids: np.ndarray, raw: np.ndarray) -> None:
+        """Replace the contents with what :meth:`export_entries` returned (same dim and dtype;
+        ValueError otherwise). Entries keep their own write times, so expiry goes on as before."""
+        width = entry_nbytes(self.dim, self.dtype)
+        if raw.ndim != 2 or raw.shape != (len(ids), width) or raw.dtype != np.uint8:
+            raise ValueError(f"cache entries must be uint8 ({len(ids)}, {width}) for dim "
+                             f"{self.dim} {self.dtype}, got {raw.dtype} {tuple(raw.shape)}")
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+        self._store(np.asarray(ids, dtype=np.int64), [row.tobytes() for row in raw])

@@ -45,7 +45,7 @@ from bridge.codec import (
 from bridge.errors import MalformedGradientError
 from bridge.metrics import AccumulatorMetrics
 from bridge.ratelimit import RateLimitedLog
-from bridge.redis_util import RedisGuard
+from bridge.redis_util import RedisGuard, glob_escape
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ def stream_key(prefix: str) -> bytes:
 def dead_letter_key(prefix: str) -> bytes:
     """Where malformed stream entries go, with an ``error`` field."""
     return f"{prefix}:grads:dead".encode()
+
+
+def applied_prefix(prefix: str) -> bytes:
+    """Where the consumers of job ``prefix`` remember applied keys (``{prefix}:applied:{key}``)."""
+    return f"{prefix}:applied:".encode()
 
 
 class RedisGradientAccumulator:
@@ -94,6 +99,22 @@ class RedisGradientAccumulator:
 
     def record_key(self, sample_id: int) -> bytes:
         return f"{self.prefix}:acc:{sample_id}".encode()
+
+    def discard_all(self) -> int:
+        """Forget the job's gradient state: partial sums, the stream of ready means (its
+        consumer group goes with it and is recreated by the next read) and the applied keys.
+        A trainer that owns the slow gear calls it when it starts or resumes, because means
+        queued by a discarded run would otherwise be applied, and its applied keys would make
+        the resumed run's identical keys look like duplicates. Returns how many keys went.
+        Raises redis.RedisError if Redis cannot be reached (starting on stale state is worse
+        than not starting)."""
+        deleted = 0
+        for pattern in (glob_escape(self.prefix) + b":acc:*",
+                        glob_escape(self.prefix) + b":applied:*"):
+            keys = list(self.client.scan_iter(match=pattern, count=1000))
+            for start in range(0, len(keys), 1000):
+                deleted += self.client.delete(*keys[start:start + 1000])
+        return deleted + self.client.delete(self.stream)
 
     def add(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
             version: int) -> int:
@@ -202,7 +223,7 @@ class RedisGradientConsumer:
         self._block_slice_ms = max(1, int(timeout * 500)) if timeout else None
 
     def applied_key(self, key: bytes) -> bytes:
-        return f"{self.prefix}:applied:".encode() + key
+        return applied_prefix(self.prefix) + key
 
     def _ensure_group(self) -> None:
         if self._group_ready:

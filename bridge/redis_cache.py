@@ -21,7 +21,7 @@ import numpy as np
 import redis
 
 from bridge.cache import FeatureCache
-from bridge.redis_util import RedisGuard
+from bridge.redis_util import RedisGuard, glob_escape
 
 
 class RedisFeatureCache(FeatureCache):
@@ -83,3 +83,22 @@ class RedisFeatureCache(FeatureCache):
             self._warn.warn("redis_set_rejected", prefix=self.prefix, count=len(failed),
                             error=repr(str(failed[0])))
         return len(blobs) - len(failed)
+
+    def _delete_where(self, doomed: Callable[[bytes], bool]) -> int:
+        if not self.guard.usable():
+            return 0
+        deleted = 0
+        try:
+            keys = list(self.client.scan_iter(match=glob_escape(self.prefix) + b":f:*",
+                                              count=self.chunk))
+            for start in range(0, len(keys), self.chunk):
+                part = keys[start:start + self.chunk]
+                gone = [key for key, blob in zip(part, self.client.mget(part), strict=True)
+                        if blob is not None and doomed(blob)]
+                if gone:
+                    deleted += self.client.delete(*gone)
+        except redis.RedisError as e:
+            self.guard.failed("drop", e)
+            return deleted
+        self.guard.ok()
+        return deleted

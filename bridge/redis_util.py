@@ -9,6 +9,7 @@ seconds, then lets the next call try again. redis-py reconnects by itself when t
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import redis
@@ -54,3 +55,8 @@ class RedisGuard:
         if self._down:
             self._down = False
             log.info("redis_recovered who=%s", self.name)
+
+
+def glob_escape(name: str) -> bytes:
+    """``name`` as a literal in a Redis MATCH pattern (a job prefix may hold ``*?[]\\``)."""
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", name.encode())

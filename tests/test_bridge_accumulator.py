@@ -213,3 +213,45 @@ def test_redis_down_drops_and_recovers(own_redis):
     assert consumer.read().ids.tolist() == [3]
     # Blocking longer than the 0.3 s socket timeout is read in slices, not taken for a failure.
     assert len(consumer.read(block_ms=700)) == 0 and consumer.guard.usable()
+
+
+def test_memory_state_dict_resumes_exactly():
+    ref_acc, ref = MemoryGradientAccumulator(DIM, 3), Reference(3)
+    drive(ref_acc, ref, 20, seed=5)
+    first = MemoryGradientAccumulator(DIM, 3)
+    drive(first, Reference(3), 20, seed=5)
+    first.read(max_items=4)  # 4 means taken before the checkpoint; the rest stay queued
+    resumed = MemoryGradientAccumulator(DIM, 3)
+    resumed.load_state_dict(first.state_dict())
+    ref_acc.read(max_items=4)
+    # the same gradients after the cut give the same means from both
+    for acc in (resumed, ref_acc):
+        drive(acc, Reference(3), 20, seed=6)
+    a, b = {}, {}
+    collect(resumed, a)
+    collect(ref_acc, b)
+    assert a.keys() == b.keys() and len(a) > 10
+    for key in a:
+        assert a[key][0] == b[key][0] and a[key][2] == b[key][2]
+        np.testing.assert_array_equal(a[key][1], b[key][1])
+    with pytest.raises(ValueError, match="width"):
+        MemoryGradientAccumulator(DIM + 1, 3).load_state_dict(first.state_dict())
+
+
+def test_redis_discard_all_forgets_the_job_only(redis_server):
+    client = redis_server.client()
+    acc = RedisGradientAccumulator(client, DIM, 2, "discard")
+    other = RedisGradientAccumulator(client, DIM, 1, "discardX")
+    drive(acc, Reference(2), 10, seed=1)
+    drive(other, Reference(1), 3, seed=1)
+    consumer = RedisGradientConsumer(client, DIM, "discard")
+    collect(consumer, {})  # applied keys exist now
+    drive(acc, Reference(2), 10, seed=2)  # partial sums and queued means too
+    assert acc.discard_all() > 0
+    assert not list(client.scan_iter(match=b"discard:*"))
+    assert client.xlen(stream_key("discardX")) > 0
+    # a new consumer starts over: the same means are fresh, not duplicates
+    ref, applied = Reference(2), {}
+    drive(acc, ref, 10, seed=1)
+    collect(RedisGradientConsumer(client, DIM, "discard"), applied)
+    check_against(ref, applied)

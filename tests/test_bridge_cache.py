@@ -387,3 +387,63 @@ def test_lmdb_survives_writer_sigkill(tmp_path):
 
 def _stored_versions(cache: LmdbFeatureCache, ids: np.ndarray) -> list[int]:
     return [decode_feature_header(b, cache.dim, cache.dtype)[0] for b in cache._fetch(ids)]
+
+
+def test_drop_newer_than_forgets_a_discarded_timeline(any_cache):
+    clock = FakeClock()
+    cache = any_cache(clock)
+    ids = np.arange(30)
+    for v in range(5):  # ids 6v..6v+5 written by backbone v
+        cache.put(ids[6 * v:6 * v + 6], feats(ids[6 * v:6 * v + 6], v), v)
+    assert cache.drop_newer_than(2) == 12
+    out, hit = cache.get(ids, current_version=2)
+    np.testing.assert_array_equal(hit.numpy(), ids < 18)
+    np.testing.assert_array_equal(out[:18].numpy(),
+                                  as_fp16(np.concatenate([feats(ids[6 * v:6 * v + 6], v)
+                                                          for v in range(3)])))
+    assert cache.drop_newer_than(-1) == 18
+    assert not cache.get(ids)[1].any()
+    cache.put(ids[:3], feats(ids[:3], 7), 7)  # the cache keeps working afterwards
+    assert cache.get(ids[:3])[1].all()
+
+
+def test_drop_newer_than_removes_undecodable_entries(tmp_path, redis_server):
+    cache = RedisFeatureCache(redis_server.client(), DIM, "dropgarbage", 60.0)
+    cache.put(np.arange(4), feats(np.arange(4), 1), 1)
+    cache.client.set(cache.key(9), b"garbage")
+    cache.client.set(b"dropgarbageX:f:1", b"another job's key")  # a prefix sharing the start
+    assert cache.drop_newer_than(5) == 1
+    assert cache.client.get(cache.key(9)) is None
+    assert cache.client.get(b"dropgarbageX:f:1") is not None
+    assert cache.get(np.arange(4))[1].all()
+
+
+def test_lmdb_drop_newer_than_keeps_the_byte_account(tmp_path):
+    cache = LmdbFeatureCache(tmp_path / "c", 64, 1 << 20, ttl_s=60.0)
+    for v in range(4):
+        cache.put(np.arange(100 * v, 100 * v + 100), feats(np.arange(100), v, 64), v)
+    before = cache.nbytes
+    assert cache.drop_newer_than(1) == 200
+    assert cache.nbytes == before // 2 and len(cache) == 200
+    with cache._open().begin() as txn:  # the time index lost the dropped entries too
+        assert txn.stat(cache._bytime)["entries"] == 200
+    cache.close()
+
+
+def test_memory_export_import_restores_entries_exactly():
+    clock = FakeClock()
+    a = MemoryFeatureCache(DIM, 40 * entry_nbytes(DIM, "float16"), ttl_s=60.0, clock=clock)
+    for v in range(6):
+        a.put(np.arange(10 * v, 10 * v + 10), feats(np.arange(10), v), v)  # 20 evicted
+    a.get(np.arange(25, 30))  # touched: now most recently used
+    b = MemoryFeatureCache(DIM, a.max_bytes, ttl_s=60.0, clock=clock)
+    b.import_entries(*a.export_entries())
+    ids = np.arange(60)
+    for x, y in zip(a.get(ids), b.get(ids), strict=True):
+        assert torch.equal(x, y)
+    # the LRU order came along: the next eviction takes the same ids from both
+    for cache in (a, b):
+        cache.put(np.arange(100, 105), feats(np.arange(5), 9), 9)
+    assert torch.equal(a.get(ids)[1], b.get(ids)[1])
+    with pytest.raises(ValueError, match="uint8"):
+        b.import_entries(np.arange(2), np.zeros((2, 3), np.uint8))

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from bridge.codec import GradEntry, encode_features, encode_grad_entry
@@ -149,22 +150,34 @@ def test_garbage_in_cache_and_stream_is_rejected(glyphs_small, tmp_path, redis_s
     client = redis_server.client()
     dim, n_bad = 64, 40
     nan_entry = encode_features(np.full((1, dim), np.nan, np.float32), 0, 1e18, "float16")[0]
-    for i in range(n_bad):
-        client.set(f"{prefix}:f:{i}".encode(), b"not a feature" if i % 2 else nan_entry)
-        client.set(f"{prefix}:acc:{i}".encode(), b"not a record")
     stream = stream_key(prefix)
-    client.xgroup_create(stream, "slow_gear", id="0", mkstream=True)
-    client.xadd(stream, {b"junk": b"1"})
-    client.xadd(stream, {**encode_grad_entry(GradEntry(0, 0, 0, 1, np.ones(dim, np.float32))),
-                         b"grad": b"\x00" * 3})
-    unknown = GradEntry(10**9, 0, 0, 1, np.ones(dim, np.float32))
-    client.xadd(stream, encode_grad_entry(unknown))
 
+    def plant() -> None:
+        for i in range(n_bad):
+            client.set(f"{prefix}:f:{i}".encode(), b"not a feature" if i % 2 else nan_entry)
+            client.set(f"{prefix}:acc:{i}".encode(), b"not a record")
+        client.xgroup_create(stream, "slow_gear", id="0", mkstream=True)
+        client.xadd(stream, {b"junk": b"1"})
+        client.xadd(stream, {**encode_grad_entry(GradEntry(0, 0, 0, 1, np.ones(dim, np.float32))),
+                             b"grad": b"\x00" * 3})
+        unknown = GradEntry(10**9, 0, 0, 1, np.ones(dim, np.float32))
+        client.xadd(stream, encode_grad_entry(unknown))
+
+    plant()  # left by an earlier job of the same name: a fresh run starts without it
     run, _ = build(glyphs_small, tmp_path / "run", **{
         "gear.ttl": 1e6, "gear.m": 1, "train.max_steps": 16, "data.test": "",
         **redis_sets(redis_server, prefix)})
     gear = run.trainer.gear
     slow, consumer = gear.slow
+    fast_features = gear.features
+
+    def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        if gear.counts.samples == 0:
+            assert not client.exists(stream, f"{prefix}:f:1", f"{prefix}:acc:1")
+            plant()  # written while the run trains
+        return fast_features(ids, images)
+
+    gear.features = features
     result = run.trainer.train()
     assert all(np.isfinite(row["loss"]) for row in result.history)
     seen = visits(run, 16)
@@ -225,3 +238,86 @@ def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
     store.client.set(store.version_key, str(final + 1).encode())
     assert store.load_into(model, final) is None
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(run, call: int) -> None:
+    """Make the run's trainer die inside the fast gear on its ``call``-th step."""
+    fast_features, calls = run.trainer.gear.features, [0]
+
+    def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == call:
+            raise Crash
+        return fast_features(ids, images)
+
+    run.trainer.gear.features = features
+
+
+def stored_versions(cache) -> list[int]:
+    from bridge.codec import decode_feature_header
+
+    with cache._open().begin(db=cache._feat) as txn:
+        return [decode_feature_header(blob, cache.dim, cache.dtype)[0] for _, blob in
+                txn.cursor(db=cache._feat)]
+
+
+def test_gear_resume_after_crash_is_bit_identical(glyphs_small, tmp_path):
+    from tests.test_trainer import final_state
+
+    # an epoch is 33 steps: the checkpoint falls in the second, where cached features of the
+    # first are reused, and where m=2 means of the first visits are applied
+    steps = 44
+    sets = {"gear.ttl": 1e6, "gear.m": 2, "train.max_steps": steps,
+            "train.checkpoint_every": 36, "train.resume": True, "data.test": ""}
+    straight, _ = build(glyphs_small, tmp_path / "straight", **sets)
+    straight.trainer.train()
+    counts = straight.trainer.gear.counts
+    assert straight.trainer.plan.steps_per_epoch < 36
+    assert counts.fast_forwards < counts.samples and counts.slow_steps > 0
+
+    crashed, _ = build(glyphs_small, tmp_path / "crashed", **sets)
+    crash_at(crashed, 41)  # 4 steps past the checkpoint
+    with pytest.raises(Crash):
+        crashed.trainer.train()
+    resumed, _ = build(glyphs_small, tmp_path / "crashed", **sets)
+    assert resumed.trainer.train().steps == steps
+    assert resumed.trainer.gear.counts == counts
+    assert resumed.trainer.gear.version == straight.trainer.gear.version
+    a_backbone, a_rows = final_state(tmp_path / "straight", steps)
+    b_backbone, b_rows = final_state(tmp_path / "crashed", steps)
+    for key in a_backbone:
+        assert torch.equal(a_backbone[key], b_backbone[key]), key
+    for a, b in zip(a_rows, b_rows, strict=True):
+        assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
+
+
+def test_gear_resume_drops_features_of_the_discarded_run(glyphs_small, tmp_path):
+    sets = {"gear.ttl": 1e6, "gear.m": 1, "gear.backend": "lmdb", "train.max_steps": 14,
+            "train.checkpoint_every": 6, "train.resume": True, "data.test": ""}
+    crashed, _ = build(glyphs_small, tmp_path / "run", **sets)
+    crash_at(crashed, 11)
+    with pytest.raises(Crash):
+        crashed.trainer.train()
+    # m=1: one backbone step per fast step, so the checkpoint of step 6 is version 6 and the
+    # crashed run wrote features of versions 7..9 after it
+    assert max(stored_versions(crashed.trainer.gear.cache)) == 9
+    crashed.trainer.gear.cache.close()
+
+    resumed, _ = build(glyphs_small, tmp_path / "run", **sets)
+    gear = resumed.trainer.gear
+    first_versions: list[list[int]] = []
+    fast_features = gear.features
+
+    def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        if not first_versions:
+            first_versions.append(stored_versions(gear.cache))
+        return fast_features(ids, images)
+
+    gear.features = features
+    assert resumed.trainer.train().steps == 14
+    assert first_versions[0] and max(first_versions[0]) == 6
+    assert gear.version == 14

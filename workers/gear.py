@@ -25,7 +25,7 @@ import hashlib
 import io
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import redis
@@ -33,7 +33,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from bridge import FeatureCache, GradientBatch
+from bridge import (
+    BridgeError,
+    FeatureCache,
+    GradientBatch,
+    MemoryFeatureCache,
+    MemoryGradientAccumulator,
+)
 from bridge.ratelimit import RateLimitedLog
 from bridge.redis_util import RedisGuard
 from workers.predict import images_to_input
@@ -254,6 +260,53 @@ class Gear:
     def version(self) -> int:
         """Backbone version the fast gear computes with."""
         return self.slow[0].version if self.slow else self._version
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the gear: the backbone version, step and work counters,
+        and the contents of in-process caches and accumulators (shared backends keep theirs;
+        see :meth:`begin`)."""
+        state: dict = {"version": self.version, "steps": self._steps,
+                       "counts": asdict(self.counts), "cache": None, "accumulator": None}
+        if isinstance(self.cache, MemoryFeatureCache):
+            state["cache"] = self.cache.export_entries()
+        if isinstance(self.accumulator, MemoryGradientAccumulator):
+            state["accumulator"] = self.accumulator.state_dict()
+        return state
+
+    def begin(self, state: dict | None) -> None:
+        """Start from a checkpoint's :meth:`state_dict`, or fresh when ``state`` is None.
+
+        In-process state comes back exactly, so a resumed run repeats the uninterrupted one.
+        What lives in LMDB or Redis outlasted the checkpoint: cache entries of newer backbone
+        versions are dropped (fresh: all of them), and when this process owns the slow gear the
+        job's partial sums, queued means and applied keys are discarded. An external slow
+        gear owns that state itself; the fast gear then takes the newest published weights.
+        """
+        version = int(state["version"]) if state else 0
+        if state:
+            self._steps = int(state["steps"])
+            self.counts = GearCounts(**state["counts"])
+            if self.slow:
+                self.slow[0].version = version
+                self.slow[0].counts = self.counts
+            else:
+                self._version = version
+        if isinstance(self.cache, MemoryFeatureCache) and state and state["cache"] is not None:
+            self.cache.import_entries(*state["cache"])
+        elif self.cache is not None:
+            dropped = self.cache.drop_newer_than(version if state else -1)
+            log.info("gear_cache_rolled_back version=%d dropped=%d", version, dropped)
+        if isinstance(self.accumulator, MemoryGradientAccumulator):
+            if state and state["accumulator"] is not None:
+                self.accumulator.load_state_dict(state["accumulator"])
+        elif self.slow is not None:
+            try:
+                self.accumulator.discard_all()
+            except redis.RedisError as e:
+                raise BridgeError(f"gear: cannot discard the job's gradient state in Redis "
+                                  f"({e}); it would mix a discarded run into this one") from e
+        if self.weights is not None:
+            self.sync()
 
     def features(self, ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
         """ids int64 (B,), images uint8 (B, C, H, W) -> features float32 (B, dim), no grad.

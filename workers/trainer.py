@@ -150,6 +150,7 @@ class Trainer:
         self.step = 0
         self.position = (0, 0)  # (epoch, samples consumed in it)
         self._restored_prepared: list = []
+        self._restored_gear: dict | None = None
         self._amp = options.amp and device.type == "cuda"
         self._scaler = torch.amp.GradScaler("cuda") if self._amp else None
         self._tb = None
@@ -167,6 +168,7 @@ class Trainer:
             "prepared": self._prefetcher.pending() if self._prefetcher else [],
             "selector_rng": _selector_generator_state(self.head),
             "world": self.world,
+            "gear": self.gear.state_dict() if self.gear is not None else None,
         })
         self._barrier()
         if self.rank == 0:
@@ -201,6 +203,7 @@ class Trainer:
         if private is not None and private.get("world") == self.world:
             self._restored_prepared = private["prepared"]
             _set_selector_generator_state(self.head, private["selector_rng"])
+            self._restored_gear = private.get("gear")
         log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
         return True
 
@@ -278,6 +281,8 @@ class Trainer:
         Path(self.opt.out_dir).mkdir(parents=True, exist_ok=True)
         self._prefetcher = None
         self.try_resume()
+        if self.gear is not None:
+            self.gear.begin(self._restored_gear)
         if self.build_graph is not None and current_graph_version(self.client, self.table) == 0:
             self._rebuild_graph()
         result = TrainResult(steps=self.step, last_loss=math.nan)

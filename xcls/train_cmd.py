@@ -194,6 +194,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ams.errors import AmsError
+    from bridge.errors import BridgeError
     from workers.data.errors import DatasetError
 
     cfg = _load(args)
@@ -204,7 +205,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         run = build_run(cfg, rank, world, local_rank)
         result = run.trainer.train()
-    except (ConfigError, AmsError, DatasetError) as e:
+    except (ConfigError, AmsError, DatasetError, BridgeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
