@@ -30,6 +30,7 @@ from typing import Protocol
 
 import redis
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -74,27 +75,86 @@ class GearCounts:
     rejected: int = 0
 
 
+class SlowGearGroup:
+    """The ``xcls gear slow`` processes of one job (torchrun ranks) stepping one backbone
+    together, data-parallel: each rank reads its own means from the consumer group, and every
+    step sums the parameter gradients of all ranks, so the step equals one process applying
+    every rank's means in one backward (up to BatchNorm batch statistics, which stay per rank as
+    under DDP). Ranks read uneven and often empty batches, which torch's DDP wrapper cannot
+    step on; the sum is therefore one explicit all-reduce. With ``world == 1`` nothing is sent.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        self.rank, self.world = rank, world
+
+    def agree(self, items: int, stop: bool, busy: bool) -> tuple[int, bool, bool]:
+        """Sum of ``items`` read this round over all ranks, whether any rank was asked to stop,
+        and whether any rank has had work lately: every rank takes the same decisions."""
+        if self.world == 1:
+            return items, stop, busy
+        votes = torch.tensor([items, int(stop), int(busy)], dtype=torch.int64)
+        dist.all_reduce(votes)
+        return int(votes[0]), bool(votes[1]), bool(votes[2])
+
+    def from_rank0(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if self.world == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(box, src=0)
+        return int(box[0])
+
+    def sum_gradients(self, module: nn.Module, device: torch.device) -> None:
+        """Replace each parameter's .grad by its sum over the ranks (None counts as zeros)."""
+        if self.world == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params]).to(device)
+        dist.all_reduce(flat)
+        start = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[start:start + n].view_as(p).to(p.dtype)
+            start += n
+
+    def broadcast_state(self, module: nn.Module, parameters: bool = True) -> None:
+        """Make every rank's buffers (and parameters, if ``parameters``) rank 0's: all of it at
+        start; the buffers after each step, for the BatchNorm running statistics, as DDP's
+        broadcast_buffers does (the parameters stay equal by themselves)."""
+        if self.world == 1:
+            return
+        tensors = [*module.buffers(), *(module.parameters() if parameters else ())]
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
+
+
 class SlowGear:
     """Applies ready mean gradients to the backbone.
 
-    backbone: the network (not DDP-wrapped: the slow gear steps it alone); optimizer: over its
+    backbone: the network (not DDP-wrapped: the slow gear steps it itself); optimizer: over its
     parameters; dataset: ``dataset[id]`` -> (id, uint8 image (C, H, W), label), the LMDB training
     set; ``max_items``: most means in one backward. ``version`` counts backbone steps (start it
-    at a published version to continue that count).
+    at a published version to continue that count). ``group``: the ranks this one steps with
+    (None: alone).
     """
 
     def __init__(self, backbone: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
-                 device: torch.device, max_items: int = 256, version: int = 0) -> None:
+                 device: torch.device, max_items: int = 256, version: int = 0,
+                 group: SlowGearGroup | None = None) -> None:
         self.backbone, self.optimizer, self.dataset = backbone, optimizer, dataset
         self.device = device
         self.max_items = max_items
         self.version = version
+        self.group = group
         self.counts = GearCounts()
         self._warn = RateLimitedLog(log)
 
     def apply(self, batch: GradientBatch) -> int:
         """One backbone step from ``batch`` (ids (k,) int64, grads (k, dim) float32 mean dL/dX).
-        Returns how many means were applied (ids outside the dataset are dropped)."""
+        Returns how many means were applied (ids outside the dataset are dropped). In a group
+        every rank calls it in the same round, even with an empty batch, and all step."""
         ids, grads = batch.ids, batch.grads
         # A well-formed entry can still name a sample this dataset does not have (another
         # job's stream, a bad writer): it must neither crash the worker nor train anything.
@@ -105,17 +165,22 @@ class SlowGear:
             self._warn.warn("gear_grad_unknown_sample", count=bad, dataset_size=len(self.dataset))
             ids, grads = ids[valid], grads[valid]
         k = int(ids.numel())
-        if k == 0:
+        if k == 0 and self.group is None:
             return 0
-        images = torch.stack([self.dataset[int(i)][1] for i in ids])
-        was_training = self.backbone.training
-        # BatchNorm cannot take batch statistics of one sample; its running statistics stand in.
-        self.backbone.train(k > 1)
-        features = self.backbone(images_to_input(images.to(self.device)))
-        features.backward(grads.to(self.device, features.dtype))
+        if k:
+            images = torch.stack([self.dataset[int(i)][1] for i in ids])
+            was_training = self.backbone.training
+            # BatchNorm cannot take batch statistics of one sample; running statistics stand in.
+            self.backbone.train(k > 1)
+            features = self.backbone(images_to_input(images.to(self.device)))
+            features.backward(grads.to(self.device, features.dtype))
+            self.backbone.train(was_training)
+        if self.group is not None:
+            self.group.sum_gradients(self.backbone, self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.backbone.train(was_training)
+        if self.group is not None:
+            self.group.broadcast_state(self.backbone, parameters=False)
         self.version += 1
         self.counts.slow_forwards += k
         self.counts.slow_steps += 1
@@ -136,6 +201,16 @@ class SlowGear:
         """Apply everything ready now (in-process slow gear, after each fast step)."""
         while self.run_once(source):
             pass
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A short sha256 of ``module``'s parameters and buffers (its state dict, in order): equal
+    digests mean bit-identical weights, e.g. across the ranks of a slow-gear group."""
+    h = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 _WEIGHTS_HEADER = struct.Struct("<4sq32s")  # magic, version, sha256 of the payload

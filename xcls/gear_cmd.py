@@ -4,9 +4,15 @@ With ``gear.slow = "external"`` the trainers (fast gears) do not step the backbo
 ``xcls gear slow`` process reads the Redis Stream of ready mean gradients through the consumer
 group, owns the backbone optimizer, and publishes the weights (a versioned Redis key, see
 :class:`workers.gear.WeightStore`) every ``gear.publish_every`` backbone steps; the trainers
-reload the newest every ``gear.sync_every`` steps. A second slow process in the same group takes
-over the entries of one that died (after ``--min-idle-ms``) and starts from the last published
-weights; running several at once would train several diverging copies of the backbone.
+reload the newest every ``gear.sync_every`` steps. A slow process started later in the same
+group takes over the entries of one that died (after ``--min-idle-ms``) and starts from the last
+published weights.
+
+Several slow processes share the backbone work under torchrun (``torchrun --nproc-per-node N -m
+xcls gear slow CONFIG``): each rank reads its own means, every round the ranks vote (items read,
+stop, still busy) in one all-reduce, and when anything was read all of them step together with
+the parameter gradients summed over the ranks (:class:`workers.gear.SlowGearGroup`); rank 0
+publishes. Started separately instead, they would train diverging copies of the backbone.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "group 'slow_gear'), reload those samples' images from data.train, run the backbone "
         "forward with grad and backward with the mean gradient, step the backbone, and publish "
         "the weights every gear.publish_every steps for the trainers (gear.slow=external, "
-        "gear.backend=redis). Stops on SIGTERM/SIGINT after publishing.",
+        "gear.backend=redis). Stops on SIGTERM/SIGINT after publishing. Under torchrun "
+        "(torchrun --nproc-per-node N -m xcls gear slow CONFIG) the N processes train one "
+        "backbone data-parallel, their gradients summed every step; rank 0 publishes.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("config", type=Path, help="the experiment TOML file the trainers use")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -54,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-exit", type=float, default=0.0,
                    help="stop after this many seconds without a gradient (0: never)")
     p.add_argument("--consumer", default=None,
-                   help="this worker's name in the consumer group (default: host-pid)")
+                   help="this worker's name in the consumer group, '-RANK' appended under torchrun "
+                   "(default: host-pid)")
     p.add_argument("--min-idle-ms", type=int, default=60_000,
                    help="take over entries another consumer left unacked this long")
     p.add_argument("--block-ms", type=int, default=500,
@@ -126,25 +135,43 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
 
 
 def run_slow(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.gear.backend != "redis":
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
-        return _slow_loop(cfg, args)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+        if world > 1:
+            if use_cuda:
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if use_cuda else "gloo")
+        try:
+            return _slow_loop(cfg, args, device, rank, world)
+        finally:
+            if world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
+def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.device,
+               rank: int, world: int) -> int:
     import torch
 
     from bridge import RedisGradientConsumer
     from workers.backbones import build_backbone
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import LmdbImageDataset
-    from workers.gear import SlowGear, WeightStore
+    from workers.gear import SlowGear, SlowGearGroup, WeightStore, weights_digest
     from workers.schedule import lr_at
 
     if cfg.train.threads:
@@ -154,8 +181,6 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     except DatasetError as e:
         raise ConfigError(f"data.train: {e}") from None
     meta = train_set.metadata
-    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available()
-                          else "cpu")
     torch.manual_seed(cfg.train.seed)  # the trainers' initial backbone, should none be published
     try:
         backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
@@ -166,14 +191,18 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
                                 momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     client = redis_client(cfg.gear.redis_url)
     weights = WeightStore(client, cfg.gear.prefix)
-    # Take over where a previous slow worker stopped (its optimizer momentum is not kept).
+    group = SlowGearGroup(rank, world)
+    # Take over where a previous slow worker stopped (its optimizer momentum is not kept);
+    # rank 0's copy is everyone's, should the ranks have read different publications.
     start = weights.load_into(backbone, -1)
-    version = start if start is not None else 0
-    consumer = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix,
-                                     consumer=args.consumer, min_idle_ms=args.min_idle_ms)
-    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version)
-    log.info("slow_gear_started prefix=%s version=%d consumer=%s", cfg.gear.prefix, version,
-             consumer.consumer)
+    version = group.from_rank0(start if start is not None else 0)
+    group.broadcast_state(backbone)
+    name = f"{args.consumer}-{rank}" if args.consumer and world > 1 else args.consumer
+    consumer = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix, consumer=name,
+                                     min_idle_ms=args.min_idle_ms)
+    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version, group)
+    log.info("slow_gear_started prefix=%s version=%d consumer=%s rank=%d world=%d",
+             cfg.gear.prefix, version, consumer.consumer, rank, world)
 
     stop = False
 
@@ -184,23 +213,32 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     steps, published, last_work = 0, version, time.monotonic()
-    while not stop and not (args.max_steps and steps >= args.max_steps):
+    while not (args.max_steps and steps >= args.max_steps):
         # No cosine decay: this worker does not know how long the trainers will run.
         lr = lr_at(steps, cfg.optim.lr, cfg.optim.warmup_steps, 0, "constant")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        before = slow.version
-        if slow.run_once(consumer, args.block_ms):
+        for group_params in optimizer.param_groups:
+            group_params["lr"] = lr
+        batch = consumer.read(slow.max_items, args.block_ms)
+        if len(batch):
             last_work = time.monotonic()
-        if slow.version != before:
+        busy = not args.idle_exit or time.monotonic() - last_work <= args.idle_exit
+        # One vote per round keeps the ranks in step: all apply, all stop, or none.
+        total, stopping, anyone_busy = group.agree(len(batch), stop, busy)
+        if total:
+            slow.apply(batch)
+            if len(batch):
+                # Rejected ids are acked too: re-delivering them would only reject them again.
+                consumer.ack(batch)
             steps += 1
-            if steps % cfg.gear.publish_every == 0 and weights.publish(backbone, slow.version):
+            if rank == 0 and steps % cfg.gear.publish_every == 0 and \
+                    weights.publish(backbone, slow.version):
                 published = slow.version
-        if args.idle_exit and time.monotonic() - last_work > args.idle_exit:
+        if stopping or not anyone_busy:
             break
-    if slow.version != published:
+    if rank == 0 and slow.version != published:
         weights.publish(backbone, slow.version)
     c = slow.counts
-    print(f"slow gear: {steps} backbone steps, {c.slow_forwards} means applied, "
-          f"{c.rejected} rejected, {consumer.metrics.corrupt} malformed, version {slow.version}")
+    print(f"slow gear rank {rank}/{world}: {steps} backbone steps, {c.slow_forwards} means "
+          f"applied, {c.rejected} rejected, {consumer.metrics.corrupt} malformed, version "
+          f"{slow.version}, weights {weights_digest(backbone)}", flush=True)
     return 0
