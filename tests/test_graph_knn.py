@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ams.graph import (
+    ScoreBuffer,
     TopKAccumulator,
     assign_shards,
     build_shard_neighbors,
@@ -125,6 +126,34 @@ def test_accumulator_streams_blocks_in_any_order_and_size():
     assert torch.allclose(scores, ref_scores[100:230], atol=TOL)
     assert_exact(torch.cat([ref_ids[:100], ids, ref_ids[230:]]) - BIG,
                  torch.cat([ref_scores[:100], scores, ref_scores[230:]]), rows, 7)
+
+
+@pytest.mark.parametrize("low_precision", [False, True])
+@pytest.mark.parametrize("key_block_rows", [3, 40])
+def test_accumulator_keys_in_ascending_score_order(low_precision, key_block_rows):
+    # Keys arrive worst first, so every key beats the running k-th score: the candidate queue
+    # overflows (chunks of 3 keys) or a single chunk exceeds it (40 keys > q*(k-1)); both must
+    # still give the exact lists, and sharing the queue between accumulators must be safe.
+    rows = clustered_rows(300, 10, seed=3, clusters=2, spread=0.3)
+    ref = reference_scores(rows)
+    queries = [torch.arange(0, 4), torch.arange(4, 9)]
+    buffer = ScoreBuffer()
+    accs = [TopKAccumulator(q, rows[q], 5, device="cpu", low_precision=low_precision,
+                            key_block_rows=key_block_rows, score_buffer=buffer) for q in queries]
+    order = torch.from_numpy(np.argsort(ref[0], kind="stable").copy())
+    for chunk in torch.split(order, 60):
+        for acc in accs:
+            acc.update(chunk, rows[chunk])
+    for q, acc in zip(queries, accs, strict=True):
+        ids, scores = acc.result()
+        others = ref[q.numpy()].copy()
+        others[np.arange(len(q)), q.numpy()] = -np.inf
+        kth = -np.sort(-others, axis=1)[:, 3]
+        np.testing.assert_allclose(scores[:, 1:].double().numpy(),
+                                   np.take_along_axis(ref[q.numpy()], ids[:, 1:].numpy(), 1),
+                                   atol=TOL)
+        assert (scores[:, 1:].double().numpy().min(axis=1) >= kth - TOL).all()
+        assert (ids[:, 0] == q).all() and all(len(set(r)) == 5 for r in ids.tolist())
 
 
 def test_assign_shards_and_ring_order():

@@ -66,21 +66,35 @@ def normalize_rows(rows: Tensor, device: torch.device) -> Tensor:
 
 
 class ScoreBuffer:
-    """A grow-only scratch buffer for score blocks, shared by the accumulators of one pass so
-    the (q, b) score memory is paid once, and reused across blocks so the matmul writes into
-    memory that is already mapped (a fresh 64 MB buffer per block costs more than the matmul)."""
+    """Work memory shared by the accumulators of one pass, which run one at a time: the score
+    block and the queue of filtered candidates. Both are grow-only and reused, so the matmul
+    writes into memory that is already mapped (a fresh 64 MB buffer per block costs more than
+    the matmul), and a long build does not interleave short-lived and kept allocations, which
+    fragmented glibc's heap to 4x the live memory at 200k rows."""
 
     def __init__(self) -> None:
         self._flat: Tensor | None = None
+        self._queue: tuple[Tensor, Tensor, Tensor] | None = None
 
     def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A contiguous (rows, cols) view of the buffer; contents undefined."""
+        """A contiguous (rows, cols) view of the score buffer; contents undefined."""
         numel = rows * cols
         flat = self._flat
         if flat is None or flat.dtype != dtype or flat.device != device or flat.numel() < numel:
             flat = torch.empty(numel, dtype=dtype, device=device)
             self._flat = flat
         return flat[:numel].view(rows, cols)
+
+    def queue(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Candidate queue of at least ``capacity`` entries: (query rows int64, key ids int64,
+        exact scores float32), each (>= capacity,); contents undefined."""
+        queue = self._queue
+        if queue is None or queue[0].device != device or queue[0].numel() < capacity:
+            queue = (torch.empty(capacity, dtype=torch.int64, device=device),
+                     torch.empty(capacity, dtype=torch.int64, device=device),
+                     torch.empty(capacity, device=device))
+            self._queue = queue
+        return queue
 
 
 class KeyBlock:
@@ -160,12 +174,12 @@ class TopKAccumulator:
         self._scores = torch.full((q, k - 1), -torch.inf, device=self.device)
         self._threshold = torch.full((q, 1), -torch.inf, device=self.device)
         self._full = False
-        # Filtered candidates (rows, ids, exact scores) wait here and are merged in batches:
-        # one merge per key chunk would cost more than the filtering. The threshold they were
-        # filtered with is stale but still a lower bound of the final k-th score, so no key
-        # that belongs in the result is lost.
-        self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
-        self._pending_count = 0
+        # Filtered candidates (rows, ids, exact scores) wait in the shared queue and are
+        # merged in batches of up to q*(k-1): one merge per key chunk would cost more than the
+        # filtering. The threshold they were filtered with is stale but still a lower bound of
+        # the final k-th score, so no key that belongs in the result is lost. The queue is
+        # empty whenever update_block returns, so the accumulators of a pass can share it.
+        self._queued = 0
 
     def update(self, key_ids: Tensor, key_rows: Tensor) -> None:
         """Consume a key block: ids (b,) int64 global, rows (b, d) any float dtype."""
@@ -178,11 +192,11 @@ class TopKAccumulator:
             return
         for start in range(0, len(keys), self.key_block_rows):
             self._update_chunk(keys.slice(start, start + self.key_block_rows))
+        self._merge_queue()
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(ids (q, k) int64, scores (q, k) float32): the query itself first with its true
         score, then the neighbours by descending exact fp32 score; -1 / -inf padding."""
-        self._merge_pending()
         self_scores = (self._query_rows * self._query_rows).sum(dim=1, keepdim=True)
         scores, order = self._scores.sort(dim=1, descending=True)
         ids = self._ids.gather(1, order)
@@ -213,7 +227,23 @@ class TopKAccumulator:
         self_rows, self_cols = _matching_positions(self._query_ids, keys.ids)
         if self_rows.numel():
             scores[self_rows, self_cols] = -torch.inf
+        self._consume(scores, keys)
 
+    def update_scores(self, scores: Tensor, keys: KeyBlock) -> None:
+        """Consume fp32 scores (q, b) of these queries against ``keys`` computed elsewhere:
+        the symmetric search scores a block pair once and feeds it to both blocks, the second
+        one as a transposed view. ``scores`` is only read; it must not pair a query with
+        itself. Not for low-precision accumulators (their scores need the re-score)."""
+        if self.low_precision:
+            raise ValueError("update_scores takes exact fp32 scores; this accumulator scores "
+                             "in low precision")
+        if self.k > 1 and scores.numel():
+            self._consume(scores, keys)
+            self._merge_queue()
+
+    def _consume(self, scores: Tensor, keys: KeyBlock) -> None:
+        """Take what can enter the lists from a score block (self pairs already masked)."""
+        low = self.low_precision
         if not self._full:
             taken = self._merge_dense(scores, keys)
             if not low:
@@ -235,10 +265,18 @@ class TopKAccumulator:
         if rows.numel() == 0:
             return
         exact = self._exact_scores(rows, keys.rows, cols) if low else values
-        self._pending.append((rows, keys.ids[cols], exact))
-        self._pending_count += rows.numel()
-        if self._pending_count >= self._ids.numel():
-            self._merge_pending()
+        n, capacity = rows.numel(), self._ids.numel()
+        if self._queued + n > capacity:
+            self._merge_queue()
+        if n > capacity:  # more than a queue's worth at once (early blocks): merge directly
+            self._merge_candidates(rows, keys.ids[cols], exact)
+            return
+        queue_rows, queue_ids, queue_scores = self._buffer.queue(capacity, self.device)
+        end = self._queued + n
+        queue_rows[self._queued:end] = rows
+        torch.index_select(keys.ids, 0, cols, out=queue_ids[self._queued:end])
+        queue_scores[self._queued:end] = exact
+        self._queued = end
 
     def _merge_dense(self, scores: Tensor, keys: KeyBlock) -> Tensor:
         """Merge the block's best min(k-1, b) keys per query (used while lists are not full);
@@ -255,12 +293,17 @@ class TopKAccumulator:
         self._set_lists(*_merge_lists(self._ids, self._scores, block_ids, block_scores))
         return cols
 
-    def _merge_pending(self) -> None:
-        """Merge the queued (row, id, score) candidates: pad them per row, then one topk."""
-        if not self._pending:
+    def _merge_queue(self) -> None:
+        """Merge the queued candidates and empty the queue."""
+        if not self._queued:
             return
-        rows, cand_ids, cand_scores = (torch.cat(t) for t in zip(*self._pending, strict=True))
-        self._pending, self._pending_count = [], 0
+        n, self._queued = self._queued, 0
+        queue_rows, queue_ids, queue_scores = self._buffer.queue(n, self.device)
+        self._merge_candidates(queue_rows[:n], queue_ids[:n], queue_scores[:n])
+
+    def _merge_candidates(self, rows: Tensor, cand_ids: Tensor, cand_scores: Tensor) -> None:
+        """Merge (query row, key id, exact score) candidates, each (c,): pad them per row, then
+        one topk."""
         q = self._ids.shape[0]
         counts = torch.bincount(rows, minlength=q)
         width = int(counts.max())
@@ -303,10 +346,13 @@ def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor
 
     A compare + nonzero over all q*b entries costs about half the matmul on CPU. Instead the
     max of each group of _GROUP columns is compared (one cheap pass, nonzero over b/_GROUP
-    columns), and only groups whose max passes are opened.
+    columns), and only groups whose max passes are opened. ``scores`` may also be the
+    transpose of a contiguous block (the symmetric search); then rows are grouped instead.
     """
     q, b = scores.shape
-    if b % _GROUP:
+    if not scores.is_contiguous() and scores.T.is_contiguous() and q % _GROUP == 0:
+        return _entries_at_least_transposed(scores.T, threshold)
+    if b % _GROUP or not scores.is_contiguous():
         rows, cols = torch.nonzero(scores >= threshold, as_tuple=True)
         return rows, cols, scores[rows, cols]
     width = b // _GROUP
@@ -323,6 +369,25 @@ def _entries_at_least(scores: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor
     keep = values >= threshold.view(-1)[rows][:, None]
     flat, values = flat[keep], values[keep]
     return flat // b, flat % b, values
+
+
+def _entries_at_least_transposed(
+    keys_by_queries: Tensor, threshold: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``_entries_at_least`` of ``keys_by_queries.T`` for a contiguous (b, q) block, without
+    copying it: the max over groups of _GROUP key rows is compared to each query's threshold."""
+    b, q = keys_by_queries.shape
+    width = b // _GROUP
+    group_max = keys_by_queries.view(_GROUP, width, q).amax(dim=0)  # (width, q)
+    groups, rows = torch.nonzero(group_max >= threshold.view(1, q), as_tuple=True)
+    if rows.numel() == 0:
+        return rows, groups, keys_by_queries.new_empty(0)
+    offsets = torch.arange(0, b, width, device=keys_by_queries.device) * q
+    flat = (groups * q + rows)[:, None] + offsets  # (opened groups, _GROUP)
+    values = keys_by_queries.view(-1)[flat]
+    keep = values >= threshold.view(-1)[rows][:, None]
+    flat, values = flat[keep], values[keep]
+    return flat % q, flat // q, values
 
 
 def _matching_positions(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -391,6 +456,45 @@ def search_pass(
     return [tuple(t.cpu() for t in acc.result()) for acc in accumulators]
 
 
+def symmetric_search(
+    ids: Tensor, rows: Tensor, k: int, block_size: int, device: torch.device
+) -> list[tuple[Tensor, Tensor]]:
+    """fp32 all-against-all search that scores each pair of row blocks once: block i's scores
+    against block j are block j's against block i, transposed, so the (i, j) block goes to
+    both accumulators (i <= j) and the matmul work halves. Where the matmul dominates (CPU)
+    that is most of the build time.
+
+    Args: ids (N,) int64 unique; rows (N, d) any float dtype; block_size: rows per block.
+    Returns [(ids (q, k) int64, scores (q, k) float32)] per block of rows, on CPU.
+    """
+    unit = normalize_rows(rows, device)
+    ids = ids.to(device)
+    buffer = ScoreBuffer()
+    spans = [(start, min(start + block_size, len(ids))) for start in range(0, len(ids),
+                                                                          block_size)]
+    blocks = [KeyBlock(ids[a:b], unit[a:b], None) for a, b in spans]
+    accumulators = [
+        TopKAccumulator(block.ids, block.rows, k, device=device, low_precision=False,
+                        key_block_rows=block_size, score_buffer=buffer)
+        for block in blocks
+    ]
+    # A second buffer for the shared block: the accumulators' own scratch is reused inside
+    # update_block (the diagonal block) and must not overwrite a pair still being consumed.
+    pair_buffer = ScoreBuffer()
+    results: list[tuple[Tensor, Tensor]] = []
+    for i, acc in enumerate(accumulators):
+        acc.update_block(blocks[i])
+        for j in range(i + 1, len(blocks)):
+            scores = pair_buffer.get(len(blocks[i]), len(blocks[j]), torch.float32, device)
+            torch.mm(blocks[i].rows, blocks[j].rows.T, out=scores)
+            acc.update_scores(scores, blocks[j])
+            accumulators[j].update_scores(scores.T, blocks[i])
+        # Block i has now met every block (j < i gave theirs earlier, transposed).
+        results.append(tuple(t.cpu() for t in acc.result()))
+        accumulators[i] = None  # its lists are in the results; free them as we go
+    return results
+
+
 def knn(
     rows: Tensor,
     k: int,
@@ -419,6 +523,9 @@ def knn(
     if ids is None:
         ids = torch.arange(rows.shape[0], dtype=torch.int64)
     _check_ids(ids, rows)
+    dev = resolve_device(device)
+    if not resolve_low_precision(low_precision, dev):
+        return concat_results(symmetric_search(ids, rows, k, block_size, dev), k)
     # All rows go in as one key block: it is normalized (and moved to the device) once, then
     # scored block_size columns at a time.
     results = search_pass(
