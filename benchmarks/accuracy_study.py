@@ -29,6 +29,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
+        "head.random_share": args.random_share,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
@@ -62,6 +63,8 @@ def main() -> int:
                    help="partial's active fraction; knn gets the same active-set size")
     p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
+    p.add_argument("--random-share", type=float, default=0.0,
+                   help="knn: fraction of the budget given to uniform random classes")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)

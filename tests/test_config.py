@@ -59,6 +59,7 @@ def test_print_round_trips(tmp_path):
     ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
     ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
     ("[head]\nsample_rate = 0\n", "head.sample_rate"),
+    ("[head]\nrandom_share = 1.5\n", "head.random_share"),
     ("[head]\nk = 64\n[graph]\nk = 32\n", "head.k=64 exceeds graph.k=32"),
     ("[ams]\naddresses = '127.0.0.1:1'\n", "ams.addresses: expected a list"),
     ("[ams]\naddresses = [1]\n", "ams.addresses[0]: expected a string"),

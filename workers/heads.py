@@ -115,14 +115,18 @@ class SampledClasses:
 
 class NeighbourClasses:
     """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
-    uniform random classes or cut (keeping every label) to ``budget``."""
+    uniform random classes or cut (keeping every label) to ``budget``; ``random_share`` of the
+    budget is always uniform random classes."""
 
     def __init__(self, store: RowStore, table: str, num_classes: int, k: int, budget: int,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, random_share: float = 0.0) -> None:
         if k <= 0 or budget <= 0:
             raise ValueError(f"k and budget must be positive, got k={k}, budget={budget}")
+        if not 0.0 <= random_share <= 1.0:
+            raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
         self.store, self.table = store, table
         self.num_classes, self.k, self.budget = num_classes, k, budget
+        self.reserve = round(random_share * budget)
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +135,7 @@ class NeighbourClasses:
             raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
                              f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
         return select_active(labels, neighbours[:, :self.k], self.budget, self.generator,
-                             self.num_classes)
+                             self.num_classes, self.reserve)
 
 
 class ClassifierHead:
@@ -203,10 +207,12 @@ HEADS = ("full", "partial", "knn")
 
 def build_head(name: str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
-               k: int | None = None, budget: int | None = None, seed: int = 0) -> ClassifierHead:
+               k: int | None = None, budget: int | None = None, random_share: float = 0.0,
+               seed: int = 0) -> ClassifierHead:
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
-    ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph).
+    ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
+    and keeps ``random_share`` of the budget for uniform random classes.
     ``seed`` seeds the generator that draws random negatives.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -219,7 +225,8 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
     elif name == "knn":
         if k is None or budget is None:
             raise ValueError("the knn head needs k and budget")
-        selector = NeighbourClasses(store, table, num_classes, k, budget, generator)
+        selector = NeighbourClasses(store, table, num_classes, k, budget, generator,
+                                    random_share)
     else:
         raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
     return ClassifierHead(store, table, num_classes, margin, selector)

@@ -52,6 +52,9 @@ class HeadConfig:
     budget: int = 0
     """knn: active classes per step (0: sample_rate * num_classes, so knn and partial compare
     at equal size)"""
+    random_share: float = 0.0
+    """knn: fraction of the budget always given to uniform random classes (the rest: labels,
+    then neighbours by rank)"""
     margin: str = "cosface"
     """arcface | cosface | softmax (normalized softmax, no margin)"""
     scale: float = 32.0
@@ -240,6 +243,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             raise ConfigError(f"{key}: must be >= 0, got {get_value(cfg, key)}")
     if not 0 < cfg.head.sample_rate <= 1:
         raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
+    if not 0 <= cfg.head.random_share <= 1:
+        raise ConfigError(f"head.random_share: must be in [0, 1], got {cfg.head.random_share}")
     if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
                           "keep at least as many neighbours as the head takes")

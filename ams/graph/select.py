@@ -35,15 +35,17 @@ def select_active(
     budget: int,
     generator: torch.Generator,
     num_classes: int,
+    reserve: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """KNN-softmax active classes: labels, then neighbours by rank, then uniform random fill.
 
     Priority order: every label; then rank-1 neighbours of all labels, then rank-2, ...
     (column by column of ``neighbours``); duplicates count once, at their first place. The
-    first ``budget`` classes of that order are kept, but never fewer than all labels (if the
-    distinct labels alone exceed ``budget``, A is their count). If the order holds fewer than
-    ``budget`` classes, distinct uniformly random other classes fill it (capped at
-    ``num_classes``). Deterministic given the generator's state.
+    first ``budget - reserve`` classes of that order are kept, but never fewer than all labels
+    (if the distinct labels alone exceed ``budget``, A is their count). Distinct uniformly
+    random other classes fill the rest up to ``budget`` (capped at ``num_classes``): the
+    ``reserve`` slots, and any the order could not fill. Deterministic given the generator's
+    state.
 
     Args:
         labels: (B,) int64 in 0..num_classes-1.
@@ -53,10 +55,13 @@ def select_active(
         generator: source of the random fill (CPU generator).
         Tensors are CPU tensors.
         num_classes: N.
+        reserve: slots of ``budget`` kept for uniform random classes (0 <= reserve <= budget).
 
     Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64).
     """
     _check_ids("labels", labels, 1, num_classes)
+    if not 0 <= reserve <= budget:
+        raise ValueError(f"reserve must lie in 0..budget={budget}, got {reserve}")
     if neighbours is None:
         order = labels
     else:
@@ -68,9 +73,9 @@ def select_active(
         order = torch.cat([labels, ranked[ranked >= 0]])
     ranked_unique = _unique_in_order(order.numpy())
     num_labels = np.unique(labels.numpy()).size  # the labels lead the order
-    keep = max(min(budget, num_classes), num_labels)
-    chosen = ranked_unique[:keep]
-    fill = _sample_excluding(chosen, keep - chosen.size, num_classes, generator)
+    total = max(min(budget, num_classes), num_labels)
+    chosen = ranked_unique[:max(min(budget - reserve, num_classes), num_labels)]
+    fill = _sample_excluding(chosen, total - chosen.size, num_classes, generator)
     active = torch.from_numpy(np.sort(np.concatenate([chosen, fill])))
     return active, torch.searchsorted(active, labels)
 
