@@ -2,7 +2,8 @@
 
 Shards bind 127.0.0.1 only; workers run under ``torchrun --standalone``. Every child runs in a
 session of its own, so a Ctrl-C in the terminal reaches this process alone and the stop order
-stays ours: workers first (their last pushes land on live shards), then shards.
+stays ours: workers first (their last pushes land on live shards), then the slow-gear group
+(its last publication sees every gradient the workers sent), then shards.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -40,9 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Start S model-server shards on 127.0.0.1, wait until every one answers "
         "its health check, then train CONFIG with W data-parallel workers (torchrun "
         "--standalone; ams.addresses is filled in for them). When training ends, or on "
-        "Ctrl-C/SIGTERM, the workers are stopped first and the shards second, each with "
-        "SIGTERM, and their exit codes are reported. Exit code: the workers' (0 when training "
-        "finished), 128+signal when interrupted, 1 when a shard fails. With --shards-only the "
+        "Ctrl-C/SIGTERM, the workers are stopped first, then the slow-gear group (with "
+        "--slow-workers), then the shards, each with SIGTERM, and their exit codes are "
+        "reported. Exit code: the workers' (0 when training finished), 128+signal when "
+        "interrupted, 1 when a shard fails. With --shards-only the "
         "shards stay up in the foreground until Ctrl-C, for running 'xcls train' by hand.")
     p.add_argument("config", type=Path, nargs="?",
                    help="experiment TOML file (see configs/); optional with --shards-only "
@@ -56,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="W",
                    help="number of training processes (ranks); each trains data.batch_size "
                         "samples per step (default: %(default)s)")
+    p.add_argument("--slow-workers", type=int, default=0, metavar="G",
+                   help="also run G slow-gear processes ('xcls gear slow' under torchrun, one "
+                        "backbone data-parallel) for gear.slow=external with the redis backend; "
+                        "they start before the workers and stop after them (default: %(default)s)")
     p.add_argument("--data-dir", type=Path,
                    help="the shards' snapshot directory (default: TRAIN_OUT_DIR/ams, next to "
                         "the checkpoints, which is what resuming a run needs)")
@@ -101,6 +108,8 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
         raise SystemExit(f"error: --shards {args.shards} must be >= 1")
     if args.workers < 1:
         raise SystemExit(f"error: --workers {args.workers} must be >= 1")
+    if args.slow_workers < 0:
+        raise SystemExit(f"error: --slow-workers {args.slow_workers} must be >= 0")
     if args.base_port is not None and not 1 <= args.base_port <= 65536 - args.shards:
         raise SystemExit(f"error: --base-port {args.base_port}: ports {args.base_port}.."
                          f"{args.base_port + args.shards - 1} must lie in 1..65535")
@@ -119,6 +128,11 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.slow_workers and not (cfg.gear.enabled and cfg.gear.slow == "external"
+                                  and cfg.gear.backend == "redis"):
+        raise SystemExit("error: --slow-workers needs gear.enabled=true, gear.slow=external and "
+                         "gear.backend=redis in the config (the slow gear reads the Redis "
+                         "stream the trainers write)")
     if cfg.ams.addresses:
         log.warning("config_addresses_replaced was=%s", ",".join(cfg.ams.addresses))
     if cfg.ams.token_file and not Path(cfg.ams.token_file).is_file():
@@ -136,6 +150,7 @@ class Cluster:
         self.token_file = cfg.ams.token_file if cfg else ""
         self.shards: list[Role] = []
         self.workers: Role | None = None
+        self.slow: Role | None = None
         self.addresses: list[str] = []
         self.stop_requested = threading.Event()
         self.signum = 0
@@ -241,16 +256,27 @@ class Cluster:
 
     # ---- workers ------------------------------------------------------------------------
 
-    def worker_command(self) -> list[str]:
+    def _torchrun(self, processes: int, *xcls_args: str) -> list[str]:
         overrides = [x for item in self.args.overrides for x in ("--set", item)]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(self.args.workers), "-m", "xcls",
-                *_child_flags(self.args), "train", str(self.args.config), *overrides,
+                "--nproc-per-node", str(processes), "-m", "xcls", *_child_flags(self.args),
+                *xcls_args, str(self.args.config), *overrides]
+
+    def worker_command(self) -> list[str]:
+        return [*self._torchrun(self.args.workers, "train"),
                 "--set", f"ams.addresses={json.dumps(self.addresses)}"]
+
+    def start_slow_gear(self) -> None:
+        """The slow-gear group, if --slow-workers: it runs until stopped (SIGTERM), then
+        publishes the backbone a last time."""
+        if self.args.slow_workers:
+            self.slow = self._spawn("slow-gear", self._torchrun(self.args.slow_workers, "gear",
+                                                                "slow"), "[slow-gear] ")
 
     def run_workers(self) -> int | None:
         """Train until the workers exit (their exit code), a stop is requested or a shard
         dies (None)."""
+        self.start_slow_gear()
         self.workers = self._spawn("workers", self.worker_command(), None)
         while self.workers.proc.poll() is None:
             if self.stop_requested.wait(POLL_S):
@@ -264,12 +290,20 @@ class Cluster:
 
     # ---- stopping -----------------------------------------------------------------------
 
-    def _stop(self, roles: list[Role]) -> None:
-        """SIGTERM all, then wait for each (SIGKILL after --stop-timeout); report codes."""
+    def _stop(self, roles: list[Role], children: bool = False) -> None:
+        """SIGTERM all, then wait for each (SIGKILL after --stop-timeout); report codes.
+        ``children``: signal the role's child processes instead of the role itself (torchrun
+        reports its own SIGTERM as a failure with a traceback, but exits 0 when its workers
+        stop cleanly on theirs)."""
         signalled = set()
         for role in roles:
             if role.proc.poll() is None:
-                role.proc.send_signal(signal.SIGTERM)
+                pids = _child_pids(role.proc.pid) if children else []
+                for pid in pids or [role.proc.pid]:
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
                 signalled.add(role.name)
         deadline = time.monotonic() + self.args.stop_timeout
         for role in roles:
@@ -290,7 +324,21 @@ class Cluster:
     def stop_all(self) -> None:
         if self.workers is not None:
             self._stop([self.workers])
+        if self.slow is not None:
+            # The slow gear only ever stops on a signal; its ranks publish and exit 0.
+            self._stop([self.slow], children=True)
         self._stop(self.shards)
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty where that is unavailable)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+    return found
 
 
 class ClusterError(RuntimeError):

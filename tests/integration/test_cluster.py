@@ -160,3 +160,32 @@ def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     assert [role for role, _ in stops] == ["workers", "shard-0", "shard-1"], text
     assert [c for role, c in stops if role.startswith("shard")] == ["0", "0"], text
     assert our_processes(tmp) == []
+
+
+def test_cluster_with_a_data_parallel_slow_gear(glyphs_small, no_orphans, redis_server):
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=12)
+    gear = ["gear.enabled=true", "gear.slow=external", "gear.backend=redis", "gear.m=1",
+            "gear.ttl=1000", f"gear.prefix=cluster{os.getpid()}", "gear.publish_every=2",
+            "gear.sync_every=2", f"gear.redis_url=redis://{redis_server.host}:"
+                                 f"{redis_server.port}/0"]
+    sets = [x for item in gear for x in ("--set", item)]
+    # a gear config without --slow-workers' requirements is refused before anything starts
+    bad = subprocess.run(cluster_cmd(config, 1, "--slow-workers", "2"), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "--slow-workers needs gear.enabled=true" in bad.stderr
+
+    run = subprocess.run(cluster_cmd(config, 1, "--slow-workers", "2", *sets),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert our_processes(tmp) == []
+    assert re.findall(r"stopped role=(\S+) exit_code=(-?\d+)", run.stderr) == [
+        ("workers", "0"), ("slow-gear", "0"), ("shard-0", "0"), ("shard-1", "0")], run.stderr
+    ranks = re.findall(r"\[slow-gear\] slow gear rank (\d)/2: (\d+) backbone steps, (\d+) means "
+                       r"applied.*version (\d+), weights (\w+)", run.stderr)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], run.stderr
+    # one backbone, stepped together: same step count, version and weights on both ranks
+    assert len({r[1:2] + r[3:] for r in ranks}) == 1, ranks
+    # every gradient the trainer sent (12 steps x 32 samples, m=1) was applied once
+    assert sum(int(r[2]) for r in ranks) == 12 * 32
