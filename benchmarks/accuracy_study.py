@@ -64,7 +64,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
     p.add_argument("--random-share", type=float, default=0.0,
-                   help="knn: fraction of the budget given to uniform random classes")
+                   help="knn: fraction of the negative slots given to uniform random classes")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)

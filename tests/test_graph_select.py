@@ -73,31 +73,30 @@ def test_select_active_properties(batch):
 
 @settings(max_examples=150, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
-def test_select_active_reserve_keeps_random_slots(batch, share):
+def test_select_active_random_share_keeps_random_slots(batch, share):
     num_classes, labels, neighbours, budget, seed = batch
-    reserve = round(share * budget)
-    active, remapped = run(lambda *args: select_active(*args, reserve), labels, neighbours,
+    active, remapped = run(lambda *args: select_active(*args, share), labels, neighbours,
                            budget, seed, num_classes)
     a = active.tolist()
     assert a == sorted(set(a)) and [a[i] for i in remapped.tolist()] == labels
     distinct_labels = len(set(labels))
-    assert len(a) == max(min(budget, num_classes), distinct_labels)
-    # the ranked part is the first budget - reserve of the priority order (all labels at least)
-    ranked = priority_order(labels, neighbours)[:max(min(budget - reserve, num_classes),
-                                                     distinct_labels)]
+    total = max(min(budget, num_classes), distinct_labels)
+    assert len(a) == total
+    # labels, then the priority order for all but the random share of the negative slots
+    ranked = priority_order(labels, neighbours)[:total - round(share * (total - distinct_labels))]
     assert set(ranked) <= set(a)
 
 
-def test_select_active_reserve_draws_uniform_classes():
-    # one label whose 40 neighbours would fill a budget of 41; with half reserved, 20 of the
-    # slots go to random classes instead, and over many draws every class shows up about
-    # equally often among them
+def test_select_active_random_share_draws_uniform_classes():
+    # one label whose 40 neighbours would fill a budget of 41; with half the 40 negative slots
+    # random, the 20 nearest stay and over many draws every other class shows up about equally
+    # often among the rest
     num_classes, labels = 200, torch.tensor([0])
     neighbours = torch.arange(1, 41)[None, :]
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter()
     for _ in range(2000):
-        active, _ = select_active(labels, neighbours, 41, g, num_classes, reserve=20)
+        active, _ = select_active(labels, neighbours, 41, g, num_classes, random_share=0.5)
         a = set(active.tolist())
         assert len(a) == 41 and set(range(21)) <= a  # label + its 20 nearest
         counts.update(a - set(range(21)))
@@ -105,8 +104,8 @@ def test_select_active_reserve_draws_uniform_classes():
     expected = 2000 * 20 / (num_classes - 21)
     assert set(counts) <= set(range(21, num_classes))
     assert max(counts.values()) < 1.5 * expected and min(counts.values()) > 0.5 * expected
-    with pytest.raises(ValueError, match="reserve"):
-        select_active(labels, neighbours, 41, g, num_classes, reserve=42)
+    with pytest.raises(ValueError, match="random_share"):
+        select_active(labels, neighbours, 41, g, num_classes, random_share=1.5)
 
 
 @settings(max_examples=100, deadline=None)

@@ -116,7 +116,7 @@ class SampledClasses:
 class NeighbourClasses:
     """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
     uniform random classes or cut (keeping every label) to ``budget``; ``random_share`` of the
-    budget is always uniform random classes."""
+    negative slots (beyond the labels) always go to uniform random classes."""
 
     def __init__(self, store: RowStore, table: str, num_classes: int, k: int, budget: int,
                  generator: torch.Generator, random_share: float = 0.0) -> None:
@@ -126,7 +126,7 @@ class NeighbourClasses:
             raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
         self.store, self.table = store, table
         self.num_classes, self.k, self.budget = num_classes, k, budget
-        self.reserve = round(random_share * budget)
+        self.random_share = random_share
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ class NeighbourClasses:
             raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
                              f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
         return select_active(labels, neighbours[:, :self.k], self.budget, self.generator,
-                             self.num_classes, self.reserve)
+                             self.num_classes, self.random_share)
 
 
 class ClassifierHead:
@@ -212,7 +212,7 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
     ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
-    and keeps ``random_share`` of the budget for uniform random classes.
+    and gives ``random_share`` of its negative slots to uniform random classes.
     ``seed`` seeds the generator that draws random negatives.
     """
     generator = torch.Generator().manual_seed(seed)

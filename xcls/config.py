@@ -53,8 +53,8 @@ class HeadConfig:
     """knn: active classes per step (0: sample_rate * num_classes, so knn and partial compare
     at equal size)"""
     random_share: float = 0.0
-    """knn: fraction of the budget always given to uniform random classes (the rest: labels,
-    then neighbours by rank)"""
+    """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
+    random classes; the rest go to the labels' neighbours by rank"""
     margin: str = "cosface"
     """arcface | cosface | softmax (normalized softmax, no margin)"""
     scale: float = 32.0

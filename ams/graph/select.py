@@ -35,17 +35,16 @@ def select_active(
     budget: int,
     generator: torch.Generator,
     num_classes: int,
-    reserve: int = 0,
+    random_share: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """KNN-softmax active classes: labels, then neighbours by rank, then uniform random fill.
 
     Priority order: every label; then rank-1 neighbours of all labels, then rank-2, ...
-    (column by column of ``neighbours``); duplicates count once, at their first place. The
-    first ``budget - reserve`` classes of that order are kept, but never fewer than all labels
-    (if the distinct labels alone exceed ``budget``, A is their count). Distinct uniformly
-    random other classes fill the rest up to ``budget`` (capped at ``num_classes``): the
-    ``reserve`` slots, and any the order could not fill. Deterministic given the generator's
-    state.
+    (column by column of ``neighbours``); duplicates count once, at their first place. A is
+    ``budget`` (capped at ``num_classes``), but never fewer than the distinct labels, which
+    are all kept. Of the A - labels negative slots, ``random_share`` (rounded) go to uniformly
+    random classes and the rest to the order's next classes; distinct uniformly random
+    classes also fill any slot the order cannot. Deterministic given the generator's state.
 
     Args:
         labels: (B,) int64 in 0..num_classes-1.
@@ -55,13 +54,13 @@ def select_active(
         generator: source of the random fill (CPU generator).
         Tensors are CPU tensors.
         num_classes: N.
-        reserve: slots of ``budget`` kept for uniform random classes (0 <= reserve <= budget).
+        random_share: fraction in [0, 1] of the negative slots given to random classes.
 
     Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64).
     """
     _check_ids("labels", labels, 1, num_classes)
-    if not 0 <= reserve <= budget:
-        raise ValueError(f"reserve must lie in 0..budget={budget}, got {reserve}")
+    if not 0.0 <= random_share <= 1.0:
+        raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
     if neighbours is None:
         order = labels
     else:
@@ -74,7 +73,8 @@ def select_active(
     ranked_unique = _unique_in_order(order.numpy())
     num_labels = np.unique(labels.numpy()).size  # the labels lead the order
     total = max(min(budget, num_classes), num_labels)
-    chosen = ranked_unique[:max(min(budget - reserve, num_classes), num_labels)]
+    negatives = total - num_labels
+    chosen = ranked_unique[:total - round(random_share * negatives)]
     fill = _sample_excluding(chosen, total - chosen.size, num_classes, generator)
     active = torch.from_numpy(np.sort(np.concatenate([chosen, fill])))
     return active, torch.searchsorted(active, labels)
