@@ -1,7 +1,10 @@
 """Build or refresh a table's neighbour graph through the client API (local or gRPC shards).
 
 The pure search is ``ams.graph``; this module only feeds it each shard's Scan stream and writes
-each class's list back to the shard that owns it (SetNeighbors).
+each class's list back to the shard that owns it (SetNeighbors). A table whose fp32 rows fit in
+``IN_MEMORY_BUILD_BYTES``, built by one fp32 builder without a resume directory (the embedded
+trainer's rebuilds, ``xcls graph build`` on a small table), is gathered and searched
+symmetrically in memory; everything else takes the ring.
 """
 
 from __future__ import annotations
@@ -14,9 +17,19 @@ import torch
 
 from ams.client import ShardedClient
 from ams.errors import InvalidArgument
-from ams.graph import assign_shards, build_shard_neighbors, refresh_neighbors
+from ams.graph import (
+    assign_shards,
+    build_shard_neighbors,
+    knn,
+    refresh_neighbors,
+    resolve_device,
+    resolve_low_precision,
+)
 
 log = logging.getLogger(__name__)
+
+# Tables whose fp32 rows fit in this are built in one process's memory (see build_graph).
+IN_MEMORY_BUILD_BYTES = 1 << 30
 
 
 def current_graph_version(client: ShardedClient, table: str) -> int:
@@ -42,6 +55,25 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
     if builders < 1 or (builder_index is not None and not 0 <= builder_index < builders):
         raise InvalidArgument(f"builder_index={builder_index} must be in [0, builders={builders})")
     version = current_graph_version(client, table) + 1 if version is None else version
+    dev = resolve_device(device)
+    if (builders == 1 and resume_dir is None and not resolve_low_precision(low_precision, dev)
+            and spec.num_rows * spec.dim * 4 <= IN_MEMORY_BUILD_BYTES):
+        # One process builds everything in fp32 and the rows fit: hold them all and score each
+        # pair of row blocks once for both blocks (ams.graph.symmetric_search), half the matmul
+        # work of the ring, which streams every shard past every home shard. Same lists.
+        started = time.perf_counter()
+        blocks = list(client.scan(table, key_block_rows))
+        ids = torch.cat([b[0] for b in blocks])
+        rows = torch.cat([b[1] for b in blocks])
+        del blocks
+        neighbors, _ = knn(rows, k, block_size=query_block_rows, device=dev, ids=ids,
+                           progress=progress)
+        client.set_neighbors(table, ids, neighbors, version=version, step=step,
+                             replace_all=True)
+        log.info("graph_built table=%s k=%d version=%d step=%d rows=%d in_memory=1 "
+                 "seconds=%.2f", table, k, version, step, ids.numel(),
+                 time.perf_counter() - started)
+        return version
     plan = assign_shards(client.num_shards, builders)
     mine = plan if builder_index is None else [plan[builder_index]]
     started = time.perf_counter()

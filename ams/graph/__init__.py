@@ -9,7 +9,10 @@ from ams.graph.knn import (
     ScoreBuffer,
     TopKAccumulator,
     knn,
+    resolve_device,
+    resolve_low_precision,
     search_pass,
+    symmetric_search,
 )
 from ams.graph.ring import assign_shards, build_shard_neighbors, refresh_neighbors, ring_order
 from ams.graph.select import budget_for_sample_rate, select_active, select_partial
@@ -28,8 +31,11 @@ __all__ = [
     "gather_segments",
     "knn",
     "refresh_neighbors",
+    "resolve_device",
+    "resolve_low_precision",
     "ring_order",
     "search_pass",
     "select_active",
     "select_partial",
+    "symmetric_search",
 ]

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 LOW_PRECISION_DTYPE = torch.float16
 # Bound on |fp16 score - fp32 score| for unit-norm rows, with room to spare; see module docstring.
@@ -457,14 +458,16 @@ def search_pass(
 
 
 def symmetric_search(
-    ids: Tensor, rows: Tensor, k: int, block_size: int, device: torch.device
+    ids: Tensor, rows: Tensor, k: int, block_size: int, device: torch.device,
+    progress: bool = False,
 ) -> list[tuple[Tensor, Tensor]]:
     """fp32 all-against-all search that scores each pair of row blocks once: block i's scores
     against block j are block j's against block i, transposed, so the (i, j) block goes to
     both accumulators (i <= j) and the matmul work halves. Where the matmul dominates (CPU)
     that is most of the build time.
 
-    Args: ids (N,) int64 unique; rows (N, d) any float dtype; block_size: rows per block.
+    Args: ids (N,) int64 unique; rows (N, d) any float dtype; block_size: rows per block;
+    progress: a tqdm bar over the blocks (their pairs take less time as the build goes on).
     Returns [(ids (q, k) int64, scores (q, k) float32)] per block of rows, on CPU.
     """
     unit = normalize_rows(rows, device)
@@ -482,6 +485,7 @@ def symmetric_search(
     # update_block (the diagonal block) and must not overwrite a pair still being consumed.
     pair_buffer = ScoreBuffer()
     results: list[tuple[Tensor, Tensor]] = []
+    bar = tqdm(total=len(blocks), unit="block", desc="graph", disable=not progress)
     for i, acc in enumerate(accumulators):
         acc.update_block(blocks[i])
         for j in range(i + 1, len(blocks)):
@@ -492,6 +496,8 @@ def symmetric_search(
         # Block i has now met every block (j < i gave theirs earlier, transposed).
         results.append(tuple(t.cpu() for t in acc.result()))
         accumulators[i] = None  # its lists are in the results; free them as we go
+        bar.update(1)
+    bar.close()
     return results
 
 
@@ -503,6 +509,7 @@ def knn(
     device: str | torch.device | None = None,
     low_precision: bool | None = None,
     ids: Tensor | None = None,
+    progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Exact k nearest neighbours of every row among all rows, by cosine similarity.
 
@@ -515,6 +522,7 @@ def knn(
         low_precision: fp16 scoring + exact fp32 re-score (same result as fp32); None = on for
             CUDA, off for CPU.
         ids: (N,) int64 global ids of the rows (default 0..N-1); returned ids are these.
+        progress: show a tqdm bar (fp32 search only).
 
     Returns:
         (ids (N, k) int64, scores (N, k) float32) on CPU, scores descending after the row
@@ -525,7 +533,7 @@ def knn(
     _check_ids(ids, rows)
     dev = resolve_device(device)
     if not resolve_low_precision(low_precision, dev):
-        return concat_results(symmetric_search(ids, rows, k, block_size, dev), k)
+        return concat_results(symmetric_search(ids, rows, k, block_size, dev, progress), k)
     # All rows go in as one key block: it is normalized (and moved to the device) once, then
     # scored block_size columns at a time.
     results = search_pass(
