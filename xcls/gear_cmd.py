@@ -200,7 +200,8 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
     name = f"{args.consumer}-{rank}" if args.consumer and world > 1 else args.consumer
     consumer = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix, consumer=name,
                                      min_idle_ms=args.min_idle_ms)
-    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version, group)
+    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version,
+                    group if world > 1 else None)
     log.info("slow_gear_started prefix=%s version=%d consumer=%s rank=%d world=%d",
              cfg.gear.prefix, version, consumer.consumer, rank, world)
 
@@ -224,11 +225,13 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
         busy = not args.idle_exit or time.monotonic() - last_work <= args.idle_exit
         # One vote per round keeps the ranks in step: all apply, all stop, or none.
         total, stopping, anyone_busy = group.agree(len(batch), stop, busy)
+        before = slow.version
         if total:
-            slow.apply(batch)
+            slow.apply(batch)  # alone, a batch of only rejected ids takes no step
             if len(batch):
                 # Rejected ids are acked too: re-delivering them would only reject them again.
                 consumer.ack(batch)
+        if slow.version != before:
             steps += 1
             if rank == 0 and steps % cfg.gear.publish_every == 0 and \
                     weights.publish(backbone, slow.version):

@@ -189,3 +189,20 @@ def test_cluster_with_a_data_parallel_slow_gear(glyphs_small, no_orphans, redis_
     assert len({r[1:2] + r[3:] for r in ranks}) == 1, ranks
     # every gradient the trainer sent (12 steps x 32 samples, m=1) was applied once
     assert sum(int(r[2]) for r in ranks) == 12 * 32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "0"], "--workers 0 must be >= 1"),
+    (["--shards", "0"], "--shards 0 must be >= 1"),
+    (["--slow-workers", "-1"], "--slow-workers -1 must be >= 0"),
+    (["--base-port", "65535"], "--base-port 65535"),
+    (["--stop-timeout", "0"], "--stop-timeout"),
+    (["--set", "head.kind=nope"], "head.kind"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(glyphs_small, no_orphans, args,
+                                                          message):
+    config = write_config(glyphs_small, no_orphans / "run", no_orphans / "exp.toml", 5)
+    out = subprocess.run([sys.executable, "-m", "xcls", "cluster", "up", str(config), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert not (no_orphans / "run").exists()
