@@ -5,6 +5,8 @@ Gaussian data. Recall@k of both is measured against a float64 numpy brute force 
 query rows; a returned neighbour counts as correct when its float64 score reaches the k-th
 best float64 score (less 1e-6), so exact ties at the cut are not counted as misses.
 "cpu s" is process CPU time (all threads): a check on wall times taken on a busy machine.
+"xcls +MB" is how far the xcls build raised the process's peak resident memory above what it
+held before (input rows included in the baseline; the N x k result is part of the figure).
 
     python benchmarks/bench_graph.py --sizes 100000 --dim 128 --k 32 --threads 2 --device cpu
 """
@@ -12,6 +14,7 @@ best float64 score (less 1e-6), so exact ties at the cut are not counted as miss
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import faiss
@@ -53,6 +56,12 @@ def recall(rows: np.ndarray, queries: np.ndarray, ids: np.ndarray, kth: np.ndarr
     return hits / (k * len(queries))
 
 
+def resident_mb() -> float:
+    """Current resident set size of this process in MB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100000,1000000", help="comma separated N")
@@ -69,7 +78,7 @@ def main() -> None:
     faiss.omp_set_num_threads(args.threads)
     header = f"{'N':>9} | {'xcls s':>8} | {'faiss s':>8} | {'xcls/faiss':>10} | " \
              f"{'xcls cpu s':>10} | {'faiss cpu s':>11} | {'recall xcls':>11} | " \
-             f"{'recall faiss':>12}"
+             f"{'recall faiss':>12} | {'xcls +MB':>8}"
     print(f"dim={args.dim} k={args.k} threads={args.threads} device={args.device} "
           f"block={args.block_size}", flush=True)
     print(header)
@@ -77,12 +86,15 @@ def main() -> None:
     for n in (int(s) for s in args.sizes.split(",")):
         rows = clustered(n, args.dim, args.seed)
 
+        before_mb = resident_mb()
         start, cpu = time.perf_counter(), time.process_time()
         ids, _ = knn(torch.from_numpy(rows), args.k, block_size=args.block_size,
                      device=args.device)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         xcls_s, xcls_cpu = time.perf_counter() - start, time.process_time() - cpu
+        # ru_maxrss is the process's peak so far (KB): with --sizes ascending, this build's
+        xcls_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before_mb
 
         start, cpu = time.perf_counter(), time.process_time()
         index = faiss.IndexFlatIP(args.dim)
@@ -96,7 +108,7 @@ def main() -> None:
         print(f"{n:>9} | {xcls_s:>8.2f} | {faiss_s:>8.2f} | {xcls_s / faiss_s:>10.2f} | "
               f"{xcls_cpu:>10.2f} | {faiss_cpu:>11.2f} | "
               f"{recall(rows, queries, ids.numpy(), kth):>11.4f} | "
-              f"{recall(rows, queries, faiss_ids, kth):>12.4f}", flush=True)
+              f"{recall(rows, queries, faiss_ids, kth):>12.4f} | {xcls_mb:>8.0f}", flush=True)
 
 
 if __name__ == "__main__":
