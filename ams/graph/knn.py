@@ -182,6 +182,16 @@ class TopKAccumulator:
         # empty whenever update_block returns, so the accumulators of a pass can share it.
         self._queued = 0
 
+    @property
+    def query_ids(self) -> Tensor:
+        """(q,) int64 global ids of the query rows, on the search device."""
+        return self._query_ids
+
+    @property
+    def query_rows(self) -> Tensor:
+        """(q, d) float32 L2-normalized query rows, on the search device."""
+        return self._query_rows
+
     def update(self, key_ids: Tensor, key_rows: Tensor) -> None:
         """Consume a key block: ids (b,) int64 global, rows (b, d) any float dtype."""
         self.update_block(KeyBlock.prepare(key_ids, key_rows, self.device, self.low_precision))
@@ -470,17 +480,14 @@ def symmetric_search(
     progress: a tqdm bar over the blocks (their pairs take less time as the build goes on).
     Returns [(ids (q, k) int64, scores (q, k) float32)] per block of rows, on CPU.
     """
-    unit = normalize_rows(rows, device)
-    ids = ids.to(device)
     buffer = ScoreBuffer()
-    spans = [(start, min(start + block_size, len(ids))) for start in range(0, len(ids),
-                                                                          block_size)]
-    blocks = [KeyBlock(ids[a:b], unit[a:b], None) for a, b in spans]
     accumulators = [
-        TopKAccumulator(block.ids, block.rows, k, device=device, low_precision=False,
+        TopKAccumulator(block_ids, block_rows, k, device=device, low_precision=False,
                         key_block_rows=block_size, score_buffer=buffer)
-        for block in blocks
+        for block_ids, block_rows in split_blocks(ids, rows, block_size)
     ]
+    # Each accumulator normalized its rows once; the same rows serve as the key blocks.
+    blocks = [KeyBlock(acc.query_ids, acc.query_rows, None) for acc in accumulators]
     # A second buffer for the shared block: the accumulators' own scratch is reused inside
     # update_block (the diagonal block) and must not overwrite a pair still being consumed.
     pair_buffer = ScoreBuffer()
