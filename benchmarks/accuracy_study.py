@@ -29,7 +29,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
-        "head.random_share": args.random_share, "head.logq_correction": args.logq_correction,
+        "head.random_share": args.random_share,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
@@ -65,9 +65,6 @@ def main() -> int:
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
     p.add_argument("--random-share", type=float, default=0.0,
                    help="knn: fraction of the negative slots given to uniform random classes")
-    p.add_argument("--logq-correction", action="store_true",
-                   help="partial, knn: weight uniformly drawn classes' logits by the pool "
-                        "they stand for (unbiased sampled softmax)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
