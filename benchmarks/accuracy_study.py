@@ -31,6 +31,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
         "head.random_share": args.random_share,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
+        "optim.head_momentum": args.head_momentum,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
         "train.seed": args.seed, "train.threads": args.threads,
@@ -65,6 +66,9 @@ def main() -> int:
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
     p.add_argument("--random-share", type=float, default=0.0,
                    help="knn: fraction of the negative slots given to uniform random classes")
+    p.add_argument("--head-momentum", type=float, default=0.0,
+                   help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "
+                        "session-1/2 rows of docs/accuracy.md)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
@@ -80,7 +84,8 @@ def main() -> int:
     rows = [run_head(kind, args, num_classes) for kind in args.heads.split(",")]
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
-          f"sample_rate {args.sample_rate}, knn k={args.k}\n")
+          f"sample_rate {args.sample_rate}, knn k={args.k} random_share {args.random_share}, "
+          f"row momentum {args.head_momentum}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | rows pulled / step |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

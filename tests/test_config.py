@@ -39,6 +39,16 @@ def test_overrides(tmp_path):
     assert cfg.data.train == "/x/y"
 
 
+@pytest.mark.parametrize("sets,rows_lr", [
+    ([], 1.0),  # plain SGD rows take the backbone's steady-state step lr / (1 - momentum)
+    (["optim.head_momentum=0.9"], 0.1),  # rows with the backbone's momentum take its lr
+    (["optim.head_momentum=0.5", "optim.lr=0.2", "optim.momentum=0.8"], 0.5),
+    (["optim.head_lr=0.3"], 0.3),  # an explicit rate wins
+])
+def test_class_rows_learning_rate(sets, rows_lr):
+    assert load_config(None, sets).optim.effective_head_lr() == pytest.approx(rows_lr)
+
+
 def test_print_round_trips(tmp_path):
     cfg = load_config(None, ["head.kind=partial", "ams.addresses=a:1"])
     again = load_config(write(tmp_path, to_toml(cfg)))
@@ -58,6 +68,8 @@ def test_print_round_trips(tmp_path):
     ("[optim]\nlr = -0.1\n", "optim.lr: must be >= 0"),
     ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
     ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
+    ("[optim]\nhead_momentum = 1\n", "optim.head_momentum: must be in [0, 1)"),
+    ("[optim]\nhead_momentum = -0.5\n", "optim.head_momentum: must be in [0, 1)"),
     ("[head]\nsample_rate = 0\n", "head.sample_rate"),
     ("[head]\nrandom_share = 1.5\n", "head.random_share"),
     ("[head]\nk = 64\n[graph]\nk = 32\n", "head.k=64 exceeds graph.k=32"),

@@ -67,6 +67,24 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
         clf.predict(torch.zeros(2, 1, 24, 24))
 
 
+@pytest.mark.parametrize("head_momentum", [0.0, 0.5])
+def test_class_rows_take_sgd_with_the_configured_row_momentum(glyphs_small, tmp_path,
+                                                               head_momentum):
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{
+        "optim.head_momentum": head_momentum, "optim.weight_decay": 0.01}))
+    run = build_run(cfg)
+    ids = torch.tensor([0, 7])
+    w = run.client.pull("fc", ids).double().requires_grad_(True)
+    reference = torch.optim.SGD([w], lr=0.3, momentum=head_momentum, weight_decay=0.01)
+    for seed in (1, 2, 3):
+        grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))
+        run.client.push("fc", ids, grad, lr=0.3)
+        w.grad = grad.double()
+        reference.step()
+    torch.testing.assert_close(run.client.pull("fc", ids).double(), w.detach(), rtol=0,
+                               atol=1e-6)
+
+
 def final_state(out: Path, step: int):
     """Backbone weights of the checkpoint and the class rows of its AMS snapshot."""
     from ams.snapshot import read_piece, step_dir

@@ -66,12 +66,24 @@ class OptimConfig:
     lr: float = 0.1
     """peak learning rate of the backbone"""
     head_lr: float = 0.0
-    """peak learning rate of the class rows (0: same as lr)"""
+    """peak learning rate of the class rows (0: lr * (1 - head_momentum) / (1 - momentum), so
+    a row moves as far per unit of gradient as a backbone weight does under momentum)"""
+    head_momentum: float = 0.0
+    """momentum of the class rows' sparse SGD in the AMS. A sampled head's row is active in a
+    few steps per hundred and sparse momentum moves it only then, so with momentum m a
+    gradient would take effect over the row's next 1/(1-m) activations, hundreds of steps
+    late; at 0 the rows take the whole step at once (docs/accuracy.md)"""
     momentum: float = 0.9
+    """momentum of the backbone's SGD"""
     weight_decay: float = 5e-4
     warmup_steps: int = 100
     schedule: str = "cosine"
     """cosine | constant (after warmup)"""
+
+    def effective_head_lr(self) -> float:
+        """The class rows' peak learning rate: ``head_lr``, or when 0 the rows' step that
+        matches the backbone's steady-state momentum step."""
+        return self.head_lr or self.lr * (1 - self.head_momentum) / (1 - self.momentum)
 
 
 @dataclass
@@ -256,6 +268,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
                           f"got {cfg.gear.prefix!r}")
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    if not 0 <= cfg.optim.head_momentum < 1:
+        raise ConfigError(f"optim.head_momentum: must be in [0, 1), got "
+                          f"{cfg.optim.head_momentum}")
     return cfg
 
 

@@ -138,8 +138,8 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
         ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams")
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
-                        momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay,
-                        seed=cfg.train.seed)
+                        momentum=cfg.optim.head_momentum,
+                        weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed)
 
     torch.manual_seed(cfg.train.seed)  # the same initial backbone on every rank
     try:
@@ -167,7 +167,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
         out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
         batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
         prefetch_depth=cfg.train.prefetch_depth, lr=cfg.optim.lr,
-        head_lr=cfg.optim.head_lr or cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
+        head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
         schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
         eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
         rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
