@@ -15,6 +15,7 @@ class SparseMomentumSGD:
 
         v <- momentum * v + (g + weight_decay * w);   w <- w - lr * v
 
+    With momentum 0 there is no v: the state tensor has no columns and is left alone.
     Low-precision rows and state are widened to float32 for the arithmetic and rounded once.
     """
 
@@ -26,15 +27,17 @@ class SparseMomentumSGD:
               grads: torch.Tensor, lr: float) -> None:
         """Update in place.
 
-        rows, state: (n_local, dim) row/state tensors of the shard; positions: int64 (m,) unique
-        local positions; grads: float32 (m, dim), already summed over repeated ids; lr: float.
+        rows: (n_local, dim) rows of the shard; state: (n_local, dim) momentum, or
+        (n_local, 0) when momentum is 0; positions: int64 (m,) unique local positions;
+        grads: float32 (m, dim), already summed over repeated ids; lr: float.
         """
         w = rows.index_select(0, positions).to(torch.float32)
-        v = state.index_select(0, positions).to(torch.float32)
         g = grads.to(torch.float32)
         if self.weight_decay:
             g = g + self.weight_decay * w
-        v.mul_(self.momentum).add_(g)
-        w.sub_(lr * v)
+        if self.momentum:
+            v = state.index_select(0, positions).to(torch.float32)
+            g = v.mul_(self.momentum).add_(g)
+            state.index_copy_(0, positions, g.to(state.dtype))
+        w.sub_(lr * g)
         rows.index_copy_(0, positions, w.to(rows.dtype))
-        state.index_copy_(0, positions, v.to(state.dtype))

@@ -295,7 +295,7 @@ def _assemble(store: ShardStore, pieces: list[Path]
             acc = out.setdefault(name, {
                 "spec": spec,
                 "rows": torch.empty((n_new, spec.dim), dtype=spec.dtype),
-                "state": torch.empty((n_new, spec.dim), dtype=spec.state_dtype),
+                "state": torch.empty((n_new, spec.state_width), dtype=spec.state_dtype),
                 "filled": torch.zeros(n_new, dtype=torch.bool),
                 "graph_parts": [], "graph_meta": entry.get("graph"),
             })

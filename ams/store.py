@@ -70,6 +70,12 @@ class TableSpec:
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InvalidArgument(f"seed={self.seed!r} must be an integer in [0, 2**63)")
 
+    @property
+    def state_width(self) -> int:
+        """Columns of the optimizer state: ``dim`` with momentum, 0 without (plain SGD keeps
+        no state, which halves a float32 table's memory)."""
+        return self.dim if self.momentum else 0
+
     def describe(self) -> dict:
         """JSON-able form (dtype names), used by snapshots and stats."""
         return {
@@ -143,7 +149,7 @@ class ShardStore:
                 return False
             ids = sharding.owned_ids(spec.num_rows, self.shard_id, self.num_shards)
             rows = initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype)
-            state = torch.zeros((ids.numel(), spec.dim), dtype=spec.state_dtype)
+            state = torch.zeros((ids.numel(), spec.state_width), dtype=spec.state_dtype)
             self.tables[spec.name] = ShardTable(
                 spec, rows, state, SparseMomentumSGD(spec.momentum, spec.weight_decay))
             return True
@@ -159,11 +165,12 @@ class ShardStore:
                       graph: NeighborTable | None = None) -> None:
         """Put a whole restored table in place (replacing one of the same name)."""
         n = sharding.owned_count(spec.num_rows, self.shard_id, self.num_shards)
-        for what, t, dtype in (("rows", rows, spec.dtype), ("state", state, spec.state_dtype)):
-            if tuple(t.shape) != (n, spec.dim) or t.dtype != dtype:
+        for what, t, width, dtype in (("rows", rows, spec.dim, spec.dtype),
+                                      ("state", state, spec.state_width, spec.state_dtype)):
+            if tuple(t.shape) != (n, width) or t.dtype != dtype:
                 raise InvalidArgument(
                     f"{what} of table {spec.name!r}: {tuple(t.shape)} {t.dtype}, "
-                    f"need {(n, spec.dim)} {dtype}")
+                    f"need {(n, width)} {dtype}")
         with self._tables_lock:
             self.tables[spec.name] = ShardTable(
                 spec, rows, state, SparseMomentumSGD(spec.momentum, spec.weight_decay), graph)

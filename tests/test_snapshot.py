@@ -17,9 +17,9 @@ from ams.store import ShardStore
 N, D = 103, 6
 
 
-def trained_client(data_dir, num_shards, dtype="float32"):
+def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9):
     client = ams.connect(local_shards=num_shards, data_dir=data_dir)
-    client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1)
+    client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1, momentum=momentum)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         ids = torch.randint(0, N, (40,), generator=g)
@@ -30,7 +30,8 @@ def trained_client(data_dir, num_shards, dtype="float32"):
 def full_state(client):
     """Rows and momentum of every class, in class-id order, gathered from the shards."""
     rows = client.pull("fc", torch.arange(N))
-    state = torch.empty((N, D), dtype=client.spec("fc").state_dtype)
+    spec = client.spec("fc")
+    state = torch.empty((N, spec.state_width), dtype=spec.state_dtype)
     for s, shard in enumerate(client.shards):
         state[torch.arange(s, N, client.num_shards)] = shard.store.table("fc").state
     return rows, state
@@ -47,9 +48,10 @@ def test_round_trip_bit_identical(tmp_path, dtype):
                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
 
-@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 4)])
-def test_restore_into_other_shard_count(tmp_path, old, new):
-    src = trained_client(tmp_path, old)
+@pytest.mark.parametrize("old,new,momentum", [(2, 3, 0.9), (3, 1, 0.9), (1, 4, 0.9),
+                                              (2, 3, 0.0)])
+def test_restore_into_other_shard_count(tmp_path, old, new, momentum):
+    src = trained_client(tmp_path, old, momentum=momentum)
     src.snapshot(step=5)
     dst = ams.connect(local_shards=new, data_dir=tmp_path)
     assert dst.restore() == 5

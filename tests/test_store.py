@@ -57,6 +57,21 @@ def test_push_matches_dense_sgd(shard_id, num_shards):
     torch.testing.assert_close(table.state.double(), v, rtol=1e-6, atol=1e-7)
 
 
+def test_push_without_momentum_is_plain_sgd_and_keeps_no_state():
+    store = make_store(momentum=0.0, weight_decay=0.01)
+    assert tuple(store.table("fc").state.shape) == (N, 0)
+    w = store.pull("fc", owned(store)).double()
+    v = torch.zeros_like(w)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, N, (15,), generator=g)
+        grads = torch.randn(15, D, generator=g)
+        assert store.push("fc", ids, grads, 0.5 / (step + 1))
+        reference_sgd_step(w, v, ids, grads, 0.5 / (step + 1), 0.0, 0.01)
+    torch.testing.assert_close(store.pull("fc", owned(store)).double(), w, rtol=1e-6, atol=1e-7)
+    assert store.stats()["tables"]["fc"]["state_bytes"] == 0
+
+
 def test_untouched_rows_and_state_bit_identical():
     store = make_store()
     before_rows = store.table("fc").rows.clone()
