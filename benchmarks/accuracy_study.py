@@ -64,7 +64,7 @@ def main() -> int:
                    help="partial's active fraction; knn gets the same active-set size")
     p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
-    p.add_argument("--random-share", type=float, default=0.0,
+    p.add_argument("--random-share", type=float, default=0.5,
                    help="knn: fraction of the negative slots given to uniform random classes")
     p.add_argument("--head-momentum", type=float, default=0.0,
                    help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "

@@ -52,9 +52,10 @@ class HeadConfig:
     budget: int = 0
     """knn: active classes per step (0: sample_rate * num_classes, so knn and partial compare
     at equal size)"""
-    random_share: float = 0.0
+    random_share: float = 0.5
     """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
-    random classes; the rest go to the labels' neighbours by rank"""
+    random classes; the rest go to the labels' neighbours by rank. 0 is the paper's
+    selection; half random trained better on the glyph data (docs/accuracy.md)"""
     margin: str = "cosface"
     """arcface | cosface | softmax (normalized softmax, no margin)"""
     scale: float = 32.0
