@@ -29,7 +29,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
-        "head.random_share": args.random_share,
+        "head.random_share": args.random_share, "head.logq_correction": args.logq_correction,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.head_momentum": args.head_momentum,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
@@ -69,6 +69,9 @@ def main() -> int:
     p.add_argument("--head-momentum", type=float, default=0.0,
                    help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "
                         "session-1/2 rows of docs/accuracy.md)")
+    p.add_argument("--logq-correction", action="store_true",
+                   help="partial, knn: weight uniformly drawn classes' logits by the pool "
+                        "they stand for (unbiased sampled softmax)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ams.graph import budget_for_sample_rate, select_active, select_partial
+from ams.graph.select import select_weighted
 
 BIG = 5_000_000_000
 
@@ -106,6 +107,44 @@ def test_select_active_random_share_draws_uniform_classes():
     assert max(counts.values()) < 1.5 * expected and min(counts.values()) > 0.5 * expected
     with pytest.raises(ValueError, match="random_share"):
         select_active(labels, neighbours, 41, g, num_classes, random_share=1.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches(), share=st.floats(0.0, 1.0))
+def test_select_weighted_draws_as_select_active_and_weights_only_random_classes(batch, share):
+    num_classes, labels, neighbours, budget, seed = batch
+    plain = run(lambda *args: select_active(*args, share), labels, neighbours, budget, seed,
+                num_classes)
+    weighted = run(lambda *args: select_weighted(*args, share), labels, neighbours, budget,
+                   seed, num_classes)
+    assert torch.equal(weighted.active, plain[0]) and torch.equal(weighted.target, plain[1])
+    assert weighted.log_weight.dtype == torch.float32
+    assert weighted.log_weight.shape == weighted.active.shape
+    assert bool((weighted.log_weight[weighted.target] == 0).all())  # labels are never drawn
+    assert bool((weighted.log_weight >= 0).all())
+
+
+def test_log_weights_make_the_partition_estimate_unbiased():
+    # Full softmax partition sum_j exp(z_j) in float64 against the mean over many selections
+    # of sum_{j active} exp(z_j + log_weight_j): labels and neighbours count once, the uniform
+    # draws stand for the classes left over. Without the weights the estimate falls short.
+    num_classes, budget = 60, 14
+    labels = torch.tensor([3, 7, 7])
+    neighbours = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
+    z = torch.randn(num_classes, generator=torch.Generator().manual_seed(5),
+                    dtype=torch.float64) * 2
+    full = z.exp().sum().item()
+    g = torch.Generator().manual_seed(6)
+    weighted, plain = [], []
+    for _ in range(3000):
+        s = select_weighted(labels, neighbours, budget, g, num_classes, random_share=0.5)
+        terms = z[s.active].exp()
+        weighted.append((terms * s.log_weight.double().exp()).sum().item())
+        plain.append(terms.sum().item())
+    estimate = torch.tensor(weighted, dtype=torch.float64)
+    stderr = estimate.std().item() / len(weighted) ** 0.5
+    assert abs(estimate.mean().item() - full) < 4 * stderr
+    assert sum(plain) / len(plain) < full - 20 * stderr
 
 
 @settings(max_examples=100, deadline=None)

@@ -116,7 +116,9 @@ def run_two_steps(name: str, **options):
 @pytest.mark.parametrize(
     ("name", "options"),
     [("partial", {"sample_rate": 1.0}), ("knn", {"k": 5, "budget": N}),
-     ("knn", {"k": 5, "budget": 10 * N})],
+     ("knn", {"k": 5, "budget": 10 * N}),
+     ("knn", {"k": 5, "budget": N, "random_share": 0.5, "logq_correction": True}),
+     ("partial", {"sample_rate": 1.0, "logq_correction": True})],
 )
 def test_heads_covering_all_classes_equal_full(name, options):
     for (full, full_rows), (other, other_rows) in zip(
@@ -201,6 +203,46 @@ def test_accuracy_counts_labels_with_the_highest_cosine():
     features[0] = -features[0]
     step = head.forward_backward(features, head.prepare(labels), lr=0.0)
     assert step.accuracy == pytest.approx((B - 1) / B)
+
+
+@pytest.mark.parametrize("name", ["partial", "knn"])
+def test_logq_correction_weights_the_uniform_draws(name):
+    # float64 reference: ArcFace logits of the active classes, plus log(pool / drawn) on the
+    # classes drawn uniformly from the pool left after the labels (and, for knn, the labels'
+    # nearest rank-1 neighbours), 0 on the classes taken for sure.
+    num_rows = 400
+    client = make_client(num_rows=num_rows)
+    neighbours = write_exact_graph(client, k=4, num_rows=num_rows)
+    options = {"sample_rate": 0.1} if name == "partial" else {"k": 2, "budget": 40,
+                                                               "random_share": 0.5}
+    head = build_head(name, client, "fc", num_rows, arcface_margin(), logq_correction=True,
+                      **options)
+    features, labels = batch(8, num_rows)
+    active = head.prepare(labels)
+    ids = active.active_ids
+    sure = set(labels.tolist())
+    if name == "knn":
+        slots = 40 - len(sure)
+        rank1 = [n for n in dict.fromkeys(neighbours[labels, 1].tolist()) if n not in sure]
+        sure |= set(rank1[:slots - round(0.5 * slots)])
+    drawn = [i for i in ids.tolist() if i not in sure]
+    offsets = torch.tensor([0.0 if i in sure else math.log((num_rows - len(sure)) / len(drawn))
+                            for i in ids.tolist()], dtype=torch.float64)
+    x = features.double().requires_grad_(True)
+    w = active.rows.double()
+    cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
+    target = active.target
+    theta = torch.acos(cosine.gather(1, target[:, None]).squeeze(1))
+    assert bool((theta < math.pi - M2).all())  # ArcFace's plain branch on this batch
+    logits = cosine.scatter(1, target[:, None], torch.cos(theta + M2)[:, None]) * S + offsets
+    want = F.cross_entropy(logits, target)
+    want.backward()
+    step = head.forward_backward(features, active, lr=0.1)
+    assert step.loss == pytest.approx(want.item(), abs=1e-5)
+    torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
+    plain = build_head(name, make_client(num_rows=num_rows), "fc", num_rows, arcface_margin(),
+                       **options)
+    assert plain.forward_backward(features, active, lr=0.1).loss < step.loss - 0.1
 
 
 def test_knn_head_needs_a_graph_deep_enough():

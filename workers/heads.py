@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ams.graph.select import budget_for_sample_rate, select_active, select_partial
+from ams.graph.select import Selection, budget_for_sample_rate, select_weighted
 from workers.losses import CombinedMarginLoss
 
 
@@ -56,11 +56,14 @@ class ActiveBatch:
     active_ids: int64 (A,) sorted unique class ids.
     target: int64 (B,) position of each sample's label in ``active_ids``.
     rows: (A, dim) the pulled rows of ``active_ids``, in the table's dtype.
+    log_weight: float32 (A,) log inverse probability that each class was drawn (0 for the
+        classes taken for sure; see :class:`ams.graph.select.Selection`).
     """
 
     active_ids: torch.Tensor
     target: torch.Tensor
     rows: torch.Tensor
+    log_weight: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,9 @@ class HeadStep:
 
 
 class ActiveSelector(Protocol):
-    """Chooses the active classes of a batch: labels int64 (B,) -> (active_ids int64 (A,)
-    sorted unique, target int64 (B,) positions of the labels in active_ids)."""
+    """Chooses the active classes of a batch: labels int64 (B,) -> :class:`Selection`."""
 
-    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, labels: torch.Tensor) -> Selection: ...
 
 
 class AllClasses:
@@ -96,8 +98,10 @@ class AllClasses:
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes
 
-    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.arange(self.num_classes, dtype=torch.int64), labels.clone()
+    def __call__(self, labels: torch.Tensor) -> Selection:
+        return Selection(active=torch.arange(self.num_classes, dtype=torch.int64),
+                         target=labels.clone(),
+                         log_weight=torch.zeros(self.num_classes, dtype=torch.float32))
 
 
 class SampledClasses:
@@ -109,8 +113,8 @@ class SampledClasses:
         self.budget = budget_for_sample_rate(sample_rate, num_classes)
         self.generator = generator
 
-    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_partial(labels, None, self.budget, self.generator, self.num_classes)
+    def __call__(self, labels: torch.Tensor) -> Selection:
+        return select_weighted(labels, None, self.budget, self.generator, self.num_classes)
 
 
 class NeighbourClasses:
@@ -129,13 +133,13 @@ class NeighbourClasses:
         self.random_share = random_share
         self.generator = generator
 
-    def __call__(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, labels: torch.Tensor) -> Selection:
         neighbours = self.store.neighbors(self.table, labels)
         if neighbours.shape[1] < self.k:
             raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
                              f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
-        return select_active(labels, neighbours[:, :self.k], self.budget, self.generator,
-                             self.num_classes, self.random_share)
+        return select_weighted(labels, neighbours[:, :self.k], self.budget, self.generator,
+                               self.num_classes, self.random_share)
 
 
 class ClassifierHead:
@@ -143,15 +147,20 @@ class ClassifierHead:
 
     store: the AMS client; table: name of the (num_classes, dim) class-row table;
     margin: the margin applied to the target cosine; selector: which classes are active.
+    logq_correction: add each active class's ``log_weight`` to its logit, so a class drawn
+    uniformly from a pool stands for every class of that pool it represents (sampled softmax
+    made an unbiased estimate of the full one; no effect on classes taken for sure).
     The head computes in float32 on the features' device whatever the table's dtype.
     """
 
     def __init__(self, store: RowStore, table: str, num_classes: int,
-                 margin: CombinedMarginLoss, selector: ActiveSelector) -> None:
+                 margin: CombinedMarginLoss, selector: ActiveSelector,
+                 logq_correction: bool = False) -> None:
         self.store, self.table = store, table
         self.num_classes = num_classes
         self.margin = margin
         self.selector = selector
+        self.logq_correction = logq_correction
 
     def prepare(self, labels: torch.Tensor) -> ActiveBatch:
         """Select the active classes for ``labels`` (int64 (B,) class ids) and pull their rows.
@@ -166,9 +175,10 @@ class ClassifierHead:
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
             raise ValueError(f"labels must lie in [0, {self.num_classes}), got range "
                              f"[{int(labels.min())}, {int(labels.max())}]")
-        active_ids, target = self.selector(labels)
-        rows = self.store.pull(self.table, active_ids)
-        return ActiveBatch(active_ids=active_ids, target=target, rows=rows)
+        selection = self.selector(labels)
+        rows = self.store.pull(self.table, selection.active)
+        return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,
+                           log_weight=selection.log_weight)
 
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
                          lr: float, push: bool = True) -> HeadStep:
@@ -191,7 +201,10 @@ class ClassifierHead:
             w = batch.rows.to(device=device, dtype=torch.float32).requires_grad_(True)
             target = batch.target.to(device)
             cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
-            loss = F.cross_entropy(self.margin(cosine, target), target)
+            logits = self.margin(cosine, target)
+            if self.logq_correction:
+                logits = logits + batch.log_weight.to(device)
+            loss = F.cross_entropy(logits, target)
             feature_grad, row_grad = torch.autograd.grad(loss, (x, w))
         row_grad = row_grad.cpu()
         if push:
@@ -208,11 +221,12 @@ HEADS = ("full", "partial", "knn")
 def build_head(name: str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
                k: int | None = None, budget: int | None = None, random_share: float = 0.0,
-               seed: int = 0) -> ClassifierHead:
+               logq_correction: bool = False, seed: int = 0) -> ClassifierHead:
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
     ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
     and gives ``random_share`` of its negative slots to uniform random classes.
+    ``logq_correction`` weights the uniformly drawn classes' logits (see ClassifierHead).
     ``seed`` seeds the generator that draws random negatives.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -229,4 +243,4 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
                                     random_share)
     else:
         raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
-    return ClassifierHead(store, table, num_classes, margin, selector)
+    return ClassifierHead(store, table, num_classes, margin, selector, logq_correction)

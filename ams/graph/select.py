@@ -17,6 +17,8 @@ vs 7 ms) whenever the cores were shared, and B=256 x k=1200 is 300k ids per step
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -27,6 +29,24 @@ def budget_for_sample_rate(sample_rate: float, num_classes: int) -> int:
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     return max(1, int(sample_rate * num_classes))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One step's active classes with how each got there.
+
+    active: (A,) int64 class ids, sorted ascending, unique.
+    target: (B,) int64 with ``active[target] == labels``.
+    log_weight: (A,) float32, log of 1 / (probability that the class was drawn): 0 for the
+        labels and neighbours (taken for sure), ``log(pool / drawn)`` for the classes drawn
+        uniformly from the ``pool`` classes left over. Added to the logits, it turns the
+        softmax over the active classes into an unbiased estimate of the full softmax's
+        partition function (the "logQ" correction of sampled softmax).
+    """
+
+    active: Tensor
+    target: Tensor
+    log_weight: Tensor
 
 
 def select_active(
@@ -56,8 +76,22 @@ def select_active(
         num_classes: N.
         random_share: fraction in [0, 1] of the negative slots given to random classes.
 
-    Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64).
+    Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64); ``select_weighted``
+    returns the same with each class's sampling weight.
     """
+    selection = select_weighted(labels, neighbours, budget, generator, num_classes, random_share)
+    return selection.active, selection.target
+
+
+def select_weighted(
+    labels: Tensor,
+    neighbours: Tensor | None,
+    budget: int,
+    generator: torch.Generator,
+    num_classes: int,
+    random_share: float = 0.0,
+) -> Selection:
+    """``select_active`` (same arguments, same draws) returning a :class:`Selection`."""
     _check_ids("labels", labels, 1, num_classes)
     if not 0.0 <= random_share <= 1.0:
         raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
@@ -77,7 +111,13 @@ def select_active(
     chosen = ranked_unique[:total - round(random_share * negatives)]
     fill = _sample_excluding(chosen, total - chosen.size, num_classes, generator)
     active = torch.from_numpy(np.sort(np.concatenate([chosen, fill])))
-    return active, torch.searchsorted(active, labels)
+    log_weight = torch.zeros(active.numel(), dtype=torch.float32)
+    if fill.size:
+        pool = num_classes - chosen.size
+        log_weight[torch.searchsorted(active, torch.from_numpy(fill))] = \
+            float(np.log(pool / fill.size))
+    return Selection(active=active, target=torch.searchsorted(active, labels),
+                     log_weight=log_weight)
 
 
 def select_partial(
