@@ -69,9 +69,10 @@ def main() -> int:
     p.add_argument("--head-momentum", type=float, default=0.0,
                    help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "
                         "session-1/2 rows of docs/accuracy.md)")
-    p.add_argument("--logq-correction", action="store_true",
+    p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction, default=True,
                    help="partial, knn: weight uniformly drawn classes' logits by the pool "
-                        "they stand for (unbiased sampled softmax)")
+                        "they stand for (unbiased sampled softmax; --no-logq-correction is "
+                        "PartialFC's plain softmax)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
@@ -88,7 +89,7 @@ def main() -> int:
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share {args.random_share}, "
-          f"row momentum {args.head_momentum}\n")
+          f"row momentum {args.head_momentum}, logq correction {args.logq_correction}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | rows pulled / step |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
