@@ -69,9 +69,9 @@ def main() -> int:
     p.add_argument("--head-momentum", type=float, default=0.0,
                    help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "
                         "session-1/2 rows of docs/accuracy.md)")
-    p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction, default=False,
                    help="partial, knn: weight uniformly drawn classes' logits by the pool "
-                        "they stand for (unbiased sampled softmax; --no-logq-correction is "
+                        "they stand for (unbiased sampled softmax; off, the default, is "
                         "PartialFC's plain softmax)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)

@@ -56,11 +56,12 @@ class HeadConfig:
     """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
     random classes; the rest go to the labels' neighbours by rank. 0 is the paper's
     selection; half random trained better on the glyph data (docs/accuracy.md)"""
-    logq_correction: bool = True
+    logq_correction: bool = False
     """partial, knn: weight each uniformly drawn class's logit by the number of left-over
     classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one
-    without bias; classes taken for sure (labels, neighbours) are unweighted. false is
-    PartialFC's (and the paper's) plain softmax over the active classes"""
+    without bias; classes taken for sure (labels, neighbours) are unweighted. Off is
+    PartialFC's (and the paper's) plain softmax over the active classes. On helped partial at
+    5k and 10k glyph classes but cost knn 9 points at 10k (docs/accuracy.md)"""
     margin: str = "cosface"
     """arcface | cosface | softmax (normalized softmax, no margin)"""
     scale: float = 32.0
