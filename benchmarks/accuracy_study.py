@@ -29,14 +29,17 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
-        "head.random_share": args.random_share, "head.logq_correction": args.logq_correction,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
-        "optim.head_momentum": args.head_momentum,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
         "train.seed": args.seed, "train.threads": args.threads,
         "train.max_steps": args.max_steps,
     }
+    # Options left unset keep the config's defaults, so the study trains what users get.
+    optional = {"head.random_share": args.random_share,
+                "head.logq_correction": args.logq_correction,
+                "optim.head_momentum": args.head_momentum}
+    sets.update({k: v for k, v in optional.items() if v is not None})
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     run = build_run(cfg)
     started = time.perf_counter()
@@ -48,6 +51,8 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "seconds_per_epoch": seconds / max(1e-9, result.steps / steps_per_epoch),
         "rows_per_step": statistics.mean(row["active"] for row in result.history),
         "steps": result.steps, "final_loss": result.last_loss,
+        "random_share": cfg.head.random_share, "logq_correction": cfg.head.logq_correction,
+        "head_momentum": cfg.optim.head_momentum,
     }
 
 
@@ -64,15 +69,16 @@ def main() -> int:
                    help="partial's active fraction; knn gets the same active-set size")
     p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
-    p.add_argument("--random-share", type=float, default=0.5,
-                   help="knn: fraction of the negative slots given to uniform random classes")
-    p.add_argument("--head-momentum", type=float, default=0.0,
-                   help="the class rows' momentum (optim.head_momentum; 0.9 reproduces the "
-                        "session-1/2 rows of docs/accuracy.md)")
-    p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--random-share", type=float,
+                   help="knn: fraction of the negative slots given to uniform random classes "
+                        "(default: head.random_share's default)")
+    p.add_argument("--head-momentum", type=float,
+                   help="the class rows' momentum (default: optim.head_momentum's default; "
+                        "0.9 reproduces the session-1/2 rows of docs/accuracy.md)")
+    p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction,
                    help="partial, knn: weight uniformly drawn classes' logits by the pool "
-                        "they stand for (unbiased sampled softmax; off, the default, is "
-                        "PartialFC's plain softmax)")
+                        "they stand for (unbiased sampled softmax; default: "
+                        "head.logq_correction's default, off = PartialFC's plain softmax)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
@@ -88,8 +94,9 @@ def main() -> int:
     rows = [run_head(kind, args, num_classes) for kind in args.heads.split(",")]
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
-          f"sample_rate {args.sample_rate}, knn k={args.k} random_share {args.random_share}, "
-          f"row momentum {args.head_momentum}, logq correction {args.logq_correction}\n")
+          f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
+          f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, "
+          f"logq correction {rows[0]['logq_correction']}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | rows pulled / step |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

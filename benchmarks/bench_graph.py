@@ -94,6 +94,7 @@ def main() -> None:
             torch.cuda.synchronize()
         xcls_s, xcls_cpu = time.perf_counter() - start, time.process_time() - cpu
         # ru_maxrss is the process's peak so far (KB): with --sizes ascending, this build's
+        # peak is the process's peak (a larger N peaks higher than every earlier build).
         xcls_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before_mb
 
         start, cpu = time.perf_counter(), time.process_time()

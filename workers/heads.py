@@ -97,11 +97,12 @@ class AllClasses:
 
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes
+        # The same for every batch; nothing downstream writes to them.
+        self._active = torch.arange(num_classes, dtype=torch.int64)
+        self._log_weight = torch.zeros(num_classes, dtype=torch.float32)
 
     def __call__(self, labels: torch.Tensor) -> Selection:
-        return Selection(active=torch.arange(self.num_classes, dtype=torch.int64),
-                         target=labels.clone(),
-                         log_weight=torch.zeros(self.num_classes, dtype=torch.float32))
+        return Selection(active=self._active, target=labels.clone(), log_weight=self._log_weight)
 
 
 class SampledClasses:
