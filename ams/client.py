@@ -44,7 +44,7 @@ class ShardBackend(Protocol):
     def table_specs(self) -> dict[str, TableSpec]: ...
     def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int) -> bool: ...
+             client_id: str, sequence: int, decay_clock: float | None) -> bool: ...
     def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
     def snapshot(self, step: int) -> str: ...
     def restore(self, step: int | None) -> tuple[int, str]: ...
@@ -120,8 +120,9 @@ class RemoteShard:
         return codec.decode(reply.rows, "rows", ndim=2)
 
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int) -> bool:
-        request = pb.PushRequest(table=table, lr=lr, client_id=client_id, sequence=sequence)
+             client_id: str, sequence: int, decay_clock: float | None) -> bool:
+        request = pb.PushRequest(table=table, lr=lr, client_id=client_id, sequence=sequence,
+                                 decay_clock=decay_clock)
         codec.encode(ids, request.ids)
         codec.encode(grads, request.grads)
         return self._call("Push", request).applied
@@ -286,10 +287,13 @@ class ShardedClient:
         self._fan_out(work)
         return rowcopy.gather(out, inverse)
 
-    def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             decay_clock: float | None = None) -> None:
         """Apply ``grads`` to the rows of ``ids`` with sparse momentum SGD on the shards.
 
-        ids: int (n,), repeats summed; grads: float (n, dim); lr: float >= 0.
+        ids: int (n,), repeats summed; grads: float (n, dim); lr: float >= 0;
+        decay_clock: the step's weight-decay clock (``ams.optim``; None: rows that sat out
+        steps do not catch up on their decay).
         """
         ids = self._check_ids(ids)
         spec = self.spec(name)
@@ -313,7 +317,7 @@ class ShardedClient:
                 chunk = positions[start:start + step]
                 self.shards[s].push(name, unique.index_select(0, chunk),
                                     rowcopy.gather(summed, chunk), float(lr),
-                                    self.client_id, self._next_sequence())
+                                    self.client_id, self._next_sequence(), decay_clock)
 
         self._fan_out(work)
 

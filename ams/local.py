@@ -34,8 +34,8 @@ class LocalShard:
         return self.store.pull(table, ids)
 
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int) -> bool:
-        return self.store.push(table, ids, grads, lr, client_id, sequence)
+             client_id: str, sequence: int, decay_clock: float | None) -> bool:
+        return self.store.push(table, ids, grads, lr, client_id, sequence, decay_clock)
 
     def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.store.scan(table, block_rows)

@@ -2,11 +2,32 @@
 
 Pure torch. The state lives next to the row (same local position in a tensor of the same
 shape), so a pull of W never needs the state and a push reads both with one gather each.
+
+Weight decay and rows that sit out. The dense optimizer shrinks every row by ``1 - lr*wd`` in
+every step, gradient or not; a sparse push only reaches the active rows. So a table keeps a
+*decay clock*: ``D_t = sum over steps s < t of -log(1 - lr_s * wd)``, which the trainer sends
+with each push, and each row remembers the clock it was last brought up to. A row that sat out
+steps is first multiplied by ``exp(row_clock - D_t)``, exactly the decay those steps would have
+applied; with momentum 0 the rows then equal dense ``torch.optim.SGD`` on the whole table.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def step_decay(lr: float, weight_decay: float) -> float:
+    """How far one SGD step advances the decay clock: ``-log(1 - lr * weight_decay)`` >= 0."""
+    return -math.log1p(-lr * weight_decay)
+
+
+def catch_up_factors(row_clock: torch.Tensor, clock: float) -> torch.Tensor:
+    """Decay owed by rows last brought up to ``row_clock`` (float64 (m,)) at clock ``clock``:
+    float64 (m,) factors ``exp(row_clock - clock)``, at most 1 (a row ahead of the clock owes
+    nothing)."""
+    return torch.exp((row_clock - clock).clamp(max=0.0))
 
 
 class SparseMomentumSGD:
@@ -24,14 +45,18 @@ class SparseMomentumSGD:
         self.weight_decay = float(weight_decay)
 
     def apply(self, rows: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
-              grads: torch.Tensor, lr: float) -> None:
+              grads: torch.Tensor, lr: float, catch_up: torch.Tensor | None = None) -> None:
         """Update in place.
 
         rows: (n_local, dim) rows of the shard; state: (n_local, dim) momentum, or
         (n_local, 0) when momentum is 0; positions: int64 (m,) unique local positions;
-        grads: float32 (m, dim), already summed over repeated ids; lr: float.
+        grads: float32 (m, dim), already summed over repeated ids; lr: float; catch_up:
+        float64 (m,) decay factors the rows owe for steps they sat out (``catch_up_factors``),
+        applied before the step, or None.
         """
         w = rows.index_select(0, positions).to(torch.float32)
+        if catch_up is not None:
+            w.mul_(catch_up.to(torch.float32)[:, None])
         g = grads.to(torch.float32)
         if self.weight_decay:
             g = g + self.weight_decay * w

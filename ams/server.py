@@ -72,8 +72,9 @@ class ShardServicer(pb_grpc.ShardServicer):
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
         grads = codec.decode(request.grads, "grads", ndim=2)
+        clock = request.decay_clock if request.HasField("decay_clock") else None
         applied = self.store.push(request.table, ids, grads, request.lr,
-                                  request.client_id, request.sequence)
+                                  request.client_id, request.sequence, clock)
         return pb.PushReply(applied=applied)
 
     def Scan(self, request: pb.ScanRequest, context: grpc.ServicerContext

@@ -1,4 +1,4 @@
-"""LMDB snapshots of a shard's tables (rows, momentum, neighbour lists).
+"""LMDB snapshots of a shard's tables (rows, momentum, decay clocks, neighbour lists).
 
 Layout under a data dir shared by the shards of a cluster::
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -36,12 +37,12 @@ from ams.store import ShardStore, TableSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each table carries its weight-decay clocks
 CHUNK_BYTES = 4 << 20  # values this size keep LMDB's per-value page overhead negligible
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
-_DTYPES = {**ROW_DTYPES, "int64": torch.int64}
-_NAMES = {**DTYPE_NAMES, torch.int64: "int64"}
+_DTYPES = {**ROW_DTYPES, "int64": torch.int64, "float64": torch.float64}
+_NAMES = {**DTYPE_NAMES, torch.int64: "int64", torch.float64: "float64"}
 # py-lmdb refuses a second open of one path in a process: in-process shards restoring in
 # parallel (the embedded AMS) all read the same pieces, so they take turns.
 _READ_LOCK = threading.Lock()
@@ -93,7 +94,8 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tables = list(store.tables.values())
     payload = sum(t.rows.numel() * t.rows.element_size() + t.state.numel() * t.state.element_size()
-                  + (t.graph.nbytes() if t.graph else 0) for t in tables)
+                  + t.row_clock.numel() * 8 + (t.graph.nbytes() if t.graph else 0)
+                  for t in tables)
     # LMDB needs its map size up front; its 10 MiB default would fail on any real table.
     map_size = int(payload * 1.1) + (64 << 20)
     digest = hashlib.sha256()
@@ -112,6 +114,9 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
                         "id_rule": "id % num_shards == shard_id, local position id // num_shards",
                         "rows": _put_tensor(txn, f"{t.spec.name}/rows", t.rows, digest),
                         "state": _put_tensor(txn, f"{t.spec.name}/state", t.state, digest),
+                        "row_clock": _put_tensor(txn, f"{t.spec.name}/row_clock", t.row_clock,
+                                                 digest),
+                        "decay_clock": t.clock,
                         "graph": None,
                     }
                     if t.graph is not None:
@@ -186,7 +191,8 @@ def _get_tensor(txn: lmdb.Transaction, key: str, desc: dict, digest: hashlib._Ha
 
 
 def read_piece(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """Load one piece whole and verify it: (manifest, {table: {rows, state, [graph_*]}})."""
+    """Load one piece whole and verify it:
+    (manifest, {table: {rows, state, row_clock, [graph_*]}})."""
     manifest_path = path / "manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -213,7 +219,12 @@ def _read_tensors(path: Path, manifest: dict) -> dict[str, dict[str, torch.Tenso
                 got = {
                     "rows": _get_tensor(txn, f"{name}/rows", entry["rows"], digest, path),
                     "state": _get_tensor(txn, f"{name}/state", entry["state"], digest, path),
+                    "row_clock": _get_tensor(txn, f"{name}/row_clock", entry["row_clock"],
+                                             digest, path),
+                    "clock": torch.tensor(float(entry["decay_clock"]), dtype=torch.float64),
                 }
+                if not math.isfinite(got["clock"]) or got["clock"] < 0:
+                    raise ValueError(f"table {name!r}: decay_clock {entry['decay_clock']!r}")
                 if entry.get("graph"):
                     g = entry["graph"]
                     got["graph_offsets"] = _get_tensor(
@@ -274,16 +285,17 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
             log.warning("snapshot_skipped step=%d reason=%r", s, str(e))
             problems.append(str(e))
             continue
-        for spec, rows, state, graph in tables:
-            store.install_table(spec, rows, state, graph)
+        for spec, rows, state, row_clock, clock, graph in tables:
+            store.install_table(spec, rows, state, row_clock, clock, graph)
         log.info("snapshot_restored step=%d path=%s tables=%d", s, path, len(tables))
         return s, path
     raise SnapshotError("no usable snapshot: " + "; ".join(problems))
 
 
-def _assemble(store: ShardStore, pieces: list[Path]
-              ) -> list[tuple[TableSpec, torch.Tensor, torch.Tensor, NeighborTable | None]]:
-    """This shard's rows, state and graph of every table, gathered from all pieces."""
+def _assemble(store: ShardStore, pieces: list[Path]) -> list[tuple[
+        TableSpec, torch.Tensor, torch.Tensor, torch.Tensor, float, NeighborTable | None]]:
+    """This shard's rows, state, decay clocks and graph of every table, gathered from all
+    pieces. The table's clock is the newest of the pieces' clocks."""
     me, count = store.shard_id, store.num_shards
     out: dict[str, dict] = {}
     for path in pieces:
@@ -296,6 +308,7 @@ def _assemble(store: ShardStore, pieces: list[Path]
                 "spec": spec,
                 "rows": torch.empty((n_new, spec.dim), dtype=spec.dtype),
                 "state": torch.empty((n_new, spec.state_width), dtype=spec.state_dtype),
+                "row_clock": torch.empty(n_new, dtype=torch.float64), "clock": 0.0,
                 "filled": torch.zeros(n_new, dtype=torch.bool),
                 "graph_parts": [], "graph_meta": entry.get("graph"),
             })
@@ -308,6 +321,8 @@ def _assemble(store: ShardStore, pieces: list[Path]
             new_pos = sharding.local_index(old_ids[mine], count)
             acc["rows"][new_pos] = tensors[name]["rows"][mine]
             acc["state"][new_pos] = tensors[name]["state"][mine]
+            acc["row_clock"][new_pos] = tensors[name]["row_clock"][mine]
+            acc["clock"] = max(acc["clock"], float(tensors[name]["clock"]))
             acc["filled"][new_pos] = True
             if "graph_offsets" in tensors[name]:
                 old_graph = NeighborTable.from_csr(
@@ -324,6 +339,7 @@ def _assemble(store: ShardStore, pieces: list[Path]
         if meta and acc["graph_parts"]:
             graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0])
             graph.version, graph.step = meta["version"], meta["step"]
-        result.append((acc["spec"], acc["rows"], acc["state"], graph))
+        result.append((acc["spec"], acc["rows"], acc["state"], acc["row_clock"], acc["clock"],
+                       graph))
     return result
 

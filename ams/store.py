@@ -2,8 +2,9 @@
 
 A table is split over shards by ``ams.sharding`` (id mod S). The shard keeps its part as two
 dense tensors, ``rows`` and ``state`` (momentum), of shape (owned, dim), addressed by
-``id // S``. Every public method validates its arguments completely before it changes anything,
-so a bad request leaves the shard exactly as it was.
+``id // S``, and each row's weight-decay clock (see ``ams.optim``). Every public method
+validates its arguments completely before it changes anything, so a bad request leaves the
+shard exactly as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ams.errors import (
     TableNotFound,
 )
 from ams.graph.csr import NeighborTable
-from ams.optim import SparseMomentumSGD
+from ams.optim import SparseMomentumSGD, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
 
 # Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
@@ -100,12 +101,16 @@ class TableCounters:
 
 @dataclass
 class ShardTable:
-    """One shard's part of a table. rows/state: (owned, dim); graph: neighbour lists or None."""
+    """One shard's part of a table. rows/state: (owned, dim); row_clock: float64 (owned,), the
+    decay clock each row was last brought up to; clock: the newest clock a push reached here;
+    graph: neighbour lists or None."""
 
     spec: TableSpec
     rows: torch.Tensor
     state: torch.Tensor
+    row_clock: torch.Tensor
     optimizer: SparseMomentumSGD
+    clock: float = 0.0
     graph: NeighborTable | None = None
     staged_graph: dict | None = None  # parts of the next full graph, see set_neighbors
     counters: TableCounters = field(default_factory=TableCounters)
@@ -150,8 +155,9 @@ class ShardStore:
             ids = sharding.owned_ids(spec.num_rows, self.shard_id, self.num_shards)
             rows = initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype)
             state = torch.zeros((ids.numel(), spec.state_width), dtype=spec.state_dtype)
+            row_clock = torch.zeros(ids.numel(), dtype=torch.float64)
             self.tables[spec.name] = ShardTable(
-                spec, rows, state, SparseMomentumSGD(spec.momentum, spec.weight_decay))
+                spec, rows, state, row_clock, SparseMomentumSGD(spec.momentum, spec.weight_decay))
             return True
 
     def table(self, name: str) -> ShardTable:
@@ -162,18 +168,23 @@ class ShardStore:
             raise TableNotFound(f"unknown table {name!r} (tables here: {known})") from None
 
     def install_table(self, spec: TableSpec, rows: torch.Tensor, state: torch.Tensor,
+                      row_clock: torch.Tensor, clock: float,
                       graph: NeighborTable | None = None) -> None:
         """Put a whole restored table in place (replacing one of the same name)."""
         n = sharding.owned_count(spec.num_rows, self.shard_id, self.num_shards)
-        for what, t, width, dtype in (("rows", rows, spec.dim, spec.dtype),
-                                      ("state", state, spec.state_width, spec.state_dtype)):
-            if tuple(t.shape) != (n, width) or t.dtype != dtype:
+        for what, t, shape, dtype in (
+                ("rows", rows, (n, spec.dim), spec.dtype),
+                ("state", state, (n, spec.state_width), spec.state_dtype),
+                ("row_clock", row_clock, (n,), torch.float64)):
+            if tuple(t.shape) != shape or t.dtype != dtype:
                 raise InvalidArgument(
                     f"{what} of table {spec.name!r}: {tuple(t.shape)} {t.dtype}, "
-                    f"need {(n, width)} {dtype}")
+                    f"need {shape} {dtype}")
+        _check_clock(clock)
         with self._tables_lock:
             self.tables[spec.name] = ShardTable(
-                spec, rows, state, SparseMomentumSGD(spec.momentum, spec.weight_decay), graph)
+                spec, rows, state, row_clock,
+                SparseMomentumSGD(spec.momentum, spec.weight_decay), clock, graph)
 
     # ---- validation ---------------------------------------------------------------------
 
@@ -220,28 +231,41 @@ class ShardStore:
     # ---- rows ---------------------------------------------------------------------------
 
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` in request order (repeats allowed). int64 (n,) -> (n, dim) row dtype."""
+        """Rows of ``ids`` in request order (repeats allowed). int64 (n,) -> (n, dim) row dtype.
+
+        Each row comes with the weight decay it owes up to the newest clock pushed here
+        (``ams.optim``), so it is the row the dense optimizer would hold after that push."""
         table = self.table(name)
         positions = self._positions(table, ids)
         with table.lock:
-            out = rowcopy.gather(table.rows, positions)
+            out = _with_decay_owed(table, rowcopy.gather(table.rows, positions), positions)
             table.counters.pulls += 1
             table.counters.rows_pulled += positions.numel()
         return out
 
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str = "", sequence: int = 0) -> bool:
+             client_id: str = "", sequence: int = 0, decay_clock: float | None = None) -> bool:
         """Apply sparse momentum SGD to exactly the pushed rows.
 
         ids: int64 (n,), repeats summed first; grads: float (n, dim); lr >= 0.
         ``(client_id, sequence)`` with a non-empty client id makes the push idempotent: a
-        repeat returns False and changes nothing. Returns True when applied.
+        repeat returns False and changes nothing. ``decay_clock``: the step's decay clock
+        (``ams.optim``); the rows first take the weight decay of the steps they sat out, and
+        the clock advances by this step's decay. None: no catch-up, clocks unchanged.
+        Returns True when applied.
         """
         table = self.table(name)
         positions = self._positions(table, ids)
         self._check_grads(table, grads, positions.numel())
         if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise InvalidArgument(f"lr={lr!r} must be a finite number >= 0")
+        clocked = decay_clock is not None and table.spec.weight_decay > 0
+        if decay_clock is not None:
+            _check_clock(decay_clock)
+            if clocked and lr * table.spec.weight_decay >= 1:
+                raise InvalidArgument(
+                    f"lr={lr} x weight_decay={table.spec.weight_decay} must stay below 1 for "
+                    "the decay clock")
         if positions.numel() == 0:
             return True
         unique, inverse = torch.unique(positions, return_inverse=True)
@@ -251,7 +275,15 @@ class ShardStore:
             return False
         try:
             with table.lock:
-                table.optimizer.apply(table.rows, table.state, unique, summed, float(lr))
+                if clocked:
+                    row_clock = table.row_clock.index_select(0, unique)
+                    table.optimizer.apply(table.rows, table.state, unique, summed, float(lr),
+                                          catch_up_factors(row_clock, decay_clock))
+                    after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
+                    table.row_clock.index_copy_(0, unique, row_clock.clamp(min=after))
+                    table.clock = max(table.clock, after)
+                else:
+                    table.optimizer.apply(table.rows, table.state, unique, summed, float(lr))
                 table.counters.pushes += 1
                 table.counters.rows_pushed += positions.numel()
         except BaseException:
@@ -276,7 +308,8 @@ class ShardStore:
 
     def scan(self, name: str, block_rows: int = 65536
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Blocks of (ids int64 (b,) ascending, rows (b, dim) row dtype) covering the shard."""
+        """Blocks of (ids int64 (b,) ascending, rows (b, dim) row dtype) covering the shard,
+        with the weight decay they owe (as ``pull``)."""
         table = self.table(name)
         if block_rows <= 0:
             raise InvalidArgument(f"block_rows={block_rows} must be > 0")
@@ -284,7 +317,8 @@ class ShardStore:
         for start in range(0, n, block_rows):
             stop = min(start + block_rows, n)
             with table.lock:
-                rows = table.rows[start:stop].clone()
+                rows = _with_decay_owed(table, table.rows[start:stop].clone(),
+                                        torch.arange(start, stop))
             yield sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards,
                                      start, stop), rows
 
@@ -377,9 +411,26 @@ class ShardStore:
                 "owned_rows": t.rows.shape[0],
                 "row_bytes": t.rows.numel() * t.rows.element_size(),
                 "state_bytes": t.state.numel() * t.state.element_size(),
+                "decay_clock": t.clock,
                 **vars(replace(t.counters)),
                 "graph_version": g.version if g else 0,
                 "graph_step": g.step if g else -1,
                 "graph_k": g.k if g else 0,
             }
         return out
+
+
+def _check_clock(clock: float) -> None:
+    if not isinstance(clock, (int, float)) or not math.isfinite(clock) or clock < 0:
+        raise InvalidArgument(f"decay_clock={clock!r} must be a finite number >= 0")
+
+
+def _with_decay_owed(table: ShardTable, rows: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+    """``rows`` (m, dim), a copy of the rows at local ``positions`` (m,), times the decay each
+    owes up to the table's clock (rounded once to the row dtype); ``rows`` itself when none
+    is owed. Call under the table's lock."""
+    if table.clock == 0.0 or rows.shape[0] == 0:
+        return rows
+    factors = catch_up_factors(table.row_clock.index_select(0, positions), table.clock)
+    return (rows.to(torch.float32) * factors.to(torch.float32)[:, None]).to(rows.dtype)

@@ -76,9 +76,10 @@ class TimedStore:
         self.rows_pulled += ids.numel()
         return rows
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             decay_clock: float | None = None) -> None:
         started = time.perf_counter()
-        self.client.push(table, ids, grads, lr)
+        self.client.push(table, ids, grads, lr, decay_clock)
         self.push_s += time.perf_counter() - started
 
     def neighbors(self, table: str, ids: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import lmdb
@@ -18,23 +19,31 @@ N, D = 103, 6
 
 
 def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9):
+    """A table after three clocked pushes (weight decay 0.05, so the decay clocks matter)."""
     client = ams.connect(local_shards=num_shards, data_dir=data_dir)
-    client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1, momentum=momentum)
+    client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1, momentum=momentum,
+                        weight_decay=0.05)
     g = torch.Generator().manual_seed(0)
-    for _ in range(3):
+    for step in range(3):
         ids = torch.randint(0, N, (40,), generator=g)
-        client.push("fc", ids, torch.randn(40, D, generator=g), lr=0.1)
+        client.push("fc", ids, torch.randn(40, D, generator=g), lr=0.1,
+                    decay_clock=-step * math.log1p(-0.1 * 0.05))
     return client
 
 
 def full_state(client):
-    """Rows and momentum of every class, in class-id order, gathered from the shards."""
+    """Rows, momentum and decay clocks of every class, in class-id order, gathered from the
+    shards, and the newest clock of any shard."""
     rows = client.pull("fc", torch.arange(N))
     spec = client.spec("fc")
     state = torch.empty((N, spec.state_width), dtype=spec.state_dtype)
+    row_clock = torch.empty(N, dtype=torch.float64)
     for s, shard in enumerate(client.shards):
-        state[torch.arange(s, N, client.num_shards)] = shard.store.table("fc").state
-    return rows, state
+        table = shard.store.table("fc")
+        state[torch.arange(s, N, client.num_shards)] = table.state
+        row_clock[torch.arange(s, N, client.num_shards)] = table.row_clock
+    clock = max(shard.store.table("fc").clock for shard in client.shards)
+    return rows, state, row_clock, torch.tensor(clock)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -100,6 +109,17 @@ def test_manifest_describes_the_piece(tmp_path):
     assert table["spec"]["num_rows"] == N and table["spec"]["dim"] == D
     assert table["owned_rows"] == N // 2
     assert manifest["checksum"].startswith("sha256:")
+
+
+@pytest.mark.parametrize("clock", ["soon", -1.0, None])
+def test_hostile_decay_clock_in_manifest_is_refused(tmp_path, clock):
+    trained_client(tmp_path, 1).snapshot(step=1)
+    path = snapshot.step_dir(tmp_path, 1) / snapshot.piece_name(0, 1) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["tables"]["fc"]["decay_clock"] = clock
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match="malformed snapshot"):
+        snapshot.restore_into(ShardStore(0, 1), tmp_path)
 
 
 def test_garbage_manifest_is_refused(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -72,6 +74,55 @@ def test_push_without_momentum_is_plain_sgd_and_keeps_no_state():
     assert store.stats()["tables"]["fc"]["state_bytes"] == 0
 
 
+def dense_sgd_with_sparse_grads(w: torch.Tensor, steps: list, wd: float) -> list[torch.Tensor]:
+    """The dense optimizer's answer: torch.optim.SGD (float64, momentum 0) on the whole table,
+    every row shrinking by its weight decay in every step, gradient or not. Returns W after
+    each step."""
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.SGD([p], lr=1.0, weight_decay=wd)
+    out = []
+    for ids, grads, lr in steps:
+        opt.param_groups[0]["lr"] = lr
+        p.grad = torch.zeros_like(p)
+        p.grad.index_add_(0, ids, grads.double())
+        opt.step()
+        out.append(p.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (2, 3)])
+def test_decay_clock_makes_sparse_pushes_equal_dense_sgd(shard_id, num_shards):
+    wd = 0.05  # large, so a row that sits out steps visibly owes decay
+    store = make_store(shard_id, num_shards, momentum=0.0, weight_decay=wd)
+    mine = owned(store)
+    g = torch.Generator().manual_seed(4)
+    steps = []
+    for step in range(8):
+        # a few rows per step, so most rows sit out several steps between pushes
+        pos = torch.randint(0, mine.numel(), (3,), generator=g)
+        steps.append((pos, torch.randn(3, D, generator=g), 0.9 / (1 + step)))
+    clocks = [0.0]  # the clock at the start of each step: sum of -log(1 - lr wd) before it
+    for _, _, lr in steps:
+        clocks.append(clocks[-1] - math.log1p(-lr * wd))
+    dense = dense_sgd_with_sparse_grads(store.pull("fc", mine).double(), steps, wd)
+    for t, (pos, grads, lr) in enumerate(steps):
+        assert store.push("fc", mine[pos], grads, lr, decay_clock=clocks[t])
+        # pull and scan both settle the decay owed up to the newest clock
+        torch.testing.assert_close(store.pull("fc", mine).double(), dense[t], rtol=1e-6,
+                                   atol=1e-7)
+    scanned = torch.cat([rows for _, rows in store.scan("fc", block_rows=4)]).double()
+    torch.testing.assert_close(scanned, dense[-1], rtol=1e-6, atol=1e-7)
+    assert store.stats()["tables"]["fc"]["decay_clock"] == pytest.approx(clocks[-1])
+
+
+def test_push_without_clock_leaves_resting_rows_alone():
+    store = make_store(momentum=0.0, weight_decay=0.05)
+    before = store.pull("fc", torch.tensor([5]))
+    store.push("fc", torch.tensor([1]), torch.ones(1, D), 0.5)
+    assert torch.equal(store.pull("fc", torch.tensor([5])), before)
+    assert store.stats()["tables"]["fc"]["decay_clock"] == 0.0
+
+
 def test_untouched_rows_and_state_bit_identical():
     store = make_store()
     before_rows = store.table("fc").rows.clone()
@@ -130,7 +181,7 @@ def test_push_dedupe_by_client_sequence():
 
 def snapshot_state(store):
     t = store.table("fc")
-    return t.rows.clone(), t.state.clone()
+    return t.rows.clone(), t.state.clone(), t.row_clock.clone(), torch.tensor(t.clock)
 
 
 @pytest.mark.parametrize("call,error", [
@@ -153,6 +204,14 @@ def snapshot_state(store):
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D, dtype=torch.int64), 0.1),
      errors.InvalidArgument),
     (lambda s: s.neighbors("fc", torch.tensor([1])), errors.FailedPrecondition),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, decay_clock=float("nan")),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, decay_clock=-1.0),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, decay_clock="0"),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 2500.0, decay_clock=0.0),
+     errors.InvalidArgument),  # lr x weight_decay >= 1
 ])
 def test_bad_requests_raise_and_change_nothing(call, error):
     store = make_store()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import torch
 
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
+from workers.schedule import lr_at
 from xcls.config import load_config
 from xcls.train_cmd import build_run
 
@@ -46,11 +48,19 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     assert result.eval["top5"] > result.eval["top1"]
     with open(tmp_path / "run" / "train.csv") as f:
         assert len(list(csv.DictReader(f))) == len(result.history)
+    # every push carried its step's weight-decay clock, so the AMS clock is the total decay
+    # the dense optimizer would have applied: sum over steps of -log(1 - head_lr * wd)
+    head_lrs = [lr_at(t, cfg.optim.effective_head_lr(), cfg.optim.warmup_steps, 120, "cosine")
+                for t in range(120)]
+    total_decay = sum(-math.log1p(-lr * cfg.optim.weight_decay) for lr in head_lrs)
+    clock = max(s["tables"]["fc"]["decay_clock"] for s in run.client.stats())
+    assert clock == pytest.approx(total_decay, rel=1e-12)
 
-    # export -> Classifier gives the same predictions as the trainer's evaluation
+    # export -> Classifier gives the same predictions as the trainer's evaluation; export reads
+    # the finished run even when the config says to train afresh (train.resume = false)
     out = subprocess.run([sys.executable, "-m", "xcls", "export", "--out", str(tmp_path / "exp"),
-                          str(tmp_path / "run" / "config.toml")], capture_output=True, text=True,
-                         timeout=300)
+                          "--set", "train.resume=false", str(tmp_path / "run" / "config.toml")],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     clf = Classifier.load(tmp_path / "exp")
     test = LmdbImageDataset(glyphs_small / "test")

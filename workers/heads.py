@@ -40,8 +40,10 @@ class RowStore(Protocol):
         """ids int64 (n,) -> rows (n, dim) in the table's dtype, in request order."""
         ...
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """Apply momentum SGD with gradients float (n, dim) to rows ids int64 (n,)."""
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             decay_clock: float | None = None) -> None:
+        """Apply momentum SGD with gradients float (n, dim) to rows ids int64 (n,), catching
+        up on the weight decay of skipped steps when given the step's ``decay_clock``."""
         ...
 
     def neighbors(self, table: str, ids: torch.Tensor) -> torch.Tensor:
@@ -182,8 +184,10 @@ class ClassifierHead:
                            log_weight=selection.log_weight)
 
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
-                         lr: float, push: bool = True) -> HeadStep:
-        """Loss and gradients for one batch; pushes dL/dW of the active rows with ``lr``.
+                         lr: float, push: bool = True,
+                         decay_clock: float | None = None) -> HeadStep:
+        """Loss and gradients for one batch; pushes dL/dW of the active rows with ``lr`` (and
+        the step's weight-decay clock, see ``ams.optim``).
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
@@ -209,7 +213,8 @@ class ClassifierHead:
             feature_grad, row_grad = torch.autograd.grad(loss, (x, w))
         row_grad = row_grad.cpu()
         if push:
-            self.store.push(self.table, batch.active_ids, row_grad, lr=lr)
+            self.store.push(self.table, batch.active_ids, row_grad, lr=lr,
+                            decay_clock=decay_clock)
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
                         accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),

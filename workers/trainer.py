@@ -38,7 +38,7 @@ from workers.gear import Gear
 from workers.heads import ClassifierHead
 from workers.predict import images_to_input, nearest_classes
 from workers.prefetch import Prefetcher
-from workers.schedule import lr_at
+from workers.schedule import decay_clocks, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,10 @@ class Trainer:
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
         total = self.plan.steps_per_epoch * options.epochs
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
+        # Rows that sit out a step still owe it their weight decay; the AMS settles that debt
+        # at their next push from this clock (ams.optim).
+        self._decay_clock = decay_clocks(map(self._head_lr, range(self.total_steps)),
+                                         client.spec(table).weight_decay)
         self.step = 0
         self.position = (0, 0)  # (epoch, samples consumed in it)
         self._restored_prepared: list = []
@@ -370,10 +374,11 @@ class Trainer:
         # the pull for step+depth must see exactly the state before this push
         self._prefetcher.wait_prepared(self.step)
         head_lr = self._head_lr(self.step)
+        decay_clock = self._decay_clock[self.step]
         out = self.head.forward_backward(features, prepared.active, lr=head_lr,
-                                         push=self.world == 1)
+                                         push=self.world == 1, decay_clock=decay_clock)
         if self.world > 1:
-            self._push_combined(prepared.active.active_ids, out.row_grad, head_lr)
+            self._push_combined(prepared.active.active_ids, out.row_grad, head_lr, decay_clock)
         if self.gear is not None:
             self.gear.backward(ids, out.feature_grad)
         elif self._scaler is not None:
@@ -386,7 +391,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return out.loss, out.accuracy, out.num_active
 
-    def _push_combined(self, ids: torch.Tensor, row_grad: torch.Tensor, lr: float) -> None:
+    def _push_combined(self, ids: torch.Tensor, row_grad: torch.Tensor, lr: float,
+                       decay_clock: float) -> None:
         """One push per step for all ranks: rank 0 sends the sum of every rank's row gradients
         (each a batch mean, so divided by W: the gradient of the global batch mean). Separate
         pushes would give a row W momentum updates per step, in arrival order. The gather also
@@ -395,7 +401,8 @@ class Trainer:
         dist.all_gather_object(parts, (ids, row_grad))
         if self.rank == 0:
             self.client.push(self.table, torch.cat([i for i, _ in parts]),
-                                 torch.cat([g for _, g in parts]) / self.world, lr=lr)
+                             torch.cat([g for _, g in parts]) / self.world, lr=lr,
+                             decay_clock=decay_clock)
 
     def _boundary(self, end_of_epoch: bool, result: TrainResult) -> None:
         """Work between steps, in a fixed order: graph rebuild, checkpoint, evaluation."""

@@ -278,6 +278,10 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if not 0 <= cfg.optim.head_momentum < 1:
         raise ConfigError(f"optim.head_momentum: must be in [0, 1), got "
                           f"{cfg.optim.head_momentum}")
+    if cfg.optim.effective_head_lr() * cfg.optim.weight_decay >= 1:
+        raise ConfigError(f"optim.weight_decay: the class rows' lr "
+                          f"{cfg.optim.effective_head_lr():g} x weight_decay "
+                          f"{cfg.optim.weight_decay:g} must be below 1")
     return cfg
 
 

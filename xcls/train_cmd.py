@@ -226,6 +226,8 @@ def _resumed_run(args: argparse.Namespace) -> Run:
     from ams.errors import AmsError
 
     cfg = _load(args)
+    # eval and export read a finished run; train.resume = false only means "train afresh".
+    cfg.train.resume = True
     try:
         run = build_run(cfg)
         if not run.trainer.try_resume():

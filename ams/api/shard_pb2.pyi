@@ -79,20 +79,22 @@ class PullReply(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "lr", "client_id", "sequence")
+    __slots__ = ("table", "ids", "grads", "lr", "client_id", "sequence", "decay_clock")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DECAY_CLOCK_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     grads: Tensor
     lr: float
     client_id: str
     sequence: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., lr: _Optional[float] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    decay_clock: float
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., lr: _Optional[float] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., decay_clock: _Optional[float] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("applied",)

@@ -25,10 +25,12 @@ def reference_client():
 
 
 def drive(client, steps=4, seed=0):
+    """Pushes with a weight-decay clock, so rows that sit out a step owe decay."""
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    for step in range(steps):
         ids = torch.randint(0, N, (300,), generator=g)
-        client.push("fc", ids, torch.randn(300, D, generator=g), lr=0.05)
+        client.push("fc", ids, torch.randn(300, D, generator=g), lr=0.05,
+                    decay_clock=0.01 * step)
 
 
 def test_remote_equals_in_process(shard_cluster):
@@ -95,6 +97,11 @@ BAD_REQUESTS = [
                             lr=0.1), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
     ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=float("inf")),
      grpc.StatusCode.INVALID_ARGUMENT, "lr"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
+                            decay_clock=float("nan")), grpc.StatusCode.INVALID_ARGUMENT,
+     "decay_clock"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
+                            decay_clock=-3.0), grpc.StatusCode.INVALID_ARGUMENT, "decay_clock"),
     ("Push", pb.PushRequest(table="fc", ids=_ids([0, 4]), grads=_grads(1), lr=0.1),
      grpc.StatusCode.INVALID_ARGUMENT, "grads"),
     ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=pb.Tensor(
