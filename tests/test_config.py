@@ -70,7 +70,7 @@ def test_print_round_trips(tmp_path):
     ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
     ("[optim]\nhead_momentum = 1\n", "optim.head_momentum: must be in [0, 1)"),
     ("[optim]\nhead_momentum = -0.5\n", "optim.head_momentum: must be in [0, 1)"),
-    ("[optim]\nweight_decay = 1.0\n", "optim.weight_decay: the class rows' lr 1 x weight_decay 1 must"),
+    ("[optim]\nweight_decay = 1.0\n", "the class rows' lr 1 x weight_decay 1 must"),
     ("[head]\nsample_rate = 0\n", "head.sample_rate"),
     ("[head]\nrandom_share = 1.5\n", "head.random_share"),
     ("[head]\nk = 64\n[graph]\nk = 32\n", "head.k=64 exceeds graph.k=32"),
