@@ -221,9 +221,9 @@ def _read_tensors(path: Path, manifest: dict) -> dict[str, dict[str, torch.Tenso
                     "state": _get_tensor(txn, f"{name}/state", entry["state"], digest, path),
                     "row_clock": _get_tensor(txn, f"{name}/row_clock", entry["row_clock"],
                                              digest, path),
-                    "clock": torch.tensor(float(entry["decay_clock"]), dtype=torch.float64),
                 }
-                if not math.isfinite(got["clock"]) or got["clock"] < 0:
+                clock = float(entry["decay_clock"])  # read again by _assemble
+                if not math.isfinite(clock) or clock < 0:
                     raise ValueError(f"table {name!r}: decay_clock {entry['decay_clock']!r}")
                 if entry.get("graph"):
                     g = entry["graph"]
@@ -322,7 +322,7 @@ def _assemble(store: ShardStore, pieces: list[Path]) -> list[tuple[
             acc["rows"][new_pos] = tensors[name]["rows"][mine]
             acc["state"][new_pos] = tensors[name]["state"][mine]
             acc["row_clock"][new_pos] = tensors[name]["row_clock"][mine]
-            acc["clock"] = max(acc["clock"], float(tensors[name]["clock"]))
+            acc["clock"] = max(acc["clock"], float(entry["decay_clock"]))
             acc["filled"][new_pos] = True
             if "graph_offsets" in tensors[name]:
                 old_graph = NeighborTable.from_csr(

@@ -275,15 +275,14 @@ class ShardStore:
             return False
         try:
             with table.lock:
+                row_clock = table.row_clock.index_select(0, unique) if clocked else None
+                table.optimizer.apply(table.rows, table.state, unique, summed, float(lr),
+                                      catch_up_factors(row_clock, decay_clock) if clocked
+                                      else None)
                 if clocked:
-                    row_clock = table.row_clock.index_select(0, unique)
-                    table.optimizer.apply(table.rows, table.state, unique, summed, float(lr),
-                                          catch_up_factors(row_clock, decay_clock))
                     after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
                     table.row_clock.index_copy_(0, unique, row_clock.clamp(min=after))
                     table.clock = max(table.clock, after)
-                else:
-                    table.optimizer.apply(table.rows, table.state, unique, summed, float(lr))
                 table.counters.pushes += 1
                 table.counters.rows_pushed += positions.numel()
         except BaseException:
