@@ -38,7 +38,8 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     # Options left unset keep the config's defaults, so the study trains what users get.
     optional = {"head.random_share": args.random_share,
                 "head.logq_correction": args.logq_correction,
-                "optim.head_momentum": args.head_momentum}
+                "optim.head_momentum": args.head_momentum,
+                "optim.head_weight_decay": args.head_weight_decay}
     sets.update({k: v for k, v in optional.items() if v is not None})
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     run = build_run(cfg)
@@ -53,6 +54,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "steps": result.steps, "final_loss": result.last_loss,
         "random_share": cfg.head.random_share, "logq_correction": cfg.head.logq_correction,
         "head_momentum": cfg.optim.head_momentum,
+        "head_weight_decay": cfg.optim.head_weight_decay,
     }
 
 
@@ -75,6 +77,9 @@ def main() -> int:
     p.add_argument("--head-momentum", type=float,
                    help="the class rows' momentum (default: optim.head_momentum's default; "
                         "0.9 reproduces the session-1/2 rows of docs/accuracy.md)")
+    p.add_argument("--head-weight-decay", type=float,
+                   help="the class rows' weight decay (default: optim.head_weight_decay's "
+                        "default)")
     p.add_argument("--logq-correction", action=argparse.BooleanOptionalAction,
                    help="partial, knn: weight uniformly drawn classes' logits by the pool "
                         "they stand for (unbiased sampled softmax; default: "
@@ -95,7 +100,8 @@ def main() -> int:
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
-          f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, "
+          f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, row weight "
+          f"decay {rows[0]['head_weight_decay']}, "
           f"logq correction {rows[0]['logq_correction']}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | rows pulled / step |")
     print("|---|---:|---:|---:|---:|")

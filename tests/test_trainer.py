@@ -52,7 +52,7 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     # the dense optimizer would have applied: sum over steps of -log(1 - head_lr * wd)
     head_lrs = [lr_at(t, cfg.optim.effective_head_lr(), cfg.optim.warmup_steps, 120, "cosine")
                 for t in range(120)]
-    total_decay = sum(-math.log1p(-lr * cfg.optim.weight_decay) for lr in head_lrs)
+    total_decay = sum(-math.log1p(-lr * cfg.optim.head_weight_decay) for lr in head_lrs)
     clock = max(s["tables"]["fc"]["decay_clock"] for s in run.client.stats())
     assert clock == pytest.approx(total_decay, rel=1e-12)
 
@@ -81,8 +81,11 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
 def test_class_rows_take_sgd_with_the_configured_row_momentum(glyphs_small, tmp_path,
                                                                head_momentum):
     cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{
-        "optim.head_momentum": head_momentum, "optim.weight_decay": 0.01}))
+        "optim.head_momentum": head_momentum, "optim.head_weight_decay": 0.01,
+        "optim.weight_decay": 0.002}))
     run = build_run(cfg)
+    # the rows take optim.head_weight_decay, the backbone optim.weight_decay
+    assert run.trainer.optimizer.param_groups[0]["weight_decay"] == 0.002
     ids = torch.tensor([0, 7])
     w = run.client.pull("fc", ids).double().requires_grad_(True)
     reference = torch.optim.SGD([w], lr=0.3, momentum=head_momentum, weight_decay=0.01)

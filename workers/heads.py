@@ -158,7 +158,7 @@ class ClassifierHead:
 
     def __init__(self, store: RowStore, table: str, num_classes: int,
                  margin: CombinedMarginLoss, selector: ActiveSelector,
-                 logq_correction: bool = False) -> None:
+                 logq_correction: bool = True) -> None:
         self.store, self.table = store, table
         self.num_classes = num_classes
         self.margin = margin
@@ -227,7 +227,7 @@ HEADS = ("full", "partial", "knn")
 def build_head(name: str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
                k: int | None = None, budget: int | None = None, random_share: float = 0.0,
-               logq_correction: bool = False, seed: int = 0) -> ClassifierHead:
+               logq_correction: bool = True, seed: int = 0) -> ClassifierHead:
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
     ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
@@ -249,4 +249,6 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
                                     random_share)
     else:
         raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
-    return ClassifierHead(store, table, num_classes, margin, selector, logq_correction)
+    # full draws nothing, so there is nothing to weight (and a (B, N) add saved per step)
+    return ClassifierHead(store, table, num_classes, margin, selector,
+                          logq_correction and name != "full")

@@ -139,7 +139,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
                         momentum=cfg.optim.head_momentum,
-                        weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed)
+                        weight_decay=cfg.optim.head_weight_decay, seed=cfg.train.seed)
 
     torch.manual_seed(cfg.train.seed)  # the same initial backbone on every rank
     try:
