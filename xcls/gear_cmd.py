@@ -154,7 +154,12 @@ def run_slow(args: argparse.Namespace) -> int:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if use_cuda else "gloo")
         try:
-            return _slow_loop(cfg, args, device, rank, world)
+            code = _slow_loop(cfg, args, device, rank, world)
+            if world > 1:
+                # every rank's last collective is done before any rank tears gloo down (one
+                # CI run saw a rank abort in the teardown)
+                dist.barrier()
+            return code
         finally:
             if world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
@@ -241,7 +246,11 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
     if rank == 0 and slow.version != published:
         weights.publish(backbone, slow.version)
     c = slow.counts
-    print(f"slow gear rank {rank}/{world}: {steps} backbone steps, {c.slow_forwards} means "
-          f"applied, {c.rejected} rejected, {consumer.metrics.corrupt} malformed, version "
-          f"{slow.version}, weights {weights_digest(backbone)}", flush=True)
+    # One write with its newline: the ranks share one pipe, and print's separate write of
+    # the "\n" let two ranks' lines run together.
+    sys.stdout.write(f"slow gear rank {rank}/{world}: {steps} backbone steps, "
+                     f"{c.slow_forwards} means applied, {c.rejected} rejected, "
+                     f"{consumer.metrics.corrupt} malformed, version {slow.version}, "
+                     f"weights {weights_digest(backbone)}\n")
+    sys.stdout.flush()
     return 0
