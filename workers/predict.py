@@ -33,21 +33,32 @@ def images_to_input(images: torch.Tensor) -> torch.Tensor:
 
 
 def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    k: int, max_scores: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k classes of each feature by cosine to the class rows, streaming the rows.
 
     features: (n, d) float; blocks: (class ids int64 (b,), rows (b, d)) covering the classes.
     Returns (ids int64 (n, k), cosines float32 (n, k)), best first (-1 / -inf pads k > N).
+    Memory is bounded by ``max_scores`` float32 scores (64 MiB) per step, never by n x N: the
+    features are taken in chunks against each block, and each chunk's block top-k is merged
+    into the running lists (a whole 52k-image test set against 40k rows at once took 24 GB).
     """
     q = F.normalize(features.float(), dim=1)
-    best_scores = torch.full((q.shape[0], k), -torch.inf)
-    best_ids = torch.full((q.shape[0], k), -1, dtype=torch.int64)
+    n = q.shape[0]
+    best_scores = torch.full((n, k), -torch.inf)
+    best_ids = torch.full((n, k), -1, dtype=torch.int64)
     for ids, rows in blocks:
-        scores = q @ F.normalize(rows.to(q.device).float(), dim=1).t()
-        merged_scores = torch.cat([best_scores, scores.cpu()], dim=1)
-        merged_ids = torch.cat([best_ids, ids[None, :].expand(q.shape[0], -1)], dim=1)
-        best_scores, pos = merged_scores.topk(k, dim=1)
-        best_ids = merged_ids.gather(1, pos)
+        if ids.numel() == 0:
+            continue
+        keys = F.normalize(rows.to(q.device).float(), dim=1)
+        width = min(k, keys.shape[0])
+        chunk = max(1, max_scores // keys.shape[0])
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            top_scores, cols = (q[start:stop] @ keys.t()).topk(width, dim=1)
+            merged_scores = torch.cat([best_scores[start:stop], top_scores.cpu()], dim=1)
+            merged_ids = torch.cat([best_ids[start:stop], ids[cols.cpu()]], dim=1)
+            best_scores[start:stop], pos = merged_scores.topk(k, dim=1)
+            best_ids[start:stop] = merged_ids.gather(1, pos)
     return best_ids, best_scores
 
 
