@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from workers.data.coverage import DesignCoverage
 from workers.data.errors import DatasetError
 from workers.data.fonts import DESIGNS, script_of
-from workers.data.glyphs import build_glyph_dataset
+from workers.data.glyphs import build_glyph_dataset, plan_classes
 from workers.data.lmdb_dataset import LmdbImageDataset
 
 
@@ -72,6 +73,21 @@ def test_missing_fonts_clear_error(tmp_path):
 
 
 def test_too_many_classes_clear_error(small_font_dir, built, tmp_path):
-    with pytest.raises(DatasetError, match="independent designs"):
+    # the small font dir holds 7 of the known designs: the message says so and what to install
+    with pytest.raises(DatasetError, match=r"independent designs.*7 of the \d+ designs xcls "
+                                           r"renders were found: install the others "
+                                           r"\(scripts/debian-fonts.txt\)"):
         build_glyph_dataset(tmp_path / "o", num_classes=10**6, font_dirs=(small_font_dir,),
                             cache_dir=Path(built[0]) / "cache")
+
+
+def test_too_many_classes_with_every_design_installed_says_lower_the_ask():
+    # every known design found, each drawing the same 3 code points as its own family
+    coverage = {d.name: DesignCoverage(d.name, {"han": [0x4E00, 0x4E01, 0x4E02]}, {"han": 1.0},
+                                       {"han": 1.0}, {"han": True}, {"han": d.name})
+                for d in DESIGNS}
+    assert len(plan_classes(coverage, 3, min_designs=4, test_designs=1, seed=0)) == 3
+    with pytest.raises(DatasetError, match=r"only 3 code points .* asked for 4 classes; all "
+                                           r"\d+ designs xcls renders are installed, so lower "
+                                           r"--classes or --min-designs"):
+        plan_classes(coverage, 4, min_designs=4, test_designs=1, seed=0)

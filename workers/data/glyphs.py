@@ -22,7 +22,14 @@ from tqdm import tqdm
 
 from workers.data.coverage import DesignCoverage, scan_coverage
 from workers.data.errors import DatasetError
-from workers.data.fonts import DEFAULT_FONT_DIRS, FontFile, find_fonts, script_of
+from workers.data.fonts import (
+    DEFAULT_FONT_DIRS,
+    DESIGNS,
+    FONT_PACKAGES_FILE,
+    FontFile,
+    find_fonts,
+    script_of,
+)
 from workers.data.glyph_render import TRAIN_VARIANTS, GlyphRenderer
 from workers.data.lmdb_dataset import LmdbImageWriter, encode_png
 
@@ -78,9 +85,12 @@ def plan_classes(coverage: dict[str, DesignCoverage], num_classes: int, min_desi
                    for cp, names in designs_of.items()}
     eligible = [cp for cp, fams in families_of.items() if len(fams) >= min_designs]
     if len(eligible) < num_classes:
+        remedy = (f"all {len(DESIGNS)} designs xcls renders are installed, so lower "
+                  "--classes or --min-designs" if len(coverage) >= len(DESIGNS) else
+                  f"{len(coverage)} of the {len(DESIGNS)} designs xcls renders were found: "
+                  f"install the others ({FONT_PACKAGES_FILE}) or lower --min-designs")
         raise DatasetError(f"only {len(eligible)} code points are drawn by >= {min_designs} "
-                           f"independent designs, asked for {num_classes} classes; install more "
-                           "fonts (scripts/debian-fonts.txt) or lower --min-designs")
+                           f"independent designs, asked for {num_classes} classes; {remedy}")
     rng = random.Random(seed)
     rng.shuffle(eligible)
     eligible.sort(key=lambda cp: -len(families_of[cp]))  # stable: the shuffle breaks ties
