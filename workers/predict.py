@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ams.graph.knn import merge_top_lists
 from workers.backbones import Backbone, build_backbone
 
 EXPORT_FORMAT = "xcls-export"
@@ -55,10 +56,8 @@ def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor,
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             top_scores, cols = (q[start:stop] @ keys.t()).topk(width, dim=1)
-            merged_scores = torch.cat([best_scores[start:stop], top_scores.cpu()], dim=1)
-            merged_ids = torch.cat([best_ids[start:stop], ids[cols.cpu()]], dim=1)
-            best_scores[start:stop], pos = merged_scores.topk(k, dim=1)
-            best_ids[start:stop] = merged_ids.gather(1, pos)
+            best_ids[start:stop], best_scores[start:stop] = merge_top_lists(
+                best_ids[start:stop], best_scores[start:stop], ids[cols.cpu()], top_scores.cpu())
     return best_ids, best_scores
 
 

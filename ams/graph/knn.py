@@ -301,7 +301,7 @@ class TopKAccumulator:
             block_scores = exact.view_as(cols)
         block_scores = block_scores.float().masked_fill(~valid, -torch.inf)
         block_ids = keys.ids[cols].masked_fill(~valid, -1)
-        self._set_lists(*_merge_lists(self._ids, self._scores, block_ids, block_scores))
+        self._set_lists(*merge_top_lists(self._ids, self._scores, block_ids, block_scores))
         return cols
 
     def _merge_queue(self) -> None:
@@ -325,7 +325,7 @@ class TopKAccumulator:
         pad_scores = torch.full((q, width), -torch.inf, device=self.device)
         pad_ids[rows, slot] = cand_ids
         pad_scores[rows, slot] = cand_scores.float()
-        self._set_lists(*_merge_lists(self._ids, self._scores, pad_ids, pad_scores))
+        self._set_lists(*merge_top_lists(self._ids, self._scores, pad_ids, pad_scores))
 
     def _set_lists(self, ids: Tensor, scores: Tensor) -> None:
         self._ids, self._scores = ids, scores
@@ -342,10 +342,12 @@ class TopKAccumulator:
         return out
 
 
-def _merge_lists(
+def merge_top_lists(
     ids: Tensor, scores: Tensor, new_ids: Tensor, new_scores: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Top-(width of ``ids``) of two (r, *) lists side by side, by score."""
+    """Top-(width of ``ids``) of two lists side by side, by score: ids (r, w) int64 and
+    scores (r, w) float32 with new_ids / new_scores (r, *) -> (ids, scores), each (r, w),
+    best first."""
     all_scores = torch.cat([scores, new_scores], dim=1)
     best, pos = all_scores.topk(scores.shape[1], dim=1)
     best_ids = torch.cat([ids, new_ids], dim=1).gather(1, pos)
