@@ -56,6 +56,18 @@ def test_print_round_trips(tmp_path):
     assert tomllib.loads(to_toml(cfg))["head"]["kind"] == "partial"
 
 
+def test_print_documents_each_field_above_it():
+    lines = to_toml(load_config(None, [])).splitlines()
+    at = lines.index("rebuild_every = 0")
+    doc = []
+    for line in reversed(lines[:at]):
+        if not line.startswith("# "):
+            break
+        doc.insert(0, line[2:])
+    assert " ".join(doc).startswith("steps between graph rebuilds (0: once per epoch).")
+    assert lines[lines.index("[graph]") + 1].startswith("# neighbours kept per class")
+
+
 @pytest.mark.parametrize("text,needle", [
     ("[head]\nkindd = 'knn'\n", "unknown key head.kindd"),
     ("[headz]\nkind = 'knn'\n", "unknown key headz"),

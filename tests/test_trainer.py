@@ -48,6 +48,12 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     assert result.eval["top5"] > result.eval["top1"]
     with open(tmp_path / "run" / "train.csv") as f:
         assert len(list(csv.DictReader(f))) == len(result.history)
+    # each rebuild records how much of the previous graph it replaced (none before the first)
+    with open(tmp_path / "run" / "graph.csv") as f:
+        graph_rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in graph_rows] == [0, 40, 80]
+    assert graph_rows[0]["turnover"] == ""
+    assert all(0 < float(r["turnover"]) <= 1 for r in graph_rows[1:]), graph_rows
     # every push carried its step's weight-decay clock, so the AMS clock is the total decay
     # the dense optimizer would have applied: sum over steps of -log(1 - head_lr * wd)
     head_lrs = [lr_at(t, cfg.optim.effective_head_lr(), cfg.optim.warmup_steps, 120, "cosine")

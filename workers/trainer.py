@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from ams.client import ShardedClient
+from ams.graph.churn import neighbour_turnover
 from ams.graph_build import current_graph_version
 from workers import checkpoint
 from workers.gear import Gear
@@ -41,6 +42,10 @@ from workers.prefetch import Prefetcher
 from workers.schedule import decay_clocks, lr_at
 
 log = logging.getLogger(__name__)
+
+# Classes whose neighbour lists are compared across a rebuild (a sample: the full lists of
+# 100M classes would not fit, and the share is all that is reported).
+GRAPH_PROBE_CLASSES = 4096
 
 
 @dataclass
@@ -259,7 +264,8 @@ class Trainer:
             consumed = 0
 
     def _record(self, kind: str, row: dict) -> None:
-        """Append a row to OUT/{kind}.csv (train or eval) and to TensorBoard when installed."""
+        """Append a row to OUT/{kind}.csv (train, eval or graph) and to TensorBoard when
+        installed (numbers only: a None is an empty CSV cell)."""
         if self.rank != 0:
             return
         path = Path(self.opt.out_dir) / f"{kind}.csv"
@@ -423,12 +429,24 @@ class Trainer:
                      result.eval["top1"], result.eval["top5"], result.eval["samples"])
 
     def _rebuild_graph(self) -> None:
+        """Rebuild the neighbour graph and record (OUT/graph.csv) how stale the old one was:
+        the share of a fixed sample of classes' neighbours the rebuild replaced."""
         self._barrier()
         if self.rank == 0:
+            probe = torch.randperm(self.head.num_classes,
+                                   generator=torch.Generator().manual_seed(self.opt.seed))
+            probe = probe[:GRAPH_PROBE_CLASSES].sort().values
+            before = (self.client.neighbors(self.table, probe)
+                      if current_graph_version(self.client, self.table) else None)
             started = time.perf_counter()
             self.build_graph(self.step)
-            log.info("graph_rebuilt step=%d seconds=%.1f", self.step,
-                     time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            turnover = None if before is None else float(neighbour_turnover(
+                before, self.client.neighbors(self.table, probe)).mean())
+            log.info("graph_rebuilt step=%d seconds=%.1f turnover=%s", self.step, seconds,
+                     "-" if turnover is None else f"{turnover:.3f}")
+            self._record("graph", {"step": self.step, "seconds": round(seconds, 3),
+                                   "turnover": turnover})
         self._barrier()
 
 

@@ -7,8 +7,12 @@ explicit arguments.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import math
+import textwrap
 import tomllib
 import types
 import typing
@@ -121,7 +125,10 @@ class GraphConfig:
     k: int = 32
     """neighbours kept per class in the graph (>= head.k)"""
     rebuild_every: int = 0
-    """steps between graph rebuilds (0: once per epoch)"""
+    """steps between graph rebuilds (0: once per epoch). Rows move fast while the learning
+    rate is high, and a stale graph hands the knn head yesterday's neighbours: each rebuild
+    writes the share of neighbours it replaced to OUT/graph.csv ("turnover"); if that is
+    large, rebuild more often"""
     device: str = ""
     """where to build (empty: the training device)"""
 
@@ -367,14 +374,32 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def to_toml(cfg: ExperimentConfig) -> str:
-    """The full resolved config as TOML (every field, defaults included)."""
+    """The full resolved config as TOML (every field, defaults included), each field under its
+    documentation as comments."""
     lines = []
     for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        docs = field_docs(type(part))
         lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section.name), f.name))}")
+        for f in dataclasses.fields(part):
+            lines.extend(f"# {line}".rstrip() for line in docs.get(f.name, "").splitlines())
+            lines.append(f"{f.name} = {_toml_value(getattr(part, f.name))}")
         lines.append("")
     return "\n".join(lines)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's documentation: the string literal written under it in the class body
+    (the dataclass convention this module follows), keyed by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for stmt, after in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
 
 
 def _toml_value(value: Any) -> str:

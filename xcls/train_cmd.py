@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmds = config.add_subparsers(dest="config_command", metavar="COMMAND")
     p = cmds.add_parser("print", help="print the fully resolved config (defaults included)",
                         description="Print CONFIG with overrides applied and every default "
-                        "filled in, as TOML. With no CONFIG: the defaults.")
+                        "filled in, as TOML, each field under a comment that says what it "
+                        "does. With no CONFIG: the defaults.")
     _config_args(p, required=False)
     p.set_defaults(func=run_config_print)
     config.set_defaults(func=lambda args: config.print_help() or 2)
