@@ -29,7 +29,6 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
         "head.budget": budget, "head.k": args.k, "graph.k": args.graph_k or max(args.k, 16),
-        "head.rerank": args.rerank,
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
@@ -52,7 +51,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "head": kind, "top1": result.eval["top1"], "top5": result.eval["top5"],
         "seconds_per_epoch": seconds / max(1e-9, result.steps / steps_per_epoch),
         "active_per_step": statistics.mean(row["active"] for row in result.history),
-        # everything pulled, the rerank's candidate rows included (graph builds scan instead)
+        # every row the run pulled, from the AMS's counters (graph builds scan instead)
         "rows_per_step": sum(s["tables"][cfg.ams.table]["rows_pulled"]
                              for s in run.client.stats()) / max(1, result.steps),
         "steps": result.steps, "final_loss": result.last_loss,
@@ -77,9 +76,6 @@ def main() -> int:
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
     p.add_argument("--graph-k", type=int, default=0,
                    help="knn: neighbours the graph keeps (0: max(k, 16))")
-    p.add_argument("--rerank", action="store_true",
-                   help="knn: re-order the labels' graph lists by the current rows before "
-                        "taking k (head.rerank)")
     p.add_argument("--random-share", type=float,
                    help="knn: fraction of the negative slots given to uniform random classes "
                         "(default: head.random_share's default)")
@@ -109,7 +105,7 @@ def main() -> int:
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} (graph k "
-          f"{args.graph_k or max(args.k, 16)}, rerank {args.rerank}) random_share "
+          f"{args.graph_k or max(args.k, 16)}) random_share "
           f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, row weight "
           f"decay {rows[0]['head_weight_decay']}, "
           f"logq correction {rows[0]['logq_correction']}\n")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ams.graph import budget_for_sample_rate, select_active, select_partial
-from ams.graph.select import rerank_neighbours, select_weighted
+from ams.graph.select import select_weighted
 
 BIG = 5_000_000_000
 
@@ -214,25 +214,3 @@ def test_rejects_ids_out_of_range():
         select_active(torch.tensor([10]), None, 3, torch.Generator(), 10)
     with pytest.raises(ValueError):
         select_active(torch.tensor([1]), torch.tensor([[1, -2]]), 3, torch.Generator(), 10)
-
-
-def test_rerank_neighbours_orders_by_float64_cosine():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.sort(torch.randperm(BIG // 1000, generator=g)[:50] * 1000).values  # sparse ids
-    rows = torch.randn(50, 8, generator=g)
-    lists = ids[torch.randint(0, 50, (30, 7), generator=g)]
-    lists[:, 0] = ids[torch.randperm(50, generator=g)[:30]]
-    lists[::4, 5:] = -1
-    got = rerank_neighbours(lists, ids, rows)
-    unit = torch.nn.functional.normalize(rows.double(), dim=1)
-    row_of = {int(i): unit[p] for p, i in enumerate(ids)}
-    for before, after in zip(lists.tolist(), got.tolist(), strict=True):
-        query = row_of[before[0]]
-        listed = [c for c in before[1:] if c >= 0]
-        by_cosine = sorted(listed, key=lambda c: -float(row_of[c] @ query))
-        assert after == [before[0], *by_cosine] + [-1] * (len(before) - 1 - len(listed))
-
-
-def test_rerank_neighbours_needs_every_listed_row():
-    with pytest.raises(ValueError, match="no row"):
-        rerank_neighbours(torch.tensor([[0, 5]]), torch.tensor([0, 4]), torch.randn(2, 3))

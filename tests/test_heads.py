@@ -167,23 +167,6 @@ def test_knn_head_takes_labels_and_their_neighbours():
     assert_only_active_rows_moved(before, all_rows(client, num_rows), active.active_ids)
 
 
-def test_knn_head_rerank_takes_the_neighbours_nearest_now():
-    num_rows, k = 400, 3
-    client = make_client(num_rows=num_rows)
-    exact = write_exact_graph(client, k=8, num_rows=num_rows)
-    # a stale graph: the same eight classes per list, the nearest ones listed last
-    stale = torch.cat([exact[:, :1], exact[:, 1:].flip(1)], dim=1)
-    client.set_neighbors("fc", torch.arange(num_rows), stale, version=2, step=0,
-                         replace_all=True)
-    features, labels = batch(6, num_rows)
-    wanted = torch.unique(exact[labels, :k])
-    for rerank, takes_them in ((False, False), (True, True)):
-        head = build_head("knn", client, "fc", num_rows, arcface_margin(), k=k, budget=B * k,
-                          rerank=rerank)
-        active = head.prepare(labels).active_ids
-        assert bool(torch.isin(wanted, active).all()) == takes_them
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision_table_computes_in_float32(dtype):
     client = make_client(dtype=dtype)

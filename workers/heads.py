@@ -29,12 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ams.graph.select import (
-    Selection,
-    budget_for_sample_rate,
-    rerank_neighbours,
-    select_weighted,
-)
+from ams.graph.select import Selection, budget_for_sample_rate, select_weighted
 from workers.losses import CombinedMarginLoss
 
 
@@ -128,13 +123,10 @@ class SampledClasses:
 class NeighbourClasses:
     """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
     uniform random classes or cut (keeping every label) to ``budget``; ``random_share`` of the
-    negative slots (beyond the labels) always go to uniform random classes. ``rerank``: first
-    re-order each label's whole graph list by the current rows (one more pull, of the listed
-    classes), so the ``k`` taken are the nearest now rather than at the last build."""
+    negative slots (beyond the labels) always go to uniform random classes."""
 
     def __init__(self, store: RowStore, table: str, num_classes: int, k: int, budget: int,
-                 generator: torch.Generator, random_share: float = 0.0,
-                 rerank: bool = False) -> None:
+                 generator: torch.Generator, random_share: float = 0.0) -> None:
         if k <= 0 or budget <= 0:
             raise ValueError(f"k and budget must be positive, got k={k}, budget={budget}")
         if not 0.0 <= random_share <= 1.0:
@@ -142,7 +134,6 @@ class NeighbourClasses:
         self.store, self.table = store, table
         self.num_classes, self.k, self.budget = num_classes, k, budget
         self.random_share = random_share
-        self.rerank = rerank
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> Selection:
@@ -150,10 +141,6 @@ class NeighbourClasses:
         if neighbours.shape[1] < self.k:
             raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
                              f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
-        if self.rerank:
-            listed = torch.unique(neighbours[neighbours >= 0])
-            neighbours = rerank_neighbours(neighbours, listed,
-                                           self.store.pull(self.table, listed))
         return select_weighted(labels, neighbours[:, :self.k], self.budget, self.generator,
                                self.num_classes, self.random_share)
 
@@ -240,13 +227,11 @@ HEADS = ("full", "partial", "knn")
 def build_head(name: str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
                k: int | None = None, budget: int | None = None, random_share: float = 0.0,
-               rerank: bool = False, logq_correction: bool = True,
-               seed: int = 0) -> ClassifierHead:
+               logq_correction: bool = True, seed: int = 0) -> ClassifierHead:
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
     ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
-    and gives ``random_share`` of its negative slots to uniform random classes; ``rerank``
-    re-orders the graph's lists by the current rows before taking ``k`` (NeighbourClasses).
+    and gives ``random_share`` of its negative slots to uniform random classes.
     ``logq_correction`` weights the uniformly drawn classes' logits (see ClassifierHead).
     ``seed`` seeds the generator that draws random negatives.
     """
@@ -261,7 +246,7 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
         if k is None or budget is None:
             raise ValueError("the knn head needs k and budget")
         selector = NeighbourClasses(store, table, num_classes, k, budget, generator,
-                                    random_share, rerank)
+                                    random_share)
     else:
         raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
     # full draws nothing, so there is nothing to weight (and a (B, N) add saved per step)

@@ -60,11 +60,6 @@ class HeadConfig:
     """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
     random classes; the rest go to the labels' neighbours by rank. 0 is the paper's
     selection; half random trained better on the glyph data (docs/accuracy.md)"""
-    rerank: bool = False
-    """knn: before taking a label's first k neighbours, re-order all graph.k of its listed
-    neighbours by the rows as they are now, not as they were at the last graph build (one more
-    pull per step, of up to batch x graph.k rows). Worth it when graph.csv's turnover is high
-    and a rebuild costs too much to do more often"""
     logq_correction: bool = True
     """partial, knn: weight each uniformly drawn class's logit by the number of left-over
     classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one

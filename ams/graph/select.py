@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -132,31 +131,6 @@ def select_partial(
     to ``budget``. ``neighbours`` is ignored (present so heads can swap samplers). Same
     returns as ``select_active``."""
     return select_active(labels, None, budget, generator, num_classes)
-
-
-def rerank_neighbours(lists: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
-    """Re-order neighbour lists by the cosines of the rows as they are now.
-
-    A graph is built from the rows of one step, and rows keep moving until the next build;
-    re-ranking a list that is longer than what is taken (graph.k > head.k) brings forward
-    the classes that have come closer since.
-
-    lists: (n, K) int64, column 0 the class itself, -1 padding; ids: (m,) int64 sorted
-    unique, every listed id among them; rows: (m, d) float, their rows. Returns (n, K) int64:
-    column 0 kept, the rest by descending cosine to column 0's row, ties in list order,
-    padding last.
-    """
-    if lists.dim() != 2 or lists.shape[1] == 0:
-        raise ValueError(f"lists must be (n, K) with K >= 1, got {tuple(lists.shape)}")
-    listed = lists >= 0
-    at = torch.searchsorted(ids, lists.clamp(min=0)).clamp(max=ids.numel() - 1)
-    if bool((ids[at] != lists)[listed].any()):
-        raise ValueError("rerank_neighbours: a listed id has no row in ids")
-    unit = F.normalize(rows.float(), dim=1)[at]  # (n, K, d)
-    scores = torch.bmm(unit, unit[:, 0, :, None]).squeeze(2)
-    scores[:, 0] = torch.inf
-    scores[~listed] = -torch.inf
-    return lists.gather(1, scores.argsort(dim=1, descending=True, stable=True))
 
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:
