@@ -28,7 +28,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "data.train": str(args.data / "train"), "data.test": str(args.data / "test"),
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
         "model.dim": args.dim, "head.kind": kind, "head.sample_rate": args.sample_rate,
-        "head.budget": budget, "head.k": args.k, "graph.k": args.graph_k or max(args.k, 16),
+        "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
         "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
@@ -74,8 +74,6 @@ def main() -> int:
                    help="partial's active fraction; knn gets the same active-set size")
     p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
-    p.add_argument("--graph-k", type=int, default=0,
-                   help="knn: neighbours the graph keeps (0: max(k, 16))")
     p.add_argument("--random-share", type=float,
                    help="knn: fraction of the negative slots given to uniform random classes "
                         "(default: head.random_share's default)")
@@ -104,8 +102,7 @@ def main() -> int:
     rows = [run_head(kind, args, num_classes) for kind in args.heads.split(",")]
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
-          f"sample_rate {args.sample_rate}, knn k={args.k} (graph k "
-          f"{args.graph_k or max(args.k, 16)}) random_share "
+          f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
           f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, row weight "
           f"decay {rows[0]['head_weight_decay']}, "
           f"logq correction {rows[0]['logq_correction']}\n")
