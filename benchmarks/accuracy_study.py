@@ -36,7 +36,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "train.max_steps": args.max_steps,
     }
     # Options left unset keep the config's defaults, so the study trains what users get.
-    optional = {"head.random_share": args.random_share, "head.near_share": args.near_share,
+    optional = {"head.random_share": args.random_share,
                 "head.logq_correction": args.logq_correction,
                 "optim.head_momentum": args.head_momentum,
                 "optim.head_weight_decay": args.head_weight_decay}
@@ -55,8 +55,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
         "rows_per_step": sum(s["tables"][cfg.ams.table]["rows_pulled"]
                              for s in run.client.stats()) / max(1, result.steps),
         "steps": result.steps, "final_loss": result.last_loss,
-        "random_share": cfg.head.random_share, "near_share": cfg.head.near_share,
-        "logq_correction": cfg.head.logq_correction,
+        "random_share": cfg.head.random_share, "logq_correction": cfg.head.logq_correction,
         "head_momentum": cfg.optim.head_momentum,
         "head_weight_decay": cfg.optim.head_weight_decay,
     }
@@ -78,9 +77,6 @@ def main() -> int:
     p.add_argument("--random-share", type=float,
                    help="knn: fraction of the negative slots given to uniform random classes "
                         "(default: head.random_share's default)")
-    p.add_argument("--near-share", type=float,
-                   help="knn: fraction of the random classes drawn from the labels' untaken "
-                        "neighbours (default: head.near_share's default)")
     p.add_argument("--head-momentum", type=float,
                    help="the class rows' momentum (default: optim.head_momentum's default; "
                         "0.9 reproduces the session-1/2 rows of docs/accuracy.md)")
@@ -107,8 +103,7 @@ def main() -> int:
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
-          f"{rows[0]['random_share']} near_share {rows[0]['near_share']}, row momentum "
-          f"{rows[0]['head_momentum']}, row weight "
+          f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, row weight "
           f"decay {rows[0]['head_weight_decay']}, "
           f"logq correction {rows[0]['logq_correction']}\n")
     print("| head | top-1 (unseen designs) | top-5 | s / epoch | active classes / step "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import math
 
 import pytest
 import torch
@@ -215,52 +214,3 @@ def test_rejects_ids_out_of_range():
         select_active(torch.tensor([10]), None, 3, torch.Generator(), 10)
     with pytest.raises(ValueError):
         select_active(torch.tensor([1]), torch.tensor([[1, -2]]), 3, torch.Generator(), 10)
-
-
-def test_near_draws_estimate_the_partition_without_bias_and_with_less_variance():
-    # Three labels' lists name 3 + 2 x 7 classes; the order takes 8 of the listed ones for
-    # sure, leaving an 8-class near pool. The near classes get large logits, as the classes
-    # that look like a batch's labels do; drawing them more often (near_share) must keep the
-    # float64 partition estimate unbiased and shrink its spread against one uniform draw.
-    num_classes, budget = 60, 14
-    labels = torch.tensor([3, 7, 7])
-    neighbours = torch.tensor([[3, *range(20, 27)], [7, *range(30, 37)], [7, *range(30, 37)]])
-    z = torch.randn(num_classes, generator=torch.Generator().manual_seed(5),
-                    dtype=torch.float64)
-    z[20:27] += 3.0
-    z[30:37] += 3.0
-    full = z.exp().sum().item()
-    estimates = {}
-    for near_share in (0.0, 0.5):
-        g = torch.Generator().manual_seed(6)
-        values = []
-        for _ in range(4000):
-            s = select_weighted(labels, neighbours, budget, g, num_classes, random_share=0.5,
-                                near_share=near_share)
-            assert s.active.numel() == budget
-            values.append((z[s.active].exp() * s.log_weight.double().exp()).sum().item())
-        estimates[near_share] = torch.tensor(values, dtype=torch.float64)
-    for values in estimates.values():
-        stderr = values.std().item() / len(values) ** 0.5
-        assert abs(values.mean().item() - full) < 4 * stderr
-    assert estimates[0.5].std() < 0.8 * estimates[0.0].std()
-
-
-def test_near_draws_come_from_the_untaken_listed_neighbours():
-    labels = torch.tensor([3, 7])
-    neighbours = torch.tensor([[3, *range(20, 27)], [7, *range(30, 37)]])
-    listed = set(range(20, 27)) | set(range(30, 37))
-    g = torch.Generator().manual_seed(1)
-    for near_share, near_count in ((1.0, 6), (0.5, 3)):
-        s = select_weighted(labels, neighbours, 14, g, 1000, random_share=0.5,
-                            near_share=near_share)
-        taken = set(s.active.tolist())
-        sure = {3, 7, 20, 30, 21, 31, 22, 32}  # labels, then ranks 1-3 by rank
-        assert sure <= taken
-        near = (taken - sure) & listed
-        assert len(near) == near_count
-        weights = dict(zip(s.active.tolist(), s.log_weight.tolist(), strict=True))
-        for c in near:
-            assert weights[c] == pytest.approx(math.log(8 / near_count))  # pool: 8 untaken
-    with pytest.raises(ValueError, match="near_share"):
-        select_weighted(labels, neighbours, 14, g, 1000, near_share=-0.1)

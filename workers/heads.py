@@ -123,12 +123,10 @@ class SampledClasses:
 class NeighbourClasses:
     """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
     uniform random classes or cut (keeping every label) to ``budget``; ``random_share`` of the
-    negative slots (beyond the labels) always go to random classes, ``near_share`` of those
-    drawn from the labels' listed neighbours that were not taken (``select_weighted``)."""
+    negative slots (beyond the labels) always go to uniform random classes."""
 
     def __init__(self, store: RowStore, table: str, num_classes: int, k: int, budget: int,
-                 generator: torch.Generator, random_share: float = 0.0,
-                 near_share: float = 0.0) -> None:
+                 generator: torch.Generator, random_share: float = 0.0) -> None:
         if k <= 0 or budget <= 0:
             raise ValueError(f"k and budget must be positive, got k={k}, budget={budget}")
         if not 0.0 <= random_share <= 1.0:
@@ -136,7 +134,6 @@ class NeighbourClasses:
         self.store, self.table = store, table
         self.num_classes, self.k, self.budget = num_classes, k, budget
         self.random_share = random_share
-        self.near_share = near_share
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> Selection:
@@ -145,7 +142,7 @@ class NeighbourClasses:
             raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
                              f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
         return select_weighted(labels, neighbours[:, :self.k], self.budget, self.generator,
-                               self.num_classes, self.random_share, self.near_share)
+                               self.num_classes, self.random_share)
 
 
 class ClassifierHead:
@@ -230,13 +227,11 @@ HEADS = ("full", "partial", "knn")
 def build_head(name: str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
                k: int | None = None, budget: int | None = None, random_share: float = 0.0,
-               near_share: float = 0.0, logq_correction: bool = True,
-               seed: int = 0) -> ClassifierHead:
+               logq_correction: bool = True, seed: int = 0) -> ClassifierHead:
     """The head called ``name`` over table ``table`` of ``num_classes`` rows.
 
     ``partial`` needs ``sample_rate``; ``knn`` needs ``k`` and ``budget`` (and a built graph),
-    and gives ``random_share`` of its negative slots to random classes, ``near_share`` of
-    those drawn from the labels' listed neighbours that were not taken (NeighbourClasses).
+    and gives ``random_share`` of its negative slots to uniform random classes.
     ``logq_correction`` weights the uniformly drawn classes' logits (see ClassifierHead).
     ``seed`` seeds the generator that draws random negatives.
     """
@@ -251,7 +246,7 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
         if k is None or budget is None:
             raise ValueError("the knn head needs k and budget")
         selector = NeighbourClasses(store, table, num_classes, k, budget, generator,
-                                    random_share, near_share)
+                                    random_share)
     else:
         raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
     # full draws nothing, so there is nothing to weight (and a (B, N) add saved per step)

@@ -60,10 +60,6 @@ class HeadConfig:
     """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
     random classes; the rest go to the labels' neighbours by rank. 0 is the paper's
     selection; half random trained better on the glyph data (docs/accuracy.md)"""
-    near_share: float = 0.0
-    """knn: fraction of those random classes drawn from the labels' listed neighbours that
-    the active set did not take (the near pool), the rest from classes no list names; each
-    group's logQ weight is its own pool over its draws. 0: one uniform draw"""
     logq_correction: bool = True
     """partial, knn: weight each uniformly drawn class's logit by the number of left-over
     classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one
@@ -284,8 +280,6 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
     if not 0 <= cfg.head.random_share <= 1:
         raise ConfigError(f"head.random_share: must be in [0, 1], got {cfg.head.random_share}")
-    if not 0 <= cfg.head.near_share <= 1:
-        raise ConfigError(f"head.near_share: must be in [0, 1], got {cfg.head.near_share}")
     if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
                           "keep at least as many neighbours as the head takes")

@@ -156,7 +156,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     budget = cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, num_classes)
     head = build_head(cfg.head.kind, client, cfg.ams.table, num_classes, margin,
                       sample_rate=cfg.head.sample_rate, k=cfg.head.k, budget=budget,
-                      random_share=cfg.head.random_share, near_share=cfg.head.near_share,
+                      random_share=cfg.head.random_share,
                       logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
     build_graph = None
     if cfg.head.kind == "knn":

@@ -90,22 +90,11 @@ def select_weighted(
     generator: torch.Generator,
     num_classes: int,
     random_share: float = 0.0,
-    near_share: float = 0.0,
 ) -> Selection:
-    """``select_active`` (same arguments, same draws) returning a :class:`Selection`.
-
-    ``near_share`` in [0, 1] stratifies the random slots: that fraction of them is drawn
-    uniformly from the *near pool* (the listed neighbours the order did not take), the rest
-    from the classes no list names, each stratum weighted by its own pool. The labels' nearer
-    classes then come up more often with a smaller weight than in one uniform draw, a
-    lower-variance estimate of the same partition function. 0: one uniform draw (as
-    ``select_active``).
-    """
+    """``select_active`` (same arguments, same draws) returning a :class:`Selection`."""
     _check_ids("labels", labels, 1, num_classes)
     if not 0.0 <= random_share <= 1.0:
         raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
-    if not 0.0 <= near_share <= 1.0:
-        raise ValueError(f"near_share must lie in [0, 1], got {near_share}")
     if neighbours is None:
         order = labels
     else:
@@ -120,21 +109,13 @@ def select_weighted(
     total = max(min(budget, num_classes), num_labels)
     negatives = total - num_labels
     chosen = ranked_unique[:total - round(random_share * negatives)]
-    draws = total - chosen.size
-    near_pool = ranked_unique[chosen.size:] if near_share else ranked_unique[:0]
-    far_pool = num_classes - chosen.size - near_pool.size
-    # as many near draws as asked, but enough that the far pool can supply the rest
-    num_near = min(near_pool.size, max(round(near_share * draws), draws - far_pool))
-    near = near_pool[torch.randperm(near_pool.size, generator=generator)[:num_near].numpy()] \
-        if num_near else near_pool[:0]
-    far = _sample_excluding(ranked_unique[:chosen.size + near_pool.size], draws - num_near,
-                            num_classes, generator)
-    active = torch.from_numpy(np.sort(np.concatenate([chosen, near, far])))
+    fill = _sample_excluding(chosen, total - chosen.size, num_classes, generator)
+    active = torch.from_numpy(np.sort(np.concatenate([chosen, fill])))
     log_weight = torch.zeros(active.numel(), dtype=torch.float32)
-    for drawn, pool in ((near, near_pool.size), (far, far_pool)):
-        if drawn.size:
-            log_weight[torch.searchsorted(active, torch.from_numpy(drawn))] = \
-                float(np.log(pool / drawn.size))
+    if fill.size:
+        pool = num_classes - chosen.size
+        log_weight[torch.searchsorted(active, torch.from_numpy(fill))] = \
+            float(np.log(pool / fill.size))
     return Selection(active=active, target=torch.searchsorted(active, labels),
                      log_weight=log_weight)
 
