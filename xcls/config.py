@@ -125,10 +125,11 @@ class GraphConfig:
     k: int = 32
     """neighbours kept per class in the graph (>= head.k)"""
     rebuild_every: int = 0
-    """steps between graph rebuilds (0: once per epoch). Rows move fast while the learning
-    rate is high, and a stale graph hands the knn head yesterday's neighbours: each rebuild
-    writes the share of neighbours it replaced to OUT/graph.csv ("turnover"); if that is
-    large, rebuild more often"""
+    """steps between graph rebuilds (0: once per epoch). Each rebuild writes the share of
+    neighbours it replaced to OUT/graph.csv ("turnover"): how stale the lists the knn head
+    took were. On 10k glyph classes it was 0.95 at every 300 steps and 0.5 at every 25 while
+    the learning rate was high; rebuilding every 25 halved knn's confusions with a class's
+    nearest class but did not raise top-1 (docs/accuracy.md)"""
     device: str = ""
     """where to build (empty: the training device)"""
 
@@ -392,7 +393,11 @@ def to_toml(cfg: ExperimentConfig) -> str:
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's documentation: the string literal written under it in the class body
     (the dataclass convention this module follows), keyed by field name."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # installed without its sources: print the bare values
+        return {}
+    body = ast.parse(textwrap.dedent(source)).body[0].body
     docs = {}
     for stmt, after in zip(body, body[1:], strict=False):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)

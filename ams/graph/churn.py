@@ -3,8 +3,8 @@ rebuild replaced.
 
 Rows keep moving between rebuilds, and while the learning rate is high they move fast: in a
 10k-class glyph run, half the classes had a different nearest class 17 steps after a build.
-Measured at each rebuild, this tells a user whether ``graph.rebuild_every`` is short enough.
-Pure torch.
+Measured at each rebuild (the trainer writes it to OUT/graph.csv), it says how stale the
+neighbours were that the knn head took since the last one. Pure torch.
 """
 
 from __future__ import annotations
