@@ -38,7 +38,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     # Options left unset keep the config's defaults, so the study trains what users get.
     optional = {"head.random_share": args.random_share,
                 "head.logq_correction": args.logq_correction,
-                "optim.head_momentum": args.head_momentum,
+                "optim.head_momentum": args.head_momentum, "optim.head_lr": args.head_lr,
                 "optim.head_weight_decay": args.head_weight_decay}
     sets.update({k: v for k, v in optional.items() if v is not None})
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
@@ -80,6 +80,9 @@ def main() -> int:
     p.add_argument("--head-momentum", type=float,
                    help="the class rows' momentum (default: optim.head_momentum's default; "
                         "0.9 reproduces the session-1/2 rows of docs/accuracy.md)")
+    p.add_argument("--head-lr", type=float,
+                   help="the class rows' peak learning rate (default: optim.head_lr's default, "
+                        "lr / (1 - momentum) = 1.0)")
     p.add_argument("--head-weight-decay", type=float,
                    help="the class rows' weight decay (default: optim.head_weight_decay's "
                         "default)")
