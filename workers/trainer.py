@@ -163,6 +163,10 @@ class Trainer:
         self._amp = options.amp and device.type == "cuda"
         self._scaler = torch.amp.GradScaler("cuda") if self._amp else None
         self._tb = None
+        # evenly spaced ids: a fixed sample without a permutation of all N (100M) per rebuild
+        n = head.num_classes
+        self._graph_probe = torch.unique(
+            torch.linspace(0, n - 1, min(n, GRAPH_PROBE_CLASSES), dtype=torch.float64).long())
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -433,9 +437,7 @@ class Trainer:
         the share of a fixed sample of classes' neighbours the rebuild replaced."""
         self._barrier()
         if self.rank == 0:
-            probe = torch.randperm(self.head.num_classes,
-                                   generator=torch.Generator().manual_seed(self.opt.seed))
-            probe = probe[:GRAPH_PROBE_CLASSES].sort().values
+            probe = self._graph_probe
             before = (self.client.neighbors(self.table, probe)
                       if current_graph_version(self.client, self.table) else None)
             started = time.perf_counter()
