@@ -47,8 +47,10 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     result = run.trainer.train()
     seconds = time.perf_counter() - started
     steps_per_epoch = run.trainer.plan.steps_per_epoch
+    means = run.trainer.evaluate(rows="class-means") if args.class_means else {}
     return {
         "head": kind, "top1": result.eval["top1"], "top5": result.eval["top5"],
+        "top1_class_means": means.get("top1"),
         "seconds_per_epoch": seconds / max(1e-9, result.steps / steps_per_epoch),
         "active_per_step": statistics.mean(row["active"] for row in result.history),
         # every row the run pulled, from the AMS's counters (graph builds scan instead)
@@ -98,6 +100,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/accuracy-study"))
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--class-means", action="store_true",
+                   help="also report top-1 with each class's mean training feature as its row "
+                        "(xcls eval --rows class-means; one more pass over the training split)")
     args = p.parse_args()
 
     summary = json.loads((args.data / "summary.json").read_text())
@@ -109,11 +114,13 @@ def main() -> int:
           f"{rows[0]['random_share']}, row momentum {rows[0]['head_momentum']}, row weight "
           f"decay {rows[0]['head_weight_decay']}, "
           f"logq correction {rows[0]['logq_correction']}\n")
-    print("| head | top-1 (unseen designs) | top-5 | s / epoch | active classes / step "
+    means = " top-1 by class means |" if args.class_means else ""
+    print(f"| head | top-1 (unseen designs) | top-5 |{means} s / epoch | active classes / step "
           "| rows pulled / step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|" + "---:|" * (4 if args.class_means else 3))
     for r in rows:
-        print(f"| {r['head']} | {100 * r['top1']:.2f} % | {100 * r['top5']:.2f} % | "
+        means = f" {100 * r['top1_class_means']:.2f} % |" if args.class_means else ""
+        print(f"| {r['head']} | {100 * r['top1']:.2f} % | {100 * r['top5']:.2f} % |{means} "
               f"{r['seconds_per_epoch']:.0f} | {r['active_per_step']:.0f} | "
               f"{r['rows_per_step']:.0f} |")
     if args.json:

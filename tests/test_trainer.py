@@ -82,6 +82,26 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     with pytest.raises(ValueError, match="uint8"):
         clf.predict(torch.zeros(2, 1, 24, 24))
 
+    # --rows class-means: each row is the class's mean direction over the training images,
+    # here recomputed sample by sample in float64 with the exported backbone
+    out = subprocess.run([sys.executable, "-m", "xcls", "export", "--rows", "class-means",
+                          "--out", str(tmp_path / "exp-means"),
+                          str(tmp_path / "run" / "config.toml")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    means = Classifier.load(tmp_path / "exp-means")
+    train = LmdbImageDataset(glyphs_small / "train")
+    features = clf.embed(torch.stack([train[i][1] for i in range(len(train))])).double()
+    expected = torch.zeros(120, features.shape[1], dtype=torch.float64)
+    for f, y in zip(features, train.labels().tolist(), strict=True):
+        expected[y] += f / f.norm()
+    expected /= expected.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(means.rows.double(), expected, atol=1e-4, rtol=0)
+    assert '"rows": "class-means"' in (tmp_path / "exp-means" / "export.json").read_text()
+    by_means = run.trainer.evaluate(rows="class-means")
+    ids, _ = means.predict(images, topk=1)
+    assert abs(by_means["top1"] - float((ids[:, 0] == labels).float().mean())) < 1e-6
+
 
 @pytest.mark.parametrize("head_momentum", [0.0, 0.5])
 def test_class_rows_take_sgd_with_the_configured_row_momentum(glyphs_small, tmp_path,

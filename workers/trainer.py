@@ -21,7 +21,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from ams.graph_build import current_graph_version
 from workers import checkpoint
 from workers.gear import Gear
 from workers.heads import ClassifierHead
-from workers.predict import images_to_input, nearest_classes
+from workers.predict import ROW_SOURCES, class_means, images_to_input, nearest_classes
 from workers.prefetch import Prefetcher
 from workers.schedule import decay_clocks, lr_at
 
@@ -223,26 +223,55 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, max_samples: int | None = None) -> dict:
-        """Top-1 / top-5 of the test split by nearest class row (rank 0 only)."""
-        if self.test_set is None:
-            return {}
+    def _features(self, dataset: Dataset, max_samples: int | None = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(features float32 (b, dim) on CPU, labels int64 (b,)) batches of ``dataset`` in
+        id order, embedded by the backbone in eval mode (training mode is restored after)."""
         model = self._unwrapped()
         was_training = model.training
         model.eval()
         # Loaded in this process: worker processes forked here would inherit the training
         # loader's live iterator, whose finaliser then fails noisily in the child.
-        loader = DataLoader(self.test_set, batch_size=512, num_workers=0, collate_fn=_collate)
-        features, labels = [], []
-        for _, images, y in loader:
-            with torch.autocast(self.device.type, enabled=self._amp):
-                features.append(model(images_to_input(images.to(self.device))).float().cpu())
-            labels.append(y)
-            if max_samples and sum(map(len, labels)) >= max_samples:
-                break
-        model.train(was_training)
-        feats, y = torch.cat(features), torch.cat(labels)
-        ids, _ = nearest_classes(feats, self.client.scan(self.table), 5)
+        loader = DataLoader(dataset, batch_size=512, num_workers=0, collate_fn=_collate)
+        seen = 0
+        try:
+            bar = tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True,
+                       disable=not (self.rank == 0 and sys.stderr.isatty()))
+            for _, images, labels in bar:
+                with torch.autocast(self.device.type, enabled=self._amp):
+                    features = model(images_to_input(images.to(self.device))).float().cpu()
+                yield features, labels
+                seen += labels.numel()
+                if max_samples and seen >= max_samples:
+                    break
+        finally:
+            model.train(was_training)
+
+    def row_blocks(self, source: str = "trained") -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """The class rows as (ids int64 (b,), rows (b, dim)) blocks covering every class.
+
+        ``"trained"``: the AMS table as trained. ``"class-means"``: each class's mean
+        direction over the training split (``workers.predict.class_means``), one pass of
+        the backbone over it; a class with no training image keeps its trained row.
+        """
+        if source not in ROW_SOURCES:
+            raise ValueError(f"row source must be one of {ROW_SOURCES}, got {source!r}")
+        if source == "trained":
+            return self.client.scan(self.table)
+        dim = self.client.spec(self.table).dim
+        means, counts = class_means(self._features(self.train_set), self.head.num_classes, dim)
+        return ((ids, torch.where((counts[ids] > 0)[:, None], means[ids], rows.float()))
+                for ids, rows in self.client.scan(self.table))
+
+    def evaluate(self, max_samples: int | None = None, rows: str = "trained") -> dict:
+        """Top-1 / top-5 of the test split by nearest class row (rank 0 only); ``rows``: the
+        row source, as in ``row_blocks``."""
+        if self.test_set is None:
+            return {}
+        batches = list(self._features(self.test_set, max_samples))
+        feats = torch.cat([f for f, _ in batches])
+        y = torch.cat([labels for _, labels in batches])
+        ids, _ = nearest_classes(feats, self.row_blocks(rows), 5)
         hits = ids == y[:, None]
         return {"top1": float(hits[:, 0].float().mean()), "top5": float(hits.any(1).float().mean()),
                 "samples": int(y.numel())}

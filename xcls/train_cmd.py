@@ -25,6 +25,13 @@ def _config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override a config field, e.g. --set head.kind=partial (repeatable)")
 
 
+def _rows_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", choices=("trained", "class-means"), default="trained",
+                   help="class rows to classify by: the rows as trained (default), or each "
+                   "class's mean feature over data.train (one pass of the backbone over it; "
+                   "more accurate on unseen images, see docs/accuracy.md)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train a model (embedded AMS unless ams.addresses is set)",
@@ -39,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Load the newest checkpoint of CONFIG's train.out_dir and "
                        "report top-1/top-5 on data.test by nearest class row.")
     _config_args(p)
+    _rows_arg(p)
     p.set_defaults(func=run_eval)
 
     p = sub.add_parser("export", help="write a self-contained model directory",
@@ -47,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "workers.predict.Classifier.load(OUT).")
     _config_args(p)
     p.add_argument("--out", type=Path, required=True, help="export directory")
+    _rows_arg(p)
     p.set_defaults(func=run_export)
 
     config = sub.add_parser("config", help="inspect experiment configs",
@@ -242,8 +251,8 @@ def run_eval(args: argparse.Namespace) -> int:
     run = _resumed_run(args)
     if run.trainer.test_set is None:
         raise SystemExit("error: data.test: no test split configured")
-    result = run.trainer.evaluate()
-    print(f"step {run.trainer.step}: top-1 {100 * result['top1']:.2f}%  top-5 "
+    result = run.trainer.evaluate(rows=args.rows)
+    print(f"step {run.trainer.step}, {args.rows} rows: top-1 {100 * result['top1']:.2f}%  top-5 "
           f"{100 * result['top5']:.2f}%  ({result['samples']} test samples)")
     return 0
 
@@ -253,10 +262,10 @@ def run_export(args: argparse.Namespace) -> int:
 
     run = _resumed_run(args)
     meta = run.train_set.metadata
-    out = write_export(args.out, run.backbone, run.client.scan(run.cfg.ams.table),
+    out = write_export(args.out, run.backbone, run.trainer.row_blocks(args.rows),
                        backbone_name=run.cfg.model.backbone, num_classes=meta.num_classes,
                        dim=run.cfg.model.dim, image_size=meta.height, channels=meta.channels,
                        class_names=meta.class_names, step=run.trainer.step,
-                       config_toml=to_toml(run.cfg))
-    print(f"exported step {run.trainer.step} to {out}")
+                       config_toml=to_toml(run.cfg), row_source=args.rows)
+    print(f"exported step {run.trainer.step} ({args.rows} rows) to {out}")
     return 0
