@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from workers.data.lmdb_dataset import LmdbImageDataset
-from workers.predict import Classifier, class_means
+from workers.predict import Classifier, class_means, nearest_classes
 
 
 def load_split(path: Path, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +38,9 @@ def load_split(path: Path, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def top1(features: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor) -> float:
-    """Percent of features whose highest-cosine row is their label's, in chunks."""
-    rows = F.normalize(rows.float(), dim=1)
-    hits = 0
-    for s in range(0, features.shape[0], 4096):
-        scores = F.normalize(features[s:s + 4096], dim=1) @ rows.T
-        hits += int((scores.argmax(dim=1) == labels[s:s + 4096]).sum())
-    return 100.0 * hits / max(1, features.shape[0])
+    """Percent of features whose highest-cosine row is their label's."""
+    ids, _ = nearest_classes(features, [(torch.arange(rows.shape[0]), rows)], 1)
+    return 100.0 * float((ids[:, 0] == labels).float().mean())
 
 
 def main(argv: list[str] | None = None) -> None:
