@@ -14,7 +14,6 @@ import uuid
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -22,6 +21,7 @@ from bridge import GradientBatch
 from bridge.redis_accumulator import RedisGradientAccumulator, stream_key
 from tests.conftest import free_port
 from workers.backbones import build_backbone
+from workers.distributed import process_group
 from workers.gear import SlowGear, SlowGearGroup, WeightStore, weights_digest
 from workers.predict import images_to_input
 
@@ -44,8 +44,13 @@ def make_model() -> nn.Module:
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    with process_group(world, "gloo"):
+        _group_rounds(rank, world, out)
+
+
+def _group_rounds(rank: int, world: int, out: str) -> None:
     torch.manual_seed(100 + rank)  # different initial weights: the group must align them
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, DIM))
     group = SlowGearGroup(rank, world)
@@ -60,7 +65,6 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         ids = torch.tensor(plan[rank], dtype=torch.int64)
         slow.apply(GradientBatch(ids, grads[ids], torch.zeros_like(ids), []))
     torch.save({"state": model.state_dict(), "version": slow.version}, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_group_step_equals_one_process_on_all_means(tmp_path):

@@ -135,34 +135,22 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
 
 
 def run_slow(args: argparse.Namespace) -> int:
-    import os
-
     import torch
-    import torch.distributed as dist
+
+    from workers.distributed import process_group, torchrun_env
 
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.gear.backend != "redis":
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        rank, world, local_rank = torchrun_env()
         use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-        if world > 1:
-            if use_cuda:
-                torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if use_cuda else "gloo")
-        try:
-            code = _slow_loop(cfg, args, device, rank, world)
-            if world > 1:
-                # every rank's last collective is done before any rank tears gloo down (one
-                # CI run saw a rank abort in the teardown)
-                dist.barrier()
-            return code
-        finally:
-            if world > 1 and dist.is_initialized():
-                dist.destroy_process_group()
+        if use_cuda and world > 1:
+            torch.cuda.set_device(device)
+        with process_group(world, "nccl" if use_cuda else "gloo"):
+            return _slow_loop(cfg, args, device, rank, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

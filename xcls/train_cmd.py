@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,33 +194,24 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     return Run(cfg, trainer, client, train_set, backbone)
 
 
-def _dist_env() -> tuple[int, int, int]:
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
-
-
 def run_train(args: argparse.Namespace) -> int:
     import torch
-    import torch.distributed as dist
 
     from ams.errors import AmsError
     from bridge.errors import BridgeError
     from workers.data.errors import DatasetError
+    from workers.distributed import process_group, torchrun_env
 
     cfg = _load(args)
-    rank, world, local_rank = _dist_env()
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() and cfg.train.device != "cpu" else "gloo"
-        dist.init_process_group(backend)
-    try:
-        run = build_run(cfg, rank, world, local_rank)
-        result = run.trainer.train()
-    except (ConfigError, AmsError, DatasetError, BridgeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    rank, world, local_rank = torchrun_env()
+    backend = "nccl" if torch.cuda.is_available() and cfg.train.device != "cpu" else "gloo"
+    with process_group(world, backend):
+        try:
+            run = build_run(cfg, rank, world, local_rank)
+            result = run.trainer.train()
+        except (ConfigError, AmsError, DatasetError, BridgeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if rank == 0:
         line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}"
         if result.eval:

@@ -1,0 +1,65 @@
+"""workers.distributed: the torchrun environment and a process group that really goes away.
+
+Two real gloo processes; the regression is torch.distributed.nn pinning the default group when
+torch first imports it after the group exists (building an optimizer does), which left gloo's
+threads running into interpreter shutdown, where they now and then aborted the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from tests.conftest import free_port
+from workers.distributed import process_group, torchrun_env
+
+GLOO_THREADS = ("gloo", "pt_gloo")
+
+
+def thread_names() -> list[str]:
+    tasks = Path("/proc/self/task")
+    return sorted((tasks / tid / "comm").read_text().strip() for tid in os.listdir(tasks))
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    env = torchrun_env()
+    with process_group(world, "gloo"):
+        during = thread_names()
+        model = nn.Linear(4, 2)
+        torch.optim.SGD(model.parameters(), lr=0.1)  # makes torch import torch.distributed.nn
+        total = torch.tensor([float(rank + 1)])
+        dist.all_reduce(total)
+    after = thread_names()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"env": env, "total": float(total), "during": during, "after": after,
+         "initialized": dist.is_initialized()}))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_process_group_is_gone_after_the_block(tmp_path):
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["env"] == [rank, 2, rank]
+        assert result["total"] == 3.0  # 1 + 2
+        assert any(name.startswith(GLOO_THREADS) for name in result["during"])
+        assert not result["initialized"]
+        left = [name for name in result["after"] if name.startswith(GLOO_THREADS)]
+        assert not left, f"rank {rank}: gloo threads outlived the process group: {left}"
+
+
+def test_one_process_has_no_group(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_env() == (0, 1, 0)
+    with process_group(1, "gloo"):
+        assert not dist.is_initialized()

@@ -1,0 +1,37 @@
+"""The torchrun side of a worker process: its rank and the default process group's lifetime."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) in a plain process."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+@contextmanager
+def process_group(world: int, backend: str) -> Iterator[None]:
+    """The default process group (``backend``: "gloo" or "nccl") for the body of the ``with``,
+    rendezvous from torchrun's environment; destroyed on the way out, even on an error. With
+    ``world == 1`` there is none and nothing is sent.
+    """
+    if world == 1:
+        yield
+        return
+    # torch.distributed.nn binds `group=group.WORLD` defaults when it is first imported, and
+    # torch imports it lazily (building any optimizer does). Imported after the group exists, it
+    # keeps that group alive past destroy_process_group: gloo's threads then live on into
+    # interpreter shutdown, where torch 2.13 now and then aborts ("terminate called without an
+    # active exception") after all the work is done. Imported first, it binds None.
+    import torch.distributed.nn  # noqa: F401
+    dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
