@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,33 @@ def test_one_process_has_no_group(monkeypatch):
     assert torchrun_env() == (0, 1, 0)
     with process_group(1, "gloo"):
         assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "one"}, "RANK='one': torchrun sets it to an integer"),
+    ({"WORLD_SIZE": ""}, "WORLD_SIZE='': torchrun sets it to an integer"),
+    ({"LOCAL_RANK": "0x1"}, "LOCAL_RANK='0x1'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= RANK, LOCAL_RANK < WORLD_SIZE"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5"}, "LOCAL_RANK=5"),
+])
+def test_bad_torchrun_environment_is_named(monkeypatch, env, message):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torchrun_env()
+
+
+@pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
+def test_commands_report_a_bad_torchrun_environment(tmp_path, command):
+    config = tmp_path / "x.toml"
+    config.write_text('[gear]\nbackend = "redis"\n')
+    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-m", "xcls", *command, str(config)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: RANK=3, WORLD_SIZE=2" in proc.stderr
+    assert "Traceback" not in proc.stderr

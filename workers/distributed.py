@@ -10,9 +10,20 @@ import torch.distributed as dist
 
 
 def torchrun_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) in a plain process."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) in a plain process.
+    Raises ValueError, naming the variable, when they are not integers or not consistent."""
+    values = []
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        text = os.environ.get(name, default)
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ValueError(f"{name}={text!r}: torchrun sets it to an integer") from None
+    rank, world, local_rank = values
+    if world < 1 or not 0 <= rank < world or not 0 <= local_rank < world:
+        raise ValueError(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}: need "
+                         "WORLD_SIZE >= 1 and 0 <= RANK, LOCAL_RANK < WORLD_SIZE")
+    return rank, world, local_rank
 
 
 @contextmanager

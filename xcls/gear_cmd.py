@@ -144,7 +144,10 @@ def run_slow(args: argparse.Namespace) -> int:
         if cfg.gear.backend != "redis":
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
-        rank, world, local_rank = torchrun_env()
+        try:
+            rank, world, local_rank = torchrun_env()
+        except ValueError as e:  # reported like a bad config: one line, exit code 2
+            raise ConfigError(str(e)) from None
         use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
         if use_cuda and world > 1:

@@ -203,7 +203,11 @@ def run_train(args: argparse.Namespace) -> int:
     from workers.distributed import process_group, torchrun_env
 
     cfg = _load(args)
-    rank, world, local_rank = torchrun_env()
+    try:
+        rank, world, local_rank = torchrun_env()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     backend = "nccl" if torch.cuda.is_available() and cfg.train.device != "cpu" else "gloo"
     with process_group(world, backend):
         try:
