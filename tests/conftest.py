@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -17,6 +18,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def set_torchrun_env(rank: int, world: int, port: int) -> None:
+    """What torchrun gives rank ``rank`` of a one-host job whose rendezvous is 127.0.0.1:port
+    (for test processes started with torch.multiprocessing.spawn)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
 @pytest.fixture

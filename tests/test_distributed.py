@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.conftest import free_port
+from tests.conftest import free_port, set_torchrun_env
 from workers.distributed import process_group, torchrun_env
 
 GLOO_THREADS = ("gloo", "pt_gloo")
@@ -32,8 +32,7 @@ def thread_names() -> list[str]:
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    set_torchrun_env(rank, world, port)
     env = torchrun_env()
     with process_group(world, "gloo"):
         during = thread_names()

@@ -6,7 +6,6 @@ runs ``xcls gear slow`` under torchrun with a real Redis and checks every mean i
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from torch import nn
 
 from bridge import GradientBatch
 from bridge.redis_accumulator import RedisGradientAccumulator, stream_key
-from tests.conftest import free_port
+from tests.conftest import free_port, set_torchrun_env
 from workers.backbones import build_backbone
 from workers.distributed import process_group
 from workers.gear import SlowGear, SlowGearGroup, WeightStore, weights_digest
@@ -44,8 +43,7 @@ def make_model() -> nn.Module:
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    set_torchrun_env(rank, world, port)
     with process_group(world, "gloo"):
         _group_rounds(rank, world, out)
 
