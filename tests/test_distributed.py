@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.conftest import free_port, set_torchrun_env
-from workers.distributed import process_group, torchrun_env
+from workers.distributed import process_group, torchrun_env, worker_device
 
 GLOO_THREADS = ("gloo", "pt_gloo")
 
@@ -34,7 +34,7 @@ def thread_names() -> list[str]:
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     set_torchrun_env(rank, world, port)
     env = torchrun_env()
-    with process_group(world, "gloo"):
+    with process_group(world, torch.device("cpu")):
         during = thread_names()
         model = nn.Linear(4, 2)
         torch.optim.SGD(model.parameters(), lr=0.1)  # makes torch import torch.distributed.nn
@@ -63,7 +63,7 @@ def test_one_process_has_no_group(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     assert torchrun_env() == (0, 1, 0)
-    with process_group(1, "gloo"):
+    with process_group(1, torch.device("cpu")):
         assert not dist.is_initialized()
 
 
@@ -94,4 +94,31 @@ def test_commands_report_a_bad_torchrun_environment(tmp_path, command):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "error: RANK=3, WORLD_SIZE=2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_worker_device_follows_the_setting():
+    assert worker_device("cpu", 0) == torch.device("cpu")
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert worker_device("auto", 0) == expected
+    with pytest.raises(ValueError, match="'gpu': use auto, cpu or cuda"):
+        worker_device("gpu", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_cuda_without_a_gpu_is_refused():
+    with pytest.raises(ValueError, match="'cuda' but no CUDA device is available"):
+        worker_device("cuda", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+@pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
+def test_commands_report_cuda_without_a_gpu(tmp_path, command):
+    config = tmp_path / "x.toml"
+    config.write_text('[gear]\nbackend = "redis"\n[train]\ndevice = "cuda"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "xcls", *command, str(config)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: train.device: 'cuda' but no CUDA device is available" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -1,4 +1,5 @@
-"""The torchrun side of a worker process: its rank and the default process group's lifetime."""
+"""The torchrun side of a worker process: its rank, its device and the default process group's
+lifetime."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 
@@ -26,11 +28,30 @@ def torchrun_env() -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def worker_device(setting: str, local_rank: int) -> torch.device:
+    """The device a worker computes on, for ``setting`` "cpu", "cuda" or "auto" (CUDA when
+    there is one): ``cuda:<local_rank>``, made the current CUDA device, or ``cpu``. Raises
+    ValueError for "cuda" without CUDA, or a local rank past the GPUs this host has."""
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"{setting!r}: use auto, cpu or cuda")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("'cuda' but no CUDA device is available")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK={local_rank} but this host has "
+                         f"{torch.cuda.device_count()} CUDA device(s); start at most that many "
+                         "workers per host")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 @contextmanager
-def process_group(world: int, backend: str) -> Iterator[None]:
-    """The default process group (``backend``: "gloo" or "nccl") for the body of the ``with``,
-    rendezvous from torchrun's environment; destroyed on the way out, even on an error. With
-    ``world == 1`` there is none and nothing is sent.
+def process_group(world: int, device: torch.device) -> Iterator[None]:
+    """The default process group for workers on ``device`` (NCCL for CUDA, gloo for CPU) for the
+    body of the ``with``, rendezvous from torchrun's environment; destroyed on the way out, even
+    on an error. With ``world == 1`` there is none and nothing is sent.
     """
     if world == 1:
         yield
@@ -41,7 +62,7 @@ def process_group(world: int, backend: str) -> Iterator[None]:
     # interpreter shutdown, where torch 2.13 now and then aborts ("terminate called without an
     # active exception") after all the work is done. Imported first, it binds None.
     import torch.distributed.nn  # noqa: F401
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         yield
     finally:

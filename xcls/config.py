@@ -145,7 +145,7 @@ class TrainConfig:
     amp: bool = True
     """mixed precision on CUDA (ignored on CPU)"""
     device: str = "auto"
-    """auto | cpu | cuda"""
+    """auto (CUDA when there is one) | cpu | cuda; each worker takes the GPU of its LOCAL_RANK"""
     threads: int = 0
     """torch CPU threads (0: torch's default)"""
     out_dir: str = "runs/experiment"

@@ -135,9 +135,8 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
 
 
 def run_slow(args: argparse.Namespace) -> int:
-    import torch
-
     from workers.distributed import process_group, torchrun_env
+    from xcls.train_cmd import training_device
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -148,11 +147,8 @@ def run_slow(args: argparse.Namespace) -> int:
             rank, world, local_rank = torchrun_env()
         except ValueError as e:  # reported like a bad config: one line, exit code 2
             raise ConfigError(str(e)) from None
-        use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-        if use_cuda and world > 1:
-            torch.cuda.set_device(device)
-        with process_group(world, "nccl" if use_cuda else "gloo"):
+        device = training_device(cfg, local_rank)
+        with process_group(world, device):
             return _slow_loop(cfg, args, device, rank, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,8 +11,12 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xcls.config import ConfigError, ExperimentConfig, load_config, to_toml
+
+if TYPE_CHECKING:  # the command line imports torch only when a command runs
+    import torch
 
 log = logging.getLogger("xcls.train")
 
@@ -92,6 +96,17 @@ class Run:
     backbone: object
 
 
+def training_device(cfg: ExperimentConfig, local_rank: int = 0) -> torch.device:
+    """The device ``train.device`` names for the worker with this local rank (made current when
+    it is a GPU); ConfigError when it cannot be had."""
+    from workers.distributed import worker_device
+
+    try:
+        return worker_device(cfg.train.device, local_rank)
+    except ValueError as e:
+        raise ConfigError(f"train.device: {e}") from None
+
+
 def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: int = 0) -> Run:
     """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``."""
     import torch
@@ -107,13 +122,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     from workers.trainer import LoopOptions, Trainer
     from xcls.gear_cmd import build_gear
 
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: 'cuda' but no CUDA device is available")
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
-                                              and torch.cuda.is_available())
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = training_device(cfg, local_rank)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if not cfg.data.train:
@@ -156,8 +165,8 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     backbone = backbone.to(device)
-    model = DistributedDataParallel(backbone, device_ids=[local_rank] if use_cuda else None) \
-        if world > 1 else backbone
+    gpu_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(backbone, device_ids=gpu_ids) if world > 1 else backbone
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
                                 momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     margin = CombinedMarginLoss.from_preset(cfg.head.margin, s=cfg.head.scale)
@@ -195,8 +204,6 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import torch
-
     from ams.errors import AmsError
     from bridge.errors import BridgeError
     from workers.data.errors import DatasetError
@@ -205,11 +212,11 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     try:
         rank, world, local_rank = torchrun_env()
-    except ValueError as e:
+        device = training_device(cfg, local_rank)
+    except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    backend = "nccl" if torch.cuda.is_available() and cfg.train.device != "cpu" else "gloo"
-    with process_group(world, backend):
+    with process_group(world, device):
         try:
             run = build_run(cfg, rank, world, local_rank)
             result = run.trainer.train()
