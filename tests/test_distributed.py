@@ -85,16 +85,22 @@ def test_bad_torchrun_environment_is_named(monkeypatch, env, message):
         torchrun_env()
 
 
-@pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
-def test_commands_report_a_bad_torchrun_environment(tmp_path, command):
+def refused_command_stderr(tmp_path: Path, command: list[str], config_text: str,
+                           env: dict[str, str]) -> str:
+    """stderr of ``xcls COMMAND CONFIG``, which must refuse in one line with exit code 2."""
     config = tmp_path / "x.toml"
-    config.write_text('[gear]\nbackend = "redis"\n')
-    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "2"}
+    config.write_text('[gear]\nbackend = "redis"\n' + config_text)
     proc = subprocess.run([sys.executable, "-m", "xcls", *command, str(config)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "error: RANK=3, WORLD_SIZE=2" in proc.stderr
     assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
+def test_commands_report_a_bad_torchrun_environment(tmp_path, command):
+    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "2"}
+    assert "error: RANK=3, WORLD_SIZE=2" in refused_command_stderr(tmp_path, command, "", env)
 
 
 def test_worker_device_follows_the_setting():
@@ -114,11 +120,6 @@ def test_cuda_without_a_gpu_is_refused():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 @pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
 def test_commands_report_cuda_without_a_gpu(tmp_path, command):
-    config = tmp_path / "x.toml"
-    config.write_text('[gear]\nbackend = "redis"\n[train]\ndevice = "cuda"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "xcls", *command, str(config)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "error: train.device: 'cuda' but no CUDA device is available" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    stderr = refused_command_stderr(tmp_path, command, '[train]\ndevice = "cuda"\n', env)
+    assert "error: train.device: 'cuda' but no CUDA device is available" in stderr

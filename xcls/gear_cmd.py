@@ -135,19 +135,15 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
 
 
 def run_slow(args: argparse.Namespace) -> int:
-    from workers.distributed import process_group, torchrun_env
-    from xcls.train_cmd import training_device
+    from workers.distributed import process_group
+    from xcls.train_cmd import worker_placement
 
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.gear.backend != "redis":
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
-        try:
-            rank, world, local_rank = torchrun_env()
-        except ValueError as e:  # reported like a bad config: one line, exit code 2
-            raise ConfigError(str(e)) from None
-        device = training_device(cfg, local_rank)
+        rank, world, device = worker_placement(cfg)
         with process_group(world, device):
             return _slow_loop(cfg, args, device, rank, world)
     except ConfigError as e:

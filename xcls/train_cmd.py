@@ -107,8 +107,22 @@ def training_device(cfg: ExperimentConfig, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"train.device: {e}") from None
 
 
-def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: int = 0) -> Run:
-    """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``."""
+def worker_placement(cfg: ExperimentConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of a worker under torchrun ((0, 1, ...) in a plain process);
+    ConfigError, in one line, when torchrun's environment or ``train.device`` is wrong."""
+    from workers.distributed import torchrun_env
+
+    try:
+        rank, world, local_rank = torchrun_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return rank, world, training_device(cfg, local_rank)
+
+
+def build_run(cfg: ExperimentConfig,
+              placement: tuple[int, int, torch.device] | None = None) -> Run:
+    """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``, for
+    the worker at ``placement`` (``worker_placement``; default: a lone worker, rank 0 of 1)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -122,7 +136,7 @@ def build_run(cfg: ExperimentConfig, rank: int = 0, world: int = 1, local_rank: 
     from workers.trainer import LoopOptions, Trainer
     from xcls.gear_cmd import build_gear
 
-    device = training_device(cfg, local_rank)
+    rank, world, device = placement or (0, 1, training_device(cfg))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if not cfg.data.train:
@@ -207,18 +221,18 @@ def run_train(args: argparse.Namespace) -> int:
     from ams.errors import AmsError
     from bridge.errors import BridgeError
     from workers.data.errors import DatasetError
-    from workers.distributed import process_group, torchrun_env
+    from workers.distributed import process_group
 
     cfg = _load(args)
     try:
-        rank, world, local_rank = torchrun_env()
-        device = training_device(cfg, local_rank)
-    except (ValueError, ConfigError) as e:
+        placement = worker_placement(cfg)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rank, world, device = placement
     with process_group(world, device):
         try:
-            run = build_run(cfg, rank, world, local_rank)
+            run = build_run(cfg, placement)
             result = run.trainer.train()
         except (ConfigError, AmsError, DatasetError, BridgeError) as e:
             print(f"error: {e}", file=sys.stderr)
