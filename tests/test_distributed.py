@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,23 @@ GLOO_THREADS = ("gloo", "pt_gloo")
 
 def thread_names() -> list[str]:
     tasks = Path("/proc/self/task")
-    return sorted((tasks / tid / "comm").read_text().strip() for tid in os.listdir(tasks))
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            names.append((tasks / tid / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread exited between listdir and the read
+            continue
+    return sorted(names)
+
+
+def gloo_threads_after_exit(grace_s: float = 5.0) -> list[str]:
+    """Thread names once gloo's threads had grace_s to exit; the regression pinned them forever."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        names = thread_names()
+        if not any(name.startswith(GLOO_THREADS) for name in names) or time.monotonic() > deadline:
+            return names
+        time.sleep(0.05)
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
@@ -40,7 +57,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         torch.optim.SGD(model.parameters(), lr=0.1)  # makes torch import torch.distributed.nn
         total = torch.tensor([float(rank + 1)])
         dist.all_reduce(total)
-    after = thread_names()
+    after = gloo_threads_after_exit()
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"env": env, "total": float(total), "during": during, "after": after,
          "initialized": dist.is_initialized()}))
