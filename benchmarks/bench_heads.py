@@ -2,6 +2,8 @@
 
     python benchmarks/bench_heads.py            # the default tables (about 10 minutes on 2 cores)
     python benchmarks/bench_heads.py --quick    # smoke run (seconds)
+    python benchmarks/bench_heads.py --device cuda --sizes 1000000,10000000 \
+        --exact-graph-max 1000000                # on a GPU host
 
 (a) The head alone: select + pull + forward + backward + push for one batch of fixed random
     features, at each ``--sizes`` N, on an embedded AMS (``ams.connect(local_shards=S)``, fp32
@@ -13,6 +15,12 @@
     AMS and on ``--shards`` ``xcls serve shard`` processes on loopback (gRPC). The step runs
     prepare and compute one after the other (the trainer's prefetch thread overlaps them; on
     2 busy cores that overlap buys little, and this way the figures add up).
+
+``--device`` is where the heads and the backbone compute (``auto``: CUDA when there is one). The
+rows stay in the AMS, in host memory, as in training: each step moves the active rows to the
+device and their gradients back, and that traffic is part of the figures. On CUDA the exact
+graph is built on the GPU, (b) runs the backbone under autocast with a gradient scaler as the
+trainer does (``--no-amp``: float32), and every timestamp waits for the GPU to finish.
 
 Heads run round-robin, one step each in turn, on the same label sequence, so drift on a shared
 machine hits them alike; each figure is the median over the measured steps after ``--warmup``.
@@ -47,13 +55,22 @@ import torch
 import ams
 from ams.client import ShardedClient
 from workers.backbones import build_backbone
+from workers.distributed import worker_device
 from workers.heads import ClassifierHead, build_head
 from workers.losses import CombinedMarginLoss
 from workers.predict import images_to_input
+from workers.trainer import step_backbone
 
 TABLE = "bench"
 IMAGE_SIZE = 32
 LR = 0.1
+
+
+def clock(device: torch.device) -> float:
+    """perf_counter once the work queued on ``device`` is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class TimedStore:
@@ -168,12 +185,12 @@ class GraphBuild:
 def prepare_table(client: ShardedClient, n: int, args: argparse.Namespace) -> GraphBuild:
     client.create_table(TABLE, n, args.dim, dtype="float32", seed=args.seed)
     exact = n <= args.exact_graph_max
-    started = time.perf_counter()
+    started = clock(args.device)
     if exact:
-        client.build_graph(TABLE, k=args.k)
+        client.build_graph(TABLE, k=args.k, device=args.device)
     else:
         install_standin_graph(client, n, args.k, args.seed)
-    return GraphBuild(n, args.k, exact, time.perf_counter() - started)
+    return GraphBuild(n, args.k, exact, clock(args.device) - started)
 
 
 @contextmanager
@@ -217,7 +234,7 @@ def shard_processes(count: int) -> Iterator[list[str]]:
 def bench_head_alone(client: ShardedClient, n: int, args: argparse.Namespace,
                      ) -> list[Contender]:
     generator = torch.Generator().manual_seed(args.seed)
-    features = torch.randn(args.batch, args.dim, generator=generator)
+    features = torch.randn(args.batch, args.dim, generator=generator).to(args.device)
     labels = [torch.randint(n, (args.batch,), generator=generator)
               for _ in range(args.warmup + max(args.steps, args.full_steps))]
     contenders = make_contenders(client, n, args, args.batch, args.steps, args.full_steps,
@@ -225,11 +242,11 @@ def bench_head_alone(client: ShardedClient, n: int, args: argparse.Namespace,
 
     def step(c: Contender, i: int) -> None:
         c.store.reset()
-        started = time.perf_counter()
+        started = clock(args.device)
         batch = c.head.prepare(labels[i])
-        prepared = time.perf_counter()
+        prepared = clock(args.device)
         c.head.forward_backward(features, batch, lr=LR)
-        done = time.perf_counter()
+        done = clock(args.device)
         c.record(total=done - started, select=prepared - started - c.store.pull_s,
                  pull=c.store.pull_s, compute=done - prepared - c.store.push_s,
                  push=c.store.push_s, rows=c.store.rows_pulled)
@@ -253,29 +270,31 @@ def bench_whole_step(client: ShardedClient, n: int, args: argparse.Namespace, mo
     labels = [torch.randint(n, (batch,), generator=generator) for _ in range(count)]
     contenders = make_contenders(client, n, args, batch, args.step_steps,
                                  args.step_full_steps, knn_same_size=False)
+    device, amp = args.device, args.amp
     # one backbone per head, so each trains as it would alone (same initial weights)
     torch.manual_seed(args.seed)
     template = build_backbone("resnet_small", args.dim, 1, IMAGE_SIZE)
     nets = {}
     for c in contenders:
-        net = build_backbone("resnet_small", args.dim, 1, IMAGE_SIZE)
+        net = build_backbone("resnet_small", args.dim, 1, IMAGE_SIZE).to(device)
         net.load_state_dict(template.state_dict())
-        nets[id(c)] = (net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+        nets[id(c)] = (net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                       torch.amp.GradScaler("cuda") if amp else None)
 
     def step(c: Contender, i: int) -> None:
-        net, optimizer = nets[id(c)]
+        net, optimizer, scaler = nets[id(c)]
         c.store.reset()
-        started = time.perf_counter()
+        started = clock(device)
         active = c.head.prepare(labels[i])
-        prepared = time.perf_counter()
-        features = net(images_to_input(images[i]))
-        embedded = time.perf_counter()
+        prepared = clock(device)
+        with torch.autocast(device.type, enabled=amp):
+            features = net(images_to_input(images[i].to(device, non_blocking=True)))
+        embedded = clock(device)
         out = c.head.forward_backward(features, active, lr=LR)
-        headed = time.perf_counter()
-        features.backward(out.feature_grad)
-        optimizer.step()
+        headed = clock(device)
+        step_backbone(features, out.feature_grad, optimizer, scaler)
         optimizer.zero_grad(set_to_none=True)
-        done = time.perf_counter()
+        done = clock(device)
         c.record(total=done - started, head=(prepared - started) + (headed - embedded),
                  backbone=(embedded - prepared) + (done - headed), rows=c.store.rows_pulled)
 
@@ -376,6 +395,10 @@ def parse_args() -> argparse.Namespace:
                         help="measured steps of partial and knn in (b)")
     parser.add_argument("--step-full-steps", type=int, default=2,
                         help="measured steps of full in (b)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the heads and the backbone compute (auto: CUDA if present)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                        help="autocast and a gradient scaler for the backbone in (b), on CUDA")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -384,7 +407,18 @@ def parse_args() -> argparse.Namespace:
         args.batch = args.step_batch = 32
         args.steps = args.full_steps = args.step_steps = args.step_full_steps = 1
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    try:
+        args.device = worker_device(args.device, 0)
+    except ValueError as err:
+        parser.error(f"--device {err}")
+    args.amp = args.amp and args.device.type == "cuda"
     return args
+
+
+def device_description(device: torch.device, amp: bool) -> str:
+    if device.type != "cuda":
+        return "CPU only"
+    return f"{torch.cuda.get_device_name(device)}, backbone {'AMP' if amp else 'float32'}"
 
 
 def main() -> None:
@@ -412,7 +446,8 @@ def main() -> None:
                 client, args.step_classes, args, "gRPC")
 
     lines = [
-        f"{datetime.date.today()} · {platform.machine()}, {os.cpu_count()} cores, CPU only, "
+        f"{datetime.date.today()} · {platform.machine()}, {os.cpu_count()} cores, "
+        f"{device_description(args.device, args.amp)}, "
         f"torch {torch.__version__}, threads={args.threads}, fp32 rows, d={args.dim}, "
         f"margin {args.margin} s=64, warmup {args.warmup} step(s), medians · "
         f"run took {time.perf_counter() - started:,.0f} s",

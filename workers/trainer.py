@@ -127,6 +127,22 @@ def _collate(items: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.stack(ids), torch.stack(images), torch.stack(labels)
 
 
+def step_backbone(features: torch.Tensor, feature_grad: torch.Tensor,
+                  optimizer: torch.optim.Optimizer,
+                  scaler: torch.amp.GradScaler | None) -> None:
+    """Continue the backward from the head's dL/dfeatures (B, dim) into the backbone that
+    produced ``features`` and step its optimizer; through ``scaler`` under AMP, so float16
+    gradients neither underflow nor, on overflow, reach the weights. Gradients are left for
+    the caller to zero."""
+    if scaler is None:
+        features.backward(feature_grad)
+        optimizer.step()
+        return
+    features.backward(scaler.scale(feature_grad))
+    scaler.step(optimizer)
+    scaler.update()
+
+
 class Trainer:
     """Runs ``LoopOptions`` over built components.
 
@@ -420,13 +436,8 @@ class Trainer:
             self._push_combined(prepared.active.active_ids, out.row_grad, head_lr, decay_clock)
         if self.gear is not None:
             self.gear.backward(ids, out.feature_grad)
-        elif self._scaler is not None:
-            features.backward(self._scaler.scale(out.feature_grad))
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
         else:
-            features.backward(out.feature_grad)
-            self.optimizer.step()
+            step_backbone(features, out.feature_grad, self.optimizer, self._scaler)
         self.optimizer.zero_grad(set_to_none=True)
         return out.loss, out.accuracy, out.num_active
 

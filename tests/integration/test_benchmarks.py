@@ -1,0 +1,87 @@
+"""The benchmarks still run: their smoke modes end cleanly and report what they measured.
+
+Timings are never asserted (they are noise on a shared machine); the counts and recalls are,
+against arithmetic done here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of every markdown table row whose first cell is ``first_cell``."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_cell:
+            rows.append(cells)
+    return rows
+
+
+def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
+    done = run_benchmark("bench_heads.py", "--quick", "--threads", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CPU only" in done.stdout
+    # --quick: N=5,000, batch 32, sample rate 0.1, k=12
+    head_alone = {(cells[1], cells[2]): cells for cells in table_rows(done.stdout, "5,000")
+                  if cells[1] in ("full", "partial", "knn")}
+    pulled = {key: int(cells[3].replace(",", "")) for key, cells in head_alone.items()}
+    assert pulled == {
+        ("full", "A=N=5,000"): 5000,
+        ("partial", "sample_rate=0.1"): 500,
+        ("knn", "k=12, budget=500 (=partial)"): 500,
+        ("knn", "k=12, budget=384 (B*k)"): 32 * 12,
+    }
+    assert head_alone[("full", "A=N=5,000")][-1] == "1.0x"
+    for ams_kind in ("embedded (2 shards)", "gRPC (2 processes, loopback)"):
+        heads = [cells[1] for cells in table_rows(done.stdout, ams_kind)]
+        assert heads == ["full", "partial", "knn"], (ams_kind, done.stdout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_bench_heads_refuses_cuda_without_a_gpu() -> None:
+    done = run_benchmark("bench_heads.py", "--quick", "--device", "cuda")
+    assert done.returncode == 2
+    assert "--device 'cuda' but no CUDA device is available" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def bench_graph_row(n: int, *extra: str) -> list[str]:
+    """The cells of bench_graph's table row for N=n (k=8, 200 recall queries)."""
+    done = run_benchmark("bench_graph.py", "--sizes", str(n), "--k", "8", "--threads", "1",
+                         "--recall-queries", "200", *extra)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if re.match(rf"\s*{n} \|", line))
+    return [c.strip() for c in row.split("|")]
+
+
+def test_bench_graph_is_exact_at_a_small_size() -> None:
+    cells = bench_graph_row(2000)
+    assert float(cells[6]) == 1.0 and float(cells[7]) == 1.0, cells
+
+
+def test_bench_graph_without_faiss_still_checks_recall() -> None:
+    cells = bench_graph_row(1500, "--no-faiss")
+    assert float(cells[6]) == 1.0, cells
+    assert cells[2] == cells[3] == cells[5] == cells[7] == "-", cells
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_bench_graph_refuses_cuda_without_a_gpu() -> None:
+    done = run_benchmark("bench_graph.py", "--sizes", "100", "--device", "cuda")
+    assert done.returncode == 2
+    assert "--device cuda: no CUDA device is available" in done.stderr
