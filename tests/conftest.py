@@ -6,11 +6,17 @@ import os
 import socket
 
 import pytest
+import torch
 
 # Small fonts (fast coverage scan) that still give >= 4 families for the common hanja, plus a
 # two-design family (NanumGothic regular + bold) to check that families are held out whole.
 SMALL_FONTS = ["ipag.ttf", "ipam.ttf", "VL-Gothic-Regular.ttf", "UnBatang.ttf", "UnDotum.ttf",
                "NanumGothic.ttf", "NanumGothicBold.ttf"]
+
+
+# The devices of device-parametrised tests: CUDA joins on a host that has it (CI has none).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this host"))]
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from ams.graph import (
     refresh_neighbors,
     ring_order,
 )
+from tests.conftest import DEVICES
 
 TOL = 1e-5
 BIG = 5_000_000_000  # global ids above 2**32
@@ -57,11 +58,13 @@ def assert_exact(ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, k:
     assert (got[:, 1:].min(axis=1) >= kth_best - TOL).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [random_rows, clustered_rows])
 @pytest.mark.parametrize("block_size", [97, 4096])
-def test_knn_is_exact(make, block_size):
+def test_knn_is_exact(make, block_size, device):
     rows = make(700, 24, seed=1)
-    ids, scores = knn(rows, 10, block_size=block_size, device="cpu")
+    ids, scores = knn(rows, 10, block_size=block_size, device=device)
+    assert ids.device.type == scores.device.type == "cpu"
     assert_exact(ids, scores, rows, 10)
 
 
@@ -85,10 +88,11 @@ def test_knn_puts_row_first_among_duplicates():
     assert {frozenset(r.tolist()) for r in ids} == expect
 
 
-def test_low_precision_rerank_equals_fp32():
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_rerank_equals_fp32(device):
     rows = clustered_rows(600, 32, seed=4, spread=0.02)  # many near-ties: hard for fp16
-    ids16, scores16 = knn(rows, 12, block_size=128, device="cpu", low_precision=True)
-    ids32, scores32 = knn(rows, 12, block_size=128, device="cpu", low_precision=False)
+    ids16, scores16 = knn(rows, 12, block_size=128, device=device, low_precision=True)
+    ids32, scores32 = knn(rows, 12, block_size=128, device=device, low_precision=False)
     assert_exact(ids16, scores16, rows, 12)
     assert torch.allclose(scores16, scores32, atol=1e-6, rtol=0)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ams
+from tests.conftest import DEVICES
 from workers.heads import HEADS, build_head
 from workers.losses import CombinedMarginLoss
 
@@ -62,19 +63,20 @@ def reference_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> to
     return F.cross_entropy(logits, labels)
 
 
-def run_step(head, client, seed: int, lr: float = 0.1):
+def run_step(head, client, seed: int, lr: float = 0.1, device: str = "cpu"):
     features, labels = batch(seed)
-    step = head.forward_backward(features, head.prepare(labels), lr=lr)
+    step = head.forward_backward(features.to(device), head.prepare(labels), lr=lr)
     return step, all_rows(client)
 
 
-def test_full_head_matches_dense_float64_sgd():
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_head_matches_dense_float64_sgd(device):
     client = make_client()
     head = build_head("full", client, "fc", N, arcface_margin())
     w = nn.Parameter(all_rows(client).double())
     optimizer = torch.optim.SGD([w], lr=0.1, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     for seed in (1, 2):
-        step, rows = run_step(head, client, seed)
+        step, rows = run_step(head, client, seed, device=device)
         features, labels = batch(seed)
         x = features.double().requires_grad_(True)
         optimizer.zero_grad()
@@ -84,7 +86,8 @@ def test_full_head_matches_dense_float64_sgd():
         assert step.loss == pytest.approx(loss.item(), abs=1e-5)
         assert step.num_active == N
         assert step.feature_grad.dtype == torch.float32
-        torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
+        assert step.feature_grad.device.type == device
+        torch.testing.assert_close(step.feature_grad.cpu().double(), x.grad, rtol=0, atol=1e-6)
         torch.testing.assert_close(rows.double(), w.detach(), rtol=0, atol=1e-6)
 
 

@@ -103,6 +103,30 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     assert abs(by_means["top1"] - float((ids[:, 0] == labels).float().mean())) < 1e-6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
+def test_cuda_run_with_amp_learns_and_resumes(glyphs_small, tmp_path):
+    """The GPU path: backbone under autocast with a gradient scaler, head in float32 on the
+    GPU, rows in the host AMS; a resumed run restores the scaler and carries on."""
+    settings = {"train.device": "cuda", "train.amp": True, "train.max_steps": 120,
+                "train.checkpoint_every": 60}
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **settings))
+    run = build_run(cfg)
+    assert run.trainer.device.type == "cuda" and run.trainer._scaler is not None
+    result = run.trainer.train()
+    losses = [row["loss"] for row in result.history]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert result.eval["top1"] > 8 / 120, result.eval
+    scale = run.trainer._scaler.get_scale()
+    run.client.close()
+
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run",
+                                      **{**settings, "train.max_steps": 130}))
+    resumed = build_run(cfg).trainer
+    assert resumed.try_resume() and resumed.step == 120
+    assert resumed._scaler.get_scale() == scale
+
+
 @pytest.mark.parametrize("head_momentum", [0.0, 0.5])
 def test_class_rows_take_sgd_with_the_configured_row_momentum(glyphs_small, tmp_path,
                                                                head_momentum):
