@@ -25,7 +25,7 @@ import faiss
 import numpy as np
 import torch
 
-from ams.graph import knn
+from ams.graph import knn, resolve_device
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:
@@ -82,8 +82,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
+    try:
+        resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device {err}")
     header = f"{'N':>9} | {'xcls s':>8} | {'faiss s':>8} | {'xcls/faiss':>10} | " \
              f"{'xcls cpu s':>10} | {'faiss cpu s':>11} | {'recall xcls':>11} | " \
              f"{'recall faiss':>12} | {'xcls +MB':>8}"

@@ -47,8 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_build(args: argparse.Namespace) -> int:
     import ams
     from ams.errors import AmsError
+    from ams.graph import resolve_device
     from ams.graph_build import build_graph, current_graph_version
 
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"error: --device {e}") from None
     if args.k < 1:
         raise SystemExit(f"error: --k {args.k} must be >= 1")
     if args.builders < 1:

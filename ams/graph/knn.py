@@ -47,10 +47,14 @@ _GROUP = 8
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to search on: ``device`` if given, else CUDA when available, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device to search on: ``device`` if given, else CUDA when available, else CPU.
+    Raises ValueError for a CUDA device on a host without CUDA, before any rows move."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{device}: no CUDA device is available")
+    return resolved
 
 
 def resolve_low_precision(low_precision: bool | None, device: torch.device) -> bool:

@@ -125,6 +125,8 @@ def one_shard_with_table(module_cluster):
     (["--table", "fc", "--k", str(N + 1)], "k=601"),
     (["--table", "fc", "--builders", "0"], "--builders 0"),
     (["--table", "fc", "--builders", "2", "--builder-index", "5"], "builder_index=5"),
+    pytest.param(["--table", "fc", "--device", "cuda"], "--device cuda: no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")),
 ])
 def test_cli_bad_arguments(one_shard_with_table, args, needle):
     proc = one_shard_with_table
