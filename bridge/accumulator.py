@@ -149,7 +149,7 @@ class MemoryGradientAccumulator:
         self.metrics.applied += len(batch)
         return len(batch)
 
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         """Partial sums and queued means, for a checkpoint that must resume exactly:
         ``ids`` (s,) int64, ``sums`` (s, dim) float32, ``counts``/``versions``/``seqs`` (s,)
         int64, and ``ready``: the queued means in order as (ids, means, versions, seqs)."""
@@ -169,8 +169,14 @@ class MemoryGradientAccumulator:
                       np.array([r[3] for r in ready], dtype=np.int64)),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the partial sums and queue with :meth:`state_dict`'s (same dim)."""
+    def restore_checkpoint_state(self, state: dict | None, version: int) -> None:
+        """Replace the partial sums and queue with :meth:`checkpoint_state`'s (same dim;
+        ValueError otherwise), or empty them when ``state`` is None (a fresh run). The queued
+        means carry their own versions, so ``version`` is not needed."""
+        if state is None:
+            with self._cond:
+                self._state, self._ready = {}, deque()
+            return
         sums = np.asarray(state["sums"], dtype=np.float32)
         ready_means = np.asarray(state["ready"][1], dtype=np.float32)
         if sums.shape[1:] != (self.dim,) or ready_means.shape[1:] != (self.dim,):
@@ -181,7 +187,7 @@ class MemoryGradientAccumulator:
         ready = zip(state["ready"][0].tolist(), ready_means, state["ready"][2].tolist(),
                     state["ready"][3].tolist(), strict=True)
         with self._cond:
-            self._state = {i: [total.copy(), count, version, seq]
-                           for i, total, count, version, seq in rows}
-            self._ready = deque((i, mean.copy(), version, seq)
-                                for i, mean, version, seq in ready)
+            self._state = {i: [total.copy(), count, newest, seq]
+                           for i, total, count, newest, seq in rows}
+            self._ready = deque((i, mean.copy(), newest, seq)
+                                for i, mean, newest, seq in ready)

@@ -1,9 +1,11 @@
-"""The feature cache interface: sample id -> (feature vector, backbone version, write time).
+"""What every feature cache backend shares: sample id -> (feature vector, backbone version,
+write time).
 
 The fast gear calls ``get`` before running the backbone and ``put`` with what it computed for the
-misses. Backends (:mod:`bridge.memory_cache`, :mod:`bridge.lmdb_cache`, :mod:`bridge.redis_cache`)
-only move bytes; this base class owns encoding, validation, freshness and the counters, so every
-backend answers the same way.
+misses (the contract is :class:`bridge.protocols.FeatureCache`). Backends
+(:mod:`bridge.memory_cache`, :mod:`bridge.lmdb_cache`, :mod:`bridge.redis_cache`) only move
+bytes; this base class owns encoding, validation, freshness and the counters, so every backend
+answers the same way.
 
 Freshness is checked on every read, not left to backend expiry: an entry older than ``ttl_s``
 seconds (by its own write timestamp) or more than ``max_staleness_versions`` backbone versions
@@ -56,8 +58,8 @@ def as_rows(values: ArrayLike, n: int, dim: int, what: str) -> np.ndarray:
     return arr
 
 
-class FeatureCache(ABC):
-    """Dense-feature cache of one job.
+class FeatureCacheBase(ABC):
+    """Dense-feature cache of one job (a :class:`bridge.protocols.FeatureCache`).
 
     Args:
         dim: feature width.
@@ -159,6 +161,18 @@ class FeatureCache(ABC):
                 return True
 
         return self._delete_where(doomed)
+
+    def checkpoint_state(self) -> dict | None:
+        """None: the entries live outside the process (LMDB, Redis) and outlast a checkpoint;
+        :meth:`restore_checkpoint_state` rolls them back instead."""
+        return None
+
+    def restore_checkpoint_state(self, state: dict | None, version: int) -> None:
+        """Resume at backbone ``version`` (-1: a fresh run): drop the entries of newer backbones
+        and those that do not decode (see :meth:`drop_newer_than`). ``state`` is None here."""
+        dropped = self.drop_newer_than(version)
+        log.info("gear_cache_rolled_back backend=%s version=%d dropped=%d",
+                 type(self).__name__, version, dropped)
 
     def _observe_version(self, version: int) -> None:
         if self.latest_version is None or version > self.latest_version:

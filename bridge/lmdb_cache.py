@@ -27,7 +27,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from bridge.cache import FeatureCache
+from bridge.cache import FeatureCacheBase
 from bridge.codec import FEATURE_HEADER, FEATURE_MAGIC, entry_nbytes
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,12 @@ def _stamp_us(blob: bytes) -> int | None:
     return int(ts * 1e6)
 
 
-class LmdbFeatureCache(FeatureCache):
+class LmdbFeatureCache(FeatureCacheBase):
     """Feature cache in the LMDB environment at ``path`` (a directory, created if missing).
 
     ``max_bytes`` bounds the accounted footprint of the entries; the data file never grows past
     :func:`map_size_for` (``max_bytes``), about 3x the bound plus 8 MiB. Other arguments as in
-    :class:`bridge.cache.FeatureCache`.
+    :class:`bridge.cache.FeatureCacheBase`.
     """
 
     def __init__(self, path: str | os.PathLike, dim: int, max_bytes: int,

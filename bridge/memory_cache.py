@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bridge.cache import FeatureCache
+from bridge.cache import FeatureCacheBase
 from bridge.codec import entry_nbytes
 
 
-class MemoryFeatureCache(FeatureCache):
+class MemoryFeatureCache(FeatureCacheBase):
     """LRU over encoded entries, holding at most ``max_bytes`` of entry bytes.
 
     The bound counts encoded entries (header + payload); Python's per-object overhead (about
@@ -73,18 +73,24 @@ class MemoryFeatureCache(FeatureCache):
                 self._bytes -= len(self._entries.pop(i))
         return len(gone)
 
-    def export_entries(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every entry in LRU order (least recent first): (ids (n,) int64, raw entries (n,
-        entry bytes) uint8), for a checkpoint that must restore the cache exactly."""
+    def checkpoint_state(self) -> dict:
+        """Every entry in LRU order (least recent first): ``ids`` (n,) int64 and ``entries``
+        (n, entry bytes) uint8, the raw encoded entries, so a restore is exact."""
         with self._lock:
             ids = np.fromiter(self._entries.keys(), dtype=np.int64, count=len(self._entries))
             raw = b"".join(self._entries.values())
         width = entry_nbytes(self.dim, self.dtype)
-        return ids, np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), width).copy()
+        return {"ids": ids,
+                "entries": np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), width).copy()}
 
-    def import_entries(self, ids: np.ndarray, raw: np.ndarray) -> None:
-        """Replace the contents with what :meth:`export_entries` returned (same dim and dtype;
-        ValueError otherwise). Entries keep their own write times, so expiry goes on as before."""
+    def restore_checkpoint_state(self, state: dict | None, version: int) -> None:
+        """Replace the contents with what :meth:`checkpoint_state` returned (same dim and
+        dtype; ValueError otherwise). Entries keep their own write times, so expiry goes on as
+        before. Without a ``state`` (a fresh run), entries newer than ``version`` are dropped."""
+        if state is None:
+            super().restore_checkpoint_state(state, version)
+            return
+        ids, raw = np.asarray(state["ids"], dtype=np.int64), state["entries"]
         width = entry_nbytes(self.dim, self.dtype)
         if raw.ndim != 2 or raw.shape != (len(ids), width) or raw.dtype != np.uint8:
             raise ValueError(f"cache entries must be uint8 ({len(ids)}, {width}) for dim "
@@ -92,4 +98,4 @@ class MemoryFeatureCache(FeatureCache):
         with self._lock:
             self._entries.clear()
             self._bytes = 0
-        self._store(np.asarray(ids, dtype=np.int64), [row.tobytes() for row in raw])
+        self._store(ids, [row.tobytes() for row in raw])

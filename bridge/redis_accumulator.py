@@ -42,7 +42,7 @@ from bridge.codec import (
     encode_grad_entry,
     encode_record,
 )
-from bridge.errors import MalformedGradientError
+from bridge.errors import BridgeError, MalformedGradientError
 from bridge.metrics import AccumulatorMetrics
 from bridge.ratelimit import RateLimitedLog
 from bridge.redis_util import RedisGuard, glob_escape
@@ -103,11 +103,7 @@ class RedisGradientAccumulator:
     def discard_all(self) -> int:
         """Forget the job's gradient state: partial sums, the stream of ready means (its
         consumer group goes with it and is recreated by the next read) and the applied keys.
-        A trainer that owns the slow gear calls it when it starts or resumes, because means
-        queued by a discarded run would otherwise be applied, and its applied keys would make
-        the resumed run's identical keys look like duplicates. Returns how many keys went.
-        Raises redis.RedisError if Redis cannot be reached (starting on stale state is worse
-        than not starting)."""
+        Returns how many keys went. Raises redis.RedisError if Redis cannot be reached."""
         deleted = 0
         for pattern in (glob_escape(self.prefix) + b":acc:*",
                         glob_escape(self.prefix) + b":applied:*"):
@@ -115,6 +111,26 @@ class RedisGradientAccumulator:
             for start in range(0, len(keys), 1000):
                 deleted += self.client.delete(*keys[start:start + 1000])
         return deleted + self.client.delete(self.stream)
+
+    def checkpoint_state(self) -> None:
+        """None: the job's gradient state lives in Redis (see
+        :meth:`restore_checkpoint_state`)."""
+        return None
+
+    def restore_checkpoint_state(self, state: dict | None, version: int) -> None:
+        """Start or resume the job with no gradient state (:meth:`discard_all`): means queued
+        by a discarded run would otherwise be applied, and its applied keys would make the
+        resumed run's identical keys look like duplicates. Only the process that owns the slow
+        gear may call it; an external slow gear owns that state itself. ``state`` is None and
+        ``version`` unused: nothing of it can be rolled back to a checkpoint.
+
+        Raises BridgeError if Redis cannot be reached: starting on a discarded run's state is
+        worse than not starting."""
+        try:
+            self.discard_all()
+        except redis.RedisError as e:
+            raise BridgeError(f"cannot discard the job's gradient state in Redis ({e}); it "
+                              f"would mix a discarded run into this one") from e
 
     def add(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
             version: int) -> int:

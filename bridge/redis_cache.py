@@ -20,15 +20,15 @@ from collections.abc import Callable
 import numpy as np
 import redis
 
-from bridge.cache import FeatureCache
+from bridge.cache import FeatureCacheBase
 from bridge.redis_util import RedisGuard, glob_escape
 
 
-class RedisFeatureCache(FeatureCache):
+class RedisFeatureCache(FeatureCacheBase):
     """Feature cache over ``client`` (make it with :func:`bridge.redis_util.make_client` for
     short timeouts). ``prefix`` names the job; ``ttl_s`` is required (it is the only bound on
     Redis memory besides ``maxmemory``). Other arguments as in
-    :class:`bridge.cache.FeatureCache`."""
+    :class:`bridge.cache.FeatureCacheBase`."""
 
     def __init__(self, client: redis.Redis, dim: int, prefix: str, ttl_s: float,
                  dtype: str = "float16", max_staleness_versions: int | None = None,

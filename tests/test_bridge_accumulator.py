@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bridge.accumulator import MemoryGradientAccumulator, apply_key
-from bridge.codec import GradEntry, encode_grad_entry
+from bridge.codec import GradEntry, decode_record, encode_grad_entry
+from bridge.errors import BridgeError
 from bridge.redis_accumulator import (
     RedisGradientAccumulator,
     RedisGradientConsumer,
@@ -43,13 +44,14 @@ class Reference:
                 self.window[i] = []
 
 
-def drive(acc, ref: Reference, steps: int, seed: int) -> None:
+def drive(acc, ref: Reference, steps: int, seed: int, first_version: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for step in range(steps):
         ids = rng.integers(0, 12, size=10)
         grads = rng.standard_normal((10, DIM)).astype(np.float32)
-        acc.add(torch.from_numpy(ids), torch.from_numpy(grads), version=step // 3)
-        ref.add(ids, grads, step // 3)
+        version = first_version + step // 3
+        acc.add(torch.from_numpy(ids), torch.from_numpy(grads), version=version)
+        ref.add(ids, grads, version)
 
 
 def collect(reader, applied: dict, max_items: int = 7) -> None:
@@ -215,39 +217,73 @@ def test_redis_down_drops_and_recovers(own_redis):
     assert len(consumer.read(block_ms=700)) == 0 and consumer.guard.usable()
 
 
-def test_memory_state_dict_resumes_exactly():
-    ref_acc, ref = MemoryGradientAccumulator(DIM, 3), Reference(3)
-    drive(ref_acc, ref, 20, seed=5)
-    first = MemoryGradientAccumulator(DIM, 3)
-    drive(first, Reference(3), 20, seed=5)
-    first.read(max_items=4)  # 4 means taken before the checkpoint; the rest stay queued
+def test_memory_checkpoint_state_holds_what_was_added_and_resumes_exactly():
+    first, ref, applied = MemoryGradientAccumulator(DIM, 3), Reference(3), {}
+    drive(first, ref, 20, seed=5)
+    taken = first.read(max_items=4)  # 4 means applied before the checkpoint; the rest queued
+    for i, g, v, h in zip(taken.ids.tolist(), taken.grads, taken.versions.tolist(),
+                          taken.handles, strict=True):
+        applied[h.key] = (i, g.numpy().copy(), v)
+    first.ack(taken)
+    state = first.checkpoint_state()
+
+    # the partial sums are the gradients of each sample's open window
+    open_ids = sorted(i for i, window in ref.window.items() if window)
+    partial = state["counts"] > 0
+    assert state["ids"][partial].tolist() == open_ids
+    assert state["counts"][partial].tolist() == [len(ref.window[i]) for i in open_ids]
+    np.testing.assert_allclose(state["sums"][partial],
+                               [np.sum([g for g, _ in ref.window[i]], axis=0) for i in open_ids],
+                               rtol=1e-5, atol=1e-5)
+    assert state["seqs"].tolist() == [ref.seq.get(i, 0) for i in state["ids"].tolist()]
+    # the queue holds the reference's means not yet read, in order
+    queued = list(ref.emitted.items())[4:]
+    ready_ids, ready_means, ready_versions, ready_seqs = state["ready"]
+    assert ready_ids.tolist() == [i for (i, _), _ in queued]
+    assert ready_seqs.tolist() == [seq for (_, seq), _ in queued]
+    assert ready_versions.tolist() == [v for _, (_, v) in queued]
+    np.testing.assert_allclose(ready_means, [mean for _, (mean, _) in queued],
+                               rtol=1e-5, atol=1e-6)
+
+    # restored elsewhere, the accumulator goes on as the reference does
     resumed = MemoryGradientAccumulator(DIM, 3)
-    resumed.load_state_dict(first.state_dict())
-    ref_acc.read(max_items=4)
-    # the same gradients after the cut give the same means from both
-    for acc in (resumed, ref_acc):
-        drive(acc, Reference(3), 20, seed=6)
-    a, b = {}, {}
-    collect(resumed, a)
-    collect(ref_acc, b)
-    assert a.keys() == b.keys() and len(a) > 10
-    for key in a:
-        assert a[key][0] == b[key][0] and a[key][2] == b[key][2]
-        np.testing.assert_array_equal(a[key][1], b[key][1])
+    resumed.add(np.array([0]), np.ones((1, DIM)), 0)  # replaced by the restore
+    resumed.restore_checkpoint_state(state, 6)
+    drive(resumed, ref, 20, seed=6, first_version=7)
+    collect(resumed, applied)
+    assert len(applied) > 20
+    check_against(ref, applied)
     with pytest.raises(ValueError, match="width"):
-        MemoryGradientAccumulator(DIM + 1, 3).load_state_dict(first.state_dict())
+        MemoryGradientAccumulator(DIM + 1, 3).restore_checkpoint_state(state, 6)
 
 
-def test_redis_discard_all_forgets_the_job_only(redis_server):
+def test_memory_fresh_restore_empties_the_accumulator():
+    acc = MemoryGradientAccumulator(DIM, 2)
+    drive(acc, Reference(2), 10, seed=3)
+    acc.restore_checkpoint_state(None, -1)
+    assert acc.pending() == 0 and len(acc.read()) == 0
+
+
+def test_redis_restore_forgets_the_job_only(redis_server):
     client = redis_server.client()
     acc = RedisGradientAccumulator(client, DIM, 2, "discard")
     other = RedisGradientAccumulator(client, DIM, 1, "discardX")
-    drive(acc, Reference(2), 10, seed=1)
+    ref = Reference(2)
+    drive(acc, ref, 10, seed=1)
     drive(other, Reference(1), 3, seed=1)
     consumer = RedisGradientConsumer(client, DIM, "discard")
     collect(consumer, {})  # applied keys exist now
-    drive(acc, Reference(2), 10, seed=2)  # partial sums and queued means too
-    assert acc.discard_all() > 0
+    drive(acc, ref, 10, seed=2, first_version=4)  # partial sums and queued means too
+    assert client.xlen(stream_key("discard")) > 0
+    for i, window in ref.window.items():  # the partial sums in Redis are the reference's
+        rec = decode_record(client.get(acc.record_key(i)), DIM)
+        assert rec.count == len(window)
+        if window:
+            np.testing.assert_allclose(rec.sum, np.sum([g for g, _ in window], axis=0),
+                                       rtol=1e-5, atol=1e-5)
+
+    assert acc.checkpoint_state() is None  # the state lives in Redis, not in checkpoints
+    acc.restore_checkpoint_state(None, 3)
     assert not list(client.scan_iter(match=b"discard:*"))
     assert client.xlen(stream_key("discardX")) > 0
     # a new consumer starts over: the same means are fresh, not duplicates
@@ -255,3 +291,10 @@ def test_redis_discard_all_forgets_the_job_only(redis_server):
     drive(acc, ref, 10, seed=1)
     collect(RedisGradientConsumer(client, DIM, "discard"), applied)
     check_against(ref, applied)
+
+
+def test_redis_restore_refuses_to_start_without_redis(own_redis):
+    acc = RedisGradientAccumulator(own_redis.client(socket_timeout_s=0.3), DIM, 2, "norestore")
+    own_redis.kill()
+    with pytest.raises(BridgeError, match="gradient state"):
+        acc.restore_checkpoint_state(None, -1)

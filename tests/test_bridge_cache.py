@@ -430,20 +430,75 @@ def test_lmdb_drop_newer_than_keeps_the_byte_account(tmp_path):
     cache.close()
 
 
-def test_memory_export_import_restores_entries_exactly():
+def test_memory_checkpoint_state_restores_entries_exactly():
     clock = FakeClock()
     a = MemoryFeatureCache(DIM, 40 * entry_nbytes(DIM, "float16"), ttl_s=60.0, clock=clock)
-    for v in range(6):
-        a.put(np.arange(10 * v, 10 * v + 10), feats(np.arange(10), v), v)  # 20 evicted
+    for v in range(6):  # ids 10v..10v+9 by backbone v; the bound evicts ids 0..19
+        a.put(np.arange(10 * v, 10 * v + 10), feats(np.arange(10 * v, 10 * v + 10), v), v)
     a.get(np.arange(25, 30))  # touched: now most recently used
+    state = a.checkpoint_state()
+    assert state["ids"].tolist() == [*range(20, 25), *range(30, 60), *range(25, 30)]
     b = MemoryFeatureCache(DIM, a.max_bytes, ttl_s=60.0, clock=clock)
-    b.import_entries(*a.export_entries())
+    b.put(np.arange(3), feats(np.arange(3), 9), 9)  # replaced by the restore
+    b.restore_checkpoint_state(state, 5)
     ids = np.arange(60)
-    for x, y in zip(a.get(ids), b.get(ids), strict=True):
-        assert torch.equal(x, y)
+    out, hit = b.get(ids)
+    np.testing.assert_array_equal(hit.numpy(), ids >= 20)
+    np.testing.assert_array_equal(out[20:].numpy(), as_fp16(np.concatenate(
+        [feats(np.arange(10 * v, 10 * v + 10), v) for v in range(2, 6)])))
     # the LRU order came along: the next eviction takes the same ids from both
     for cache in (a, b):
-        cache.put(np.arange(100, 105), feats(np.arange(5), 9), 9)
+        cache.put(np.arange(100, 105), feats(np.arange(100, 105), 9), 9)
     assert torch.equal(a.get(ids)[1], b.get(ids)[1])
+    # entries keep their write times, so they expire as they would have
+    clock.t += 61
+    assert not b.get(ids[20:])[1].any()
     with pytest.raises(ValueError, match="uint8"):
-        b.import_entries(np.arange(2), np.zeros((2, 3), np.uint8))
+        b.restore_checkpoint_state({"ids": np.arange(2), "entries": np.zeros((2, 3), np.uint8)}, 0)
+
+
+def test_memory_fresh_restore_empties_the_cache():
+    cache = MemoryFeatureCache(DIM, 1 << 20, ttl_s=60.0)
+    cache.put(np.arange(5), feats(np.arange(5), 0), 0)
+    cache.restore_checkpoint_state(None, -1)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "redis"])
+def test_shared_cache_checkpoint_state_rolls_back_where_it_lives(kind, tmp_path, redis_server):
+    prefix = f"ckpt{os.getpid()}"
+
+    def make() -> LmdbFeatureCache | RedisFeatureCache:
+        if kind == "lmdb":
+            return LmdbFeatureCache(tmp_path / "cache", DIM, 1 << 20, ttl_s=60.0)
+        return RedisFeatureCache(redis_server.client(), DIM, prefix, 60.0)
+
+    ids = np.arange(40)
+    crashed = make()
+    for v in range(2):  # ids 10v..10v+9 by backbone v, before the checkpoint of version 1
+        crashed.put(ids[10 * v:10 * v + 10], feats(ids[10 * v:10 * v + 10], v), v)
+    state = crashed.checkpoint_state()
+    assert state is None  # the entries stay where they live
+    for v in range(2, 4):  # after it, by weights the resumed run never has
+        crashed.put(ids[10 * v:10 * v + 10], feats(ids[10 * v:10 * v + 10], v), v)
+    if kind == "lmdb":
+        crashed.close()
+
+    resumed = make()
+    resumed.restore_checkpoint_state(state, 1)
+    out, hit = resumed.get(ids, current_version=1)
+    np.testing.assert_array_equal(hit.numpy(), ids < 20)
+    np.testing.assert_array_equal(out[:20].numpy(), as_fp16(np.concatenate(
+        [feats(ids[10 * v:10 * v + 10], v) for v in range(2)])))
+    assert len(_stored_keys(resumed)) == 20  # the newer entries are gone, not just stale
+    resumed.restore_checkpoint_state(None, -1)  # a fresh run of the same job starts empty
+    assert not resumed.get(ids)[1].any() and len(_stored_keys(resumed)) == 0
+    if kind == "lmdb":
+        resumed.close()
+
+
+def _stored_keys(cache: LmdbFeatureCache | RedisFeatureCache) -> list[bytes]:
+    if isinstance(cache, LmdbFeatureCache):
+        with cache._open().begin(db=cache._feat) as txn:
+            return [key for key, _ in txn.cursor(db=cache._feat)]
+    return list(cache.client.scan_iter(match=f"{cache.prefix}:f:*".encode()))

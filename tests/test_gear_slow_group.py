@@ -16,12 +16,12 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from bridge import GradientBatch
+from bridge import GradientBatch, WeightStore, weights_digest
 from bridge.redis_accumulator import RedisGradientAccumulator, stream_key
 from tests.conftest import free_port, set_torchrun_env
 from workers.backbones import build_backbone
 from workers.distributed import process_group
-from workers.gear import SlowGear, SlowGearGroup, WeightStore, weights_digest
+from workers.gear import SlowGear, SlowGearGroup
 from workers.predict import images_to_input
 
 DIM, LR, MOMENTUM, DECAY = 3, 0.05, 0.9, 1e-3
@@ -55,13 +55,14 @@ def _group_rounds(rank: int, world: int, out: str) -> None:
     if rank == 0:
         model.load_state_dict(make_model().state_dict())
     group.broadcast_state(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
+    # lr=0: the step must take the rate apply is given, not the optimizer's own
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=MOMENTUM, weight_decay=DECAY)
     data = [(i, img, 0) for i, img in enumerate(images(8))]
     slow = SlowGear(model, optimizer, data, torch.device("cpu"), group=group)
     grads = mean_grads(8)
     for plan in ROUNDS:
         ids = torch.tensor(plan[rank], dtype=torch.int64)
-        slow.apply(GradientBatch(ids, grads[ids], torch.zeros_like(ids), []))
+        slow.apply(GradientBatch(ids, grads[ids], torch.zeros_like(ids), []), LR)
     torch.save({"state": model.state_dict(), "version": slow.version}, f"{out}/rank{rank}.pt")
 
 

@@ -1,65 +1,51 @@
 """Gear mode in the trainer: a fast gear that trains the head from cached features and a slow
-gear that trains the backbone from averaged feature gradients (seed 002; ARCHITECTURE.md, "Gear
-mode").
+gear that trains the backbone from averaged feature gradients (the "Gear training" paper;
+docs/architecture.md, "One gear step").
 
 Per step the trainer calls :meth:`Gear.features` before the head and :meth:`Gear.backward` after
 it:
 
-* fast gear: look the batch up in the :class:`bridge.FeatureCache` (entries younger than the
-  cache's ``ttl_s``), run the backbone without grad on the misses only and cache what it
-  computed; after the head, hand dL/dX of every sample to the accumulator
-  (``acc.add(ids, grad, version)``);
+* fast gear: look the batch up in the :class:`bridge.protocols.FeatureCache` (entries younger
+  than the cache's ttl), run the backbone without grad on the misses only and cache what it
+  computed; after the head, hand dL/dX of every sample to the
+  :class:`bridge.protocols.GradientSink` (``sink.add(ids, grad, version)``);
 * slow gear (:class:`SlowGear`), in this process after every fast step or in separate
-  ``xcls gear slow`` processes: read ready mean gradients, reload those samples' images by id,
-  forward with grad, ``features.backward(mean_grad)``, step the backbone, bump its version.
+  ``xcls gear slow`` processes: read ready mean gradients from a
+  :class:`bridge.protocols.GradientSource`, reload those samples' images by id, forward with
+  grad, ``features.backward(mean_grad)``, step the backbone at the learning rate it is given,
+  bump its version.
 
-With separate slow processes the weights travel through :class:`WeightStore` (a versioned Redis
-key): the slow worker publishes every few backbone steps and fast workers reload the newest
-every few steps. A cache, stream or weight-store outage never stops training: the bridge answers
-misses / drops gradients, and the fast gear keeps the weights it has.
+With separate slow processes the weights travel through a :class:`bridge.protocols.WeightChannel`:
+the slow worker publishes every few backbone steps and fast workers reload the newest every few
+steps. This module knows only those protocols; which backend stands behind them is the run
+assembly's choice. A backend outage never stops training: the bridge answers misses / drops
+gradients, and the fast gear keeps the weights it has.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
-import struct
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from enum import StrEnum
 
-import redis
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from bridge import (
-    BridgeError,
-    FeatureCache,
-    GradientBatch,
-    MemoryFeatureCache,
-    MemoryGradientAccumulator,
-)
+from bridge.accumulator import GradientBatch
+from bridge.protocols import FeatureCache, GradientSink, GradientSource, WeightChannel
 from bridge.ratelimit import RateLimitedLog
-from bridge.redis_util import RedisGuard
 from workers.predict import images_to_input
 
 log = logging.getLogger(__name__)
 
 
-class GradientSink(Protocol):
-    """The fast gear's side of an accumulator (memory or Redis)."""
+class SlowGearMode(StrEnum):
+    """Where the slow gear steps the backbone."""
 
-    def add(self, ids: torch.Tensor, grads: torch.Tensor, version: int) -> int: ...
-
-
-class GradientSource(Protocol):
-    """The slow gear's side: the memory accumulator or a Redis consumer."""
-
-    def read(self, max_items: int = 256, block_ms: int = 0) -> GradientBatch: ...
-
-    def ack(self, batch: GradientBatch) -> int: ...
+    LOCAL = "local"  # in the trainer, after each fast step
+    EXTERNAL = "external"  # separate 'xcls gear slow' processes fed through Redis
 
 
 @dataclass
@@ -134,10 +120,11 @@ class SlowGear:
     """Applies ready mean gradients to the backbone.
 
     backbone: the network (not DDP-wrapped: the slow gear steps it itself); optimizer: over its
-    parameters; dataset: ``dataset[id]`` -> (id, uint8 image (C, H, W), label), the LMDB training
-    set; ``max_items``: most means in one backward. ``version`` counts backbone steps (start it
-    at a published version to continue that count). ``group``: the ranks this one steps with
-    (None: alone).
+    parameters, stepped at the learning rate each call is given (it overwrites the lr of the
+    param groups); dataset: ``dataset[id]`` -> (id, uint8 image (C, H, W), label), the LMDB
+    training set; ``max_items``: most means in one backward. ``version`` counts backbone steps
+    (start it at a published version to continue that count). ``group``: the ranks this one
+    steps with (None: alone).
     """
 
     def __init__(self, backbone: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
@@ -151,10 +138,11 @@ class SlowGear:
         self.counts = GearCounts()
         self._warn = RateLimitedLog(log)
 
-    def apply(self, batch: GradientBatch) -> int:
-        """One backbone step from ``batch`` (ids (k,) int64, grads (k, dim) float32 mean dL/dX).
-        Returns how many means were applied (ids outside the dataset are dropped). In a group
-        every rank calls it in the same round, even with an empty batch, and all step."""
+    def apply(self, batch: GradientBatch, lr: float) -> int:
+        """One backbone step at learning rate ``lr`` from ``batch`` (ids (k,) int64, grads
+        (k, dim) float32 mean dL/dX). Returns how many means were applied (ids outside the
+        dataset are dropped). In a group every rank calls it in the same round, even with an
+        empty batch, and all step."""
         ids, grads = batch.ids, batch.grads
         # A well-formed entry can still name a sample this dataset does not have (another
         # job's stream, a bad writer): it must neither crash the worker nor train anything.
@@ -177,6 +165,8 @@ class SlowGear:
             self.backbone.train(was_training)
         if self.group is not None:
             self.group.sum_gradients(self.backbone, self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.group is not None:
@@ -186,126 +176,23 @@ class SlowGear:
         self.counts.slow_steps += 1
         return k
 
-    def run_once(self, source: GradientSource, block_ms: int = 0) -> int:
-        """Read up to ``max_items`` ready means, apply them, ack them. Returns how many were
-        read (applied or rejected); 0 when nothing was ready within ``block_ms``."""
+    def run_once(self, source: GradientSource, lr: float, block_ms: int = 0) -> int:
+        """Read up to ``max_items`` ready means, apply them at learning rate ``lr``, ack them.
+        Returns how many were read (applied or rejected); 0 when nothing was ready within
+        ``block_ms``."""
         batch = source.read(self.max_items, block_ms)
         if not len(batch):
             return 0
-        self.apply(batch)
+        self.apply(batch, lr)
         # Rejected ids are acked too: re-delivering them would only reject them again.
         source.ack(batch)
         return len(batch)
 
-    def drain(self, source: GradientSource) -> None:
-        """Apply everything ready now (in-process slow gear, after each fast step)."""
-        while self.run_once(source):
+    def drain(self, source: GradientSource, lr: float) -> None:
+        """Apply everything ready now at learning rate ``lr`` (in-process slow gear, after each
+        fast step)."""
+        while self.run_once(source, lr):
             pass
-
-
-def weights_digest(module: nn.Module) -> str:
-    """A short sha256 of ``module``'s parameters and buffers (its state dict, in order): equal
-    digests mean bit-identical weights, e.g. across the ranks of a slow-gear group."""
-    h = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-_WEIGHTS_HEADER = struct.Struct("<4sq32s")  # magic, version, sha256 of the payload
-_WEIGHTS_MAGIC = b"XGW1"
-
-
-class WeightStore:
-    """Backbone weights published by the slow worker in Redis, versioned.
-
-    ``{prefix}:weights`` holds header (magic, version, sha256) + ``torch.save`` of the state
-    dict; ``{prefix}:weights:version`` the version alone, so a fast worker polls one small key
-    and fetches the blob only when it changed. Both are written in one MULTI. A blob that fails
-    its checks (magic, checksum, keys/shapes of the model) is logged and ignored.
-    """
-
-    def __init__(self, client: redis.Redis, prefix: str, retry_after_s: float = 1.0) -> None:
-        self.client = client
-        self.key = f"{prefix}:weights".encode()
-        self.version_key = f"{prefix}:weights:version".encode()
-        self.guard = RedisGuard(f"weights:{prefix}", retry_after_s)
-        self._warn = RateLimitedLog(log)
-
-    def publish(self, model: nn.Module, version: int) -> bool:
-        """Store ``model``'s state dict as ``version``; False if Redis is unreachable."""
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-        payload = buf.getvalue()
-        blob = _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
-                                    hashlib.sha256(payload).digest()) + payload
-        if not self.guard.usable():
-            return False
-        try:
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.set(self.key, blob)
-                pipe.set(self.version_key, str(version).encode())
-                pipe.execute()
-        except redis.RedisError as e:
-            self.guard.failed("publish", e)
-            return False
-        self.guard.ok()
-        return True
-
-    def published_version(self) -> int | None:
-        """The newest published version, None if none (or Redis is down, or it is garbage)."""
-        if not self.guard.usable():
-            return None
-        try:
-            raw = self.client.get(self.version_key)
-        except redis.RedisError as e:
-            self.guard.failed("version", e)
-            return None
-        self.guard.ok()
-        try:
-            return int(raw) if raw is not None else None
-        except ValueError:
-            self._warn.warn("gear_weights_bad_version", value=repr(raw[:32]))
-            return None
-
-    def load_into(self, model: nn.Module, newer_than: int) -> int | None:
-        """Load the published weights into ``model`` if their version > ``newer_than``.
-        Returns the loaded version, or None (nothing newer, unreachable or rejected)."""
-        version = self.published_version()
-        if version is None or version <= newer_than:
-            return None
-        try:
-            blob = self.client.get(self.key)
-        except redis.RedisError as e:
-            self.guard.failed("fetch", e)
-            return None
-        try:
-            state, version = self._decode(blob, model)
-        except ValueError as e:
-            self._warn.warn("gear_weights_rejected", error=repr(str(e)))
-            return None
-        model.load_state_dict(state)
-        return version
-
-    @staticmethod
-    def _decode(blob: bytes | None, model: nn.Module) -> tuple[dict, int]:
-        if blob is None or len(blob) < _WEIGHTS_HEADER.size:
-            raise ValueError("weights blob missing or truncated")
-        magic, version, digest = _WEIGHTS_HEADER.unpack_from(blob)
-        payload = blob[_WEIGHTS_HEADER.size:]
-        if magic != _WEIGHTS_MAGIC or hashlib.sha256(payload).digest() != digest:
-            raise ValueError(f"weights blob fails its magic/checksum (magic {magic!r})")
-        try:
-            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-        except Exception as e:  # torch.load raises many types on bad pickles
-            raise ValueError(f"weights payload does not load: {e}") from e
-        own = model.state_dict()
-        if not isinstance(state, dict) or state.keys() != own.keys() or any(
-                not isinstance(state[k], torch.Tensor) or state[k].shape != own[k].shape
-                for k in own):
-            raise ValueError("published weights do not match this backbone's parameters")
-        return state, version
 
 
 class Gear:
@@ -313,14 +200,15 @@ class Gear:
     (``weights``: reload what the slow workers publish every ``sync_every`` steps).
 
     backbone: the network (possibly DDP-wrapped; the fast gear only runs it without grad);
-    cache: None means ttl 0, never reuse a feature; accumulator: gradient sink.
-    Exactly one of ``slow`` and ``weights`` is given.
+    cache: None means ttl 0, never reuse a feature; accumulator: where dL/dX goes.
+    Exactly one of ``slow`` (the slow gear and the source it reads the accumulator's means from)
+    and ``weights`` is given.
     """
 
     def __init__(self, backbone: nn.Module, cache: FeatureCache | None,
                  accumulator: GradientSink, device: torch.device, *,
                  slow: tuple[SlowGear, GradientSource] | None = None,
-                 weights: WeightStore | None = None, sync_every: int = 10) -> None:
+                 weights: WeightChannel | None = None, sync_every: int = 10) -> None:
         if (slow is None) == (weights is None):
             raise ValueError("give exactly one of slow (in-process) and weights (external)")
         self.backbone, self.cache, self.accumulator = backbone, cache, accumulator
@@ -338,27 +226,25 @@ class Gear:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the gear: the backbone version, step and work counters,
-        and the contents of in-process caches and accumulators (shared backends keep theirs;
-        see :meth:`begin`)."""
-        state: dict = {"version": self.version, "steps": self._steps,
-                       "counts": asdict(self.counts), "cache": None, "accumulator": None}
-        if isinstance(self.cache, MemoryFeatureCache):
-            state["cache"] = self.cache.export_entries()
-        if isinstance(self.accumulator, MemoryGradientAccumulator):
-            state["accumulator"] = self.accumulator.state_dict()
-        return state
+        and the cache's and (with the slow gear in this process) the accumulator's
+        :meth:`~bridge.protocols.CheckpointState.checkpoint_state`."""
+        owned = self.slow is not None
+        return {"version": self.version, "steps": self._steps, "counts": asdict(self.counts),
+                "cache": self.cache.checkpoint_state() if self.cache is not None else None,
+                "accumulator": self.accumulator.checkpoint_state() if owned else None}
 
     def begin(self, state: dict | None) -> None:
         """Start from a checkpoint's :meth:`state_dict`, or fresh when ``state`` is None.
 
-        In-process state comes back exactly, so a resumed run repeats the uninterrupted one.
-        What lives in LMDB or Redis outlasted the checkpoint: cache entries of newer backbone
-        versions are dropped (fresh: all of them), and when this process owns the slow gear the
-        job's partial sums, queued means and applied keys are discarded. An external slow
-        gear owns that state itself; the fast gear then takes the newest published weights.
+        The cache and, when this process owns the slow gear, the accumulator restore their own
+        state (:meth:`~bridge.protocols.CheckpointState.restore_checkpoint_state`): in-process
+        ones exactly, so a resumed run repeats the uninterrupted one; shared ones roll back
+        what outlasted the checkpoint. An external slow gear owns the gradient state itself;
+        the fast gear then takes the newest published weights.
         """
-        version = int(state["version"]) if state else 0
-        if state:
+        version = -1
+        if state is not None:
+            version = int(state["version"])
             self._steps = int(state["steps"])
             self.counts = GearCounts(**state["counts"])
             if self.slow:
@@ -366,20 +252,11 @@ class Gear:
                 self.slow[0].counts = self.counts
             else:
                 self._version = version
-        if isinstance(self.cache, MemoryFeatureCache) and state and state["cache"] is not None:
-            self.cache.import_entries(*state["cache"])
-        elif self.cache is not None:
-            dropped = self.cache.drop_newer_than(version if state else -1)
-            log.info("gear_cache_rolled_back version=%d dropped=%d", version, dropped)
-        if isinstance(self.accumulator, MemoryGradientAccumulator):
-            if state and state["accumulator"] is not None:
-                self.accumulator.load_state_dict(state["accumulator"])
-        elif self.slow is not None:
-            try:
-                self.accumulator.discard_all()
-            except redis.RedisError as e:
-                raise BridgeError(f"gear: cannot discard the job's gradient state in Redis "
-                                  f"({e}); it would mix a discarded run into this one") from e
+        if self.cache is not None:
+            self.cache.restore_checkpoint_state(state["cache"] if state else None, version)
+        if self.slow is not None:
+            self.accumulator.restore_checkpoint_state(
+                state["accumulator"] if state else None, version)
         if self.weights is not None:
             self.sync()
 
@@ -414,14 +291,16 @@ class Gear:
         self.counts.fast_forwards += int(miss.sum())
         return feats
 
-    def backward(self, ids: torch.Tensor, feature_grad: torch.Tensor) -> None:
-        """Hand dL/dX (B, dim) of ``ids`` to the accumulator, then run the slow gear (in
-        process) or pick up newer published weights (external slow gear)."""
+    def backward(self, ids: torch.Tensor, feature_grad: torch.Tensor, lr: float) -> None:
+        """Hand dL/dX ``feature_grad`` (B, dim) float of ``ids`` (B,) int64 to the accumulator,
+        then run the slow gear (in process), stepping the backbone at learning rate ``lr``, or
+        pick up newer published weights (external slow gear, which runs its own schedule and
+        ignores ``lr``)."""
         self.accumulator.add(ids, feature_grad.detach().float().cpu(), self.version)
         self._steps += 1
         if self.slow is not None:
             gear, source = self.slow
-            gear.drain(source)
+            gear.drain(source, lr)
         elif self._steps % self.sync_every == 0:
             self.sync()
 

@@ -1,0 +1,127 @@
+"""Backbone weights in Redis, versioned: the :class:`bridge.protocols.WeightChannel` from an
+external slow gear (``xcls gear slow``, which publishes every few backbone steps) to the fast
+gears (which reload the newest every few steps).
+
+``{prefix}:weights`` holds a header (magic, version, sha256 of the payload) and ``torch.save`` of
+the state dict; ``{prefix}:weights:version`` the version alone, so a fast worker polls one small
+key and fetches the blob only when it changed. Both are written in one MULTI. A blob that fails
+its checks (magic, checksum, keys/shapes of the model) is logged and ignored, and an unreachable
+Redis answers "nothing new": the fast gear keeps the weights it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import struct
+
+import redis
+import torch
+from torch import nn
+
+from bridge.ratelimit import RateLimitedLog
+from bridge.redis_util import RedisGuard
+
+log = logging.getLogger(__name__)
+
+_WEIGHTS_HEADER = struct.Struct("<4sq32s")  # magic, version, sha256 of the payload
+_WEIGHTS_MAGIC = b"XGW1"
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A short sha256 of ``module``'s parameters and buffers (its state dict, in order): equal
+    digests mean bit-identical weights, e.g. across the ranks of a slow-gear group or between
+    a publisher and a loader."""
+    h = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class WeightStore:
+    """Backbone weights of job ``prefix`` in Redis over ``client``
+    (:func:`bridge.redis_util.make_client`); after a failure no call touches the network for
+    ``retry_after_s``."""
+
+    def __init__(self, client: redis.Redis, prefix: str, retry_after_s: float = 1.0) -> None:
+        self.client = client
+        self.key = f"{prefix}:weights".encode()
+        self.version_key = f"{prefix}:weights:version".encode()
+        self.guard = RedisGuard(f"weights:{prefix}", retry_after_s)
+        self._warn = RateLimitedLog(log)
+
+    def publish(self, model: nn.Module, version: int) -> bool:
+        """Store ``model``'s state dict as ``version``; False if Redis is unreachable."""
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+        payload = buf.getvalue()
+        blob = _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
+                                   hashlib.sha256(payload).digest()) + payload
+        if not self.guard.usable():
+            return False
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(self.key, blob)
+                pipe.set(self.version_key, str(version).encode())
+                pipe.execute()
+        except redis.RedisError as e:
+            self.guard.failed("publish", e)
+            return False
+        self.guard.ok()
+        return True
+
+    def published_version(self) -> int | None:
+        """The newest published version, None if none (or Redis is down, or it is garbage)."""
+        if not self.guard.usable():
+            return None
+        try:
+            raw = self.client.get(self.version_key)
+        except redis.RedisError as e:
+            self.guard.failed("version", e)
+            return None
+        self.guard.ok()
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            self._warn.warn("gear_weights_bad_version", value=repr(raw[:32]))
+            return None
+
+    def load_into(self, model: nn.Module, newer_than: int) -> int | None:
+        """Load the published weights into ``model`` if their version > ``newer_than``.
+        Returns the loaded version, or None (nothing newer, unreachable or rejected)."""
+        version = self.published_version()
+        if version is None or version <= newer_than:
+            return None
+        try:
+            blob = self.client.get(self.key)
+        except redis.RedisError as e:
+            self.guard.failed("fetch", e)
+            return None
+        try:
+            state, version = self._decode(blob, model)
+        except ValueError as e:
+            self._warn.warn("gear_weights_rejected", error=repr(str(e)))
+            return None
+        model.load_state_dict(state)
+        return version
+
+    @staticmethod
+    def _decode(blob: bytes | None, model: nn.Module) -> tuple[dict, int]:
+        if blob is None or len(blob) < _WEIGHTS_HEADER.size:
+            raise ValueError("weights blob missing or truncated")
+        magic, version, digest = _WEIGHTS_HEADER.unpack_from(blob)
+        payload = blob[_WEIGHTS_HEADER.size:]
+        if magic != _WEIGHTS_MAGIC or hashlib.sha256(payload).digest() != digest:
+            raise ValueError(f"weights blob fails its magic/checksum (magic {magic!r})")
+        try:
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch.load raises many types on bad pickles
+            raise ValueError(f"weights payload does not load: {e}") from e
+        own = model.state_dict()
+        if not isinstance(state, dict) or state.keys() != own.keys() or any(
+                not isinstance(state[k], torch.Tensor) or state[k].shape != own[k].shape
+                for k in own):
+            raise ValueError("published weights do not match this backbone's parameters")
+        return state, version
