@@ -11,7 +11,7 @@ from torch import nn
 
 import ams
 from tests.conftest import DEVICES
-from workers.heads import HEADS, build_head
+from workers.heads import HeadKind, build_head
 from workers.losses import CombinedMarginLoss
 
 N, DIM, B = 40, 16, 12
@@ -36,10 +36,10 @@ def write_exact_graph(client, k: int, num_rows: int = N) -> torch.Tensor:
     w = F.normalize(all_rows(client, num_rows).double(), dim=1)
     similarity = w @ w.t()
     similarity.fill_diagonal_(2.0)
-    neighbours = similarity.topk(k, dim=1).indices
-    client.set_neighbors("fc", torch.arange(num_rows), neighbours, version=1, step=0,
+    neighbors = similarity.topk(k, dim=1).indices
+    client.set_neighbors("fc", torch.arange(num_rows), neighbors, version=1, step=0,
                          replace_all=True)
-    return neighbours
+    return neighbors
 
 
 def arcface_margin() -> CombinedMarginLoss:
@@ -64,8 +64,11 @@ def reference_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> to
 
 
 def run_step(head, client, seed: int, lr: float = 0.1, device: str = "cpu"):
+    """One head step and a plain push of its row gradient; returns (step, rows after)."""
     features, labels = batch(seed)
-    step = head.forward_backward(features.to(device), head.prepare(labels), lr=lr)
+    active = head.prepare(labels)
+    step = head.forward_backward(features.to(device), active)
+    client.push("fc", active.active_ids, step.row_grad, lr=lr)
     return step, all_rows(client)
 
 
@@ -98,7 +101,7 @@ def test_feature_grad_continues_the_backbone_backward():
     backbone = nn.Linear(8, DIM)
     inputs, labels = torch.randn(B, 8), batch(3)[1]
     w = all_rows(client).double()
-    step = head.forward_backward(backbone(inputs), head.prepare(labels), lr=0.1)
+    step = head.forward_backward(backbone(inputs), head.prepare(labels))
     backbone(inputs).backward(step.feature_grad)
 
     reference = nn.Linear(8, DIM).double()
@@ -150,23 +153,25 @@ def test_partial_head_samples_and_updates_only_its_rows():
     assert active.active_ids.numel() == 40
     assert bool((active.active_ids[active.target] == labels).all())
     before = all_rows(client, num_rows)
-    step = head.forward_backward(features, active, lr=0.1)
+    step = head.forward_backward(features, active)
+    client.push("fc", active.active_ids, step.row_grad, lr=0.1)
     assert step.num_active == 40 and math.isfinite(step.loss)
     assert_only_active_rows_moved(before, all_rows(client, num_rows), active.active_ids)
 
 
-def test_knn_head_takes_labels_and_their_neighbours():
+def test_knn_head_takes_labels_and_their_neighbors():
     num_rows, k = 400, 4
     client = make_client(num_rows=num_rows)
-    neighbours = write_exact_graph(client, k=8, num_rows=num_rows)
+    neighbors = write_exact_graph(client, k=8, num_rows=num_rows)
     head = build_head("knn", client, "fc", num_rows, arcface_margin(), k=k, budget=B * k)
     features, labels = batch(5, num_rows)
     active = head.prepare(labels)
-    wanted = torch.unique(neighbours[labels, :k])
+    wanted = torch.unique(neighbors[labels, :k])
     assert bool(torch.isin(wanted, active.active_ids).all())
     assert bool((active.active_ids[active.target] == labels).all())
     before = all_rows(client, num_rows)
-    head.forward_backward(features, active, lr=0.1)
+    step = head.forward_backward(features, active)
+    client.push("fc", active.active_ids, step.row_grad, lr=0.1)
     assert_only_active_rows_moved(before, all_rows(client, num_rows), active.active_ids)
 
 
@@ -180,7 +185,7 @@ def test_low_precision_table_computes_in_float32(dtype):
     x = features.double().requires_grad_(True)
     want = reference_loss(x, active.rows.double(), labels)
     want.backward()
-    step = head.forward_backward(features, active, lr=0.1)
+    step = head.forward_backward(features, active)
     assert step.loss == pytest.approx(want.item(), abs=1e-5)
     torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
 
@@ -193,7 +198,7 @@ def test_low_precision_features_get_gradients_in_their_dtype():
     active = head.prepare(labels)
     x = features.double().requires_grad_(True)
     want = reference_loss(x, active.rows.double(), labels)
-    step = head.forward_backward(features, active, lr=0.1)
+    step = head.forward_backward(features, active)
     assert step.feature_grad.dtype == torch.bfloat16
     assert step.loss == pytest.approx(want.item(), abs=1e-5)
 
@@ -204,7 +209,7 @@ def test_accuracy_counts_labels_with_the_highest_cosine():
     labels = torch.arange(B)
     features = all_rows(client)[labels].float() * 3.0  # each feature points at its own row
     features[0] = -features[0]
-    step = head.forward_backward(features, head.prepare(labels), lr=0.0)
+    step = head.forward_backward(features, head.prepare(labels))
     assert step.accuracy == pytest.approx((B - 1) / B)
 
 
@@ -212,10 +217,10 @@ def test_accuracy_counts_labels_with_the_highest_cosine():
 def test_logq_correction_weights_the_uniform_draws(name):
     # float64 reference: ArcFace logits of the active classes, plus log(pool / drawn) on the
     # classes drawn uniformly from the pool left after the labels (and, for knn, the labels'
-    # nearest rank-1 neighbours), 0 on the classes taken for sure.
+    # nearest rank-1 neighbors), 0 on the classes taken for sure.
     num_rows = 400
     client = make_client(num_rows=num_rows)
-    neighbours = write_exact_graph(client, k=4, num_rows=num_rows)
+    neighbors = write_exact_graph(client, k=4, num_rows=num_rows)
     options = {"sample_rate": 0.1} if name == "partial" else {"k": 2, "budget": 40,
                                                                "random_share": 0.5}
     head = build_head(name, client, "fc", num_rows, arcface_margin(), logq_correction=True,
@@ -226,7 +231,7 @@ def test_logq_correction_weights_the_uniform_draws(name):
     sure = set(labels.tolist())
     if name == "knn":
         slots = 40 - len(sure)
-        rank1 = [n for n in dict.fromkeys(neighbours[labels, 1].tolist()) if n not in sure]
+        rank1 = [n for n in dict.fromkeys(neighbors[labels, 1].tolist()) if n not in sure]
         sure |= set(rank1[:slots - round(0.5 * slots)])
     drawn = [i for i in ids.tolist() if i not in sure]
     offsets = torch.tensor([0.0 if i in sure else math.log((num_rows - len(sure)) / len(drawn))
@@ -240,12 +245,12 @@ def test_logq_correction_weights_the_uniform_draws(name):
     logits = cosine.scatter(1, target[:, None], torch.cos(theta + M2)[:, None]) * S + offsets
     want = F.cross_entropy(logits, target)
     want.backward()
-    step = head.forward_backward(features, active, lr=0.1)
+    step = head.forward_backward(features, active)
     assert step.loss == pytest.approx(want.item(), abs=1e-5)
     torch.testing.assert_close(step.feature_grad.double(), x.grad, rtol=0, atol=1e-6)
     plain = build_head(name, make_client(num_rows=num_rows), "fc", num_rows, arcface_margin(),
                        logq_correction=False, **options)
-    assert plain.forward_backward(features, active, lr=0.1).loss < step.loss - 0.1
+    assert plain.forward_backward(features, active).loss < step.loss - 0.1
 
 
 def test_knn_head_needs_a_graph_deep_enough():
@@ -273,9 +278,9 @@ def test_features_must_match_the_batch_and_the_table():
     head = build_head("full", make_client(), "fc", N, arcface_margin())
     active = head.prepare(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="B=3"):
-        head.forward_backward(torch.zeros(4, DIM), active, lr=0.1)
+        head.forward_backward(torch.zeros(4, DIM), active)
     with pytest.raises(ValueError, match="dim"):
-        head.forward_backward(torch.zeros(3, DIM + 1), active, lr=0.1)
+        head.forward_backward(torch.zeros(3, DIM + 1), active)
 
 
 @pytest.mark.parametrize(
@@ -289,27 +294,15 @@ def test_bad_head_options_are_rejected(name, options, message):
         build_head(name, make_client(), "fc", N, arcface_margin(), **options)
 
 
-def test_head_names_are_listed():
-    assert HEADS == ("full", "partial", "knn")
+def test_head_kinds_are_the_config_names():
+    assert [str(kind) for kind in HeadKind] == ["full", "partial", "knn"]
 
 
-def test_push_false_leaves_the_push_to_the_caller():
-    import ams
-    from workers.heads import build_head
-    from workers.losses import CombinedMarginLoss
-
-    clients = [ams.connect(local_shards=2) for _ in range(2)]
-    heads = []
-    for c in clients:
-        c.create_table("fc", num_rows=40, dim=8, seed=1)
-        heads.append(build_head("full", c, "fc", 40, CombinedMarginLoss.from_preset("cosface")))
-    features = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-    labels = torch.tensor([1, 5, 5, 9, 30, 39])
-    before = clients[1].pull("fc", torch.arange(40))
-    pushed = heads[0].forward_backward(features, heads[0].prepare(labels), lr=0.1)
-    held = heads[1].forward_backward(features, heads[1].prepare(labels), lr=0.1, push=False)
-    assert torch.equal(clients[1].pull("fc", torch.arange(40)), before)
-    assert torch.equal(held.row_grad, pushed.row_grad)
-    clients[1].push("fc", torch.arange(40), held.row_grad, lr=0.1)
-    assert torch.equal(clients[1].pull("fc", torch.arange(40)), clients[0].pull("fc",
-                                                                               torch.arange(40)))
+def test_forward_backward_changes_no_row():
+    client = make_client()
+    head = build_head("full", client, "fc", N, arcface_margin())
+    features, labels = batch(9)
+    before = all_rows(client)
+    step = head.forward_backward(features, head.prepare(labels))
+    assert step.row_grad.shape == (N, DIM) and bool(step.row_grad.abs().sum() > 0)
+    assert torch.equal(all_rows(client), before)

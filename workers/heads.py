@@ -5,7 +5,7 @@ All three share one step and differ only in which classes are active:
 * ``full``: all N classes (the accuracy reference; only for small N),
 * ``partial`` (PartialFC): the batch labels plus uniform random negatives, ``sample_rate * N``
   classes in all,
-* ``knn``: the batch labels plus their ``k`` nearest neighbours in normalized-W space, filled or
+* ``knn``: the batch labels plus their ``k`` nearest neighbors in normalized-W space, filled or
   cut to ``budget`` classes.
 
 A step is split in two so the trainer's prefetch thread can run the first half one step ahead:
@@ -13,17 +13,28 @@ A step is split in two so the trainer's prefetch thread can run the first half o
 1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes and
    pull their rows. Only talks to the AMS; safe to run in another thread while the previous
    batch is in ``forward_backward``.
-2. :meth:`ClassifierHead.forward_backward` (features, batch, lr -> :class:`HeadStep`): normalize
-   features and rows, cosine logits, margin, cross-entropy, backward; push dL/dW of the active
-   rows with ``lr`` and hand dL/dX back for the backbone.
+2. :meth:`ClassifierHead.forward_backward` (features, batch -> :class:`HeadStep`): normalize
+   features and rows, cosine logits, margin, cross-entropy, backward; hand back dL/dX for the
+   backbone and dL/dW of the active rows, which ``workers.row_update`` pushes.
 
-Rows pulled ahead miss the previous step's push (one step stale, as in any pipelined parameter
-server); the push is still applied to the shard's current rows.
+The head never changes the rows. Rows pulled ahead miss the previous step's push (one step
+stale, as in any pipelined parameter server); the push is still applied to the shard's current
+rows.
+
+Use::
+
+    head = build_head("knn", client, "fc", num_classes, margin, k=12, budget=1024)
+    updater = RowUpdater(client, "fc", head_lrs)
+    batch = head.prepare(labels)                   # select + pull
+    out = head.forward_backward(features, batch)   # loss, dL/dX, dL/dW
+    updater.update(step, batch.active_ids, out.row_grad)
+    features.backward(out.feature_grad)            # continue into the backbone
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 import torch
@@ -34,20 +45,14 @@ from workers.losses import CombinedMarginLoss
 
 
 class RowStore(Protocol):
-    """The part of the AMS client API a head uses (``ams.connect(...)`` satisfies it)."""
+    """The part of the AMS client API a head reads (``ams.connect(...)`` satisfies it)."""
 
     def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 (n,) -> rows (n, dim) in the table's dtype, in request order."""
         ...
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             decay_clock: float | None = None) -> None:
-        """Apply momentum SGD with gradients float (n, dim) to rows ids int64 (n,), catching
-        up on the weight decay of skipped steps when given the step's ``decay_clock``."""
-        ...
-
     def neighbors(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """ids int64 (n,) -> int64 (n, k) neighbour ids, nearest first (the class itself)."""
+        """ids int64 (n,) -> int64 (n, k) neighbor ids, nearest first (the class itself)."""
         ...
 
 
@@ -77,8 +82,8 @@ class HeadStep:
         backbone's backward with ``features.backward(step.feature_grad)``.
     accuracy: fraction of samples whose highest cosine among the active classes is their label.
     num_active: A, the number of classes in the softmax.
-    row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows);
-        already pushed unless ``forward_backward`` was called with ``push=False``.
+    row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows),
+        in the order of ``ActiveBatch.active_ids``; the caller pushes it.
     """
 
     loss: float
@@ -120,8 +125,8 @@ class SampledClasses:
         return select_weighted(labels, None, self.budget, self.generator, self.num_classes)
 
 
-class NeighbourClasses:
-    """``knn``: labels plus their ``k`` nearest neighbours from the AMS graph, filled with
+class NeighborClasses:
+    """``knn``: labels plus their ``k`` nearest neighbors from the AMS graph, filled with
     uniform random classes or cut (keeping every label) to ``budget``; ``random_share`` of the
     negative slots (beyond the labels) always go to uniform random classes."""
 
@@ -137,11 +142,11 @@ class NeighbourClasses:
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> Selection:
-        neighbours = self.store.neighbors(self.table, labels)
-        if neighbours.shape[1] < self.k:
-            raise ValueError(f"knn head wants k={self.k} neighbours but table {self.table!r} "
-                             f"keeps {neighbours.shape[1]}; rebuild the graph with k >= {self.k}")
-        return select_weighted(labels, neighbours[:, :self.k], self.budget, self.generator,
+        neighbors = self.store.neighbors(self.table, labels)
+        if neighbors.shape[1] < self.k:
+            raise ValueError(f"knn head wants k={self.k} neighbors but table {self.table!r} "
+                             f"keeps {neighbors.shape[1]}; rebuild the graph with k >= {self.k}")
+        return select_weighted(labels, neighbors[:, :self.k], self.budget, self.generator,
                                self.num_classes, self.random_share)
 
 
@@ -183,16 +188,12 @@ class ClassifierHead:
         return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,
                            log_weight=selection.log_weight)
 
-    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
-                         lr: float, push: bool = True,
-                         decay_clock: float | None = None) -> HeadStep:
-        """Loss and gradients for one batch; pushes dL/dW of the active rows with ``lr`` (and
-        the step's weight-decay clock, see ``ams.optim``).
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
+        """Loss and gradients of one batch over its active classes; changes no row.
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
-        The gradient is w.r.t. the unnormalized rows, float32 (A, dim). ``push=False`` leaves
-        the push to the caller (data-parallel workers combine theirs into one push per step).
+        ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the CPU.
         """
         if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
             raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
@@ -211,20 +212,34 @@ class ClassifierHead:
                 logits = logits + batch.log_weight.to(device)
             loss = F.cross_entropy(logits, target)
             feature_grad, row_grad = torch.autograd.grad(loss, (x, w))
-        row_grad = row_grad.cpu()
-        if push:
-            self.store.push(self.table, batch.active_ids, row_grad, lr=lr,
-                            decay_clock=decay_clock)
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
                         accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),
-                        row_grad=row_grad)
+                        row_grad=row_grad.cpu())
+
+    def sampler_state(self) -> torch.Tensor | None:
+        """The state of the generator that draws random negatives (None if the head draws
+        none), for a checkpoint: restored, a resumed run draws what the uninterrupted one
+        would have."""
+        generator = getattr(self.selector, "generator", None)
+        return generator.get_state() if generator is not None else None
+
+    def load_sampler_state(self, state: torch.Tensor | None) -> None:
+        """Restore what :meth:`sampler_state` returned."""
+        generator = getattr(self.selector, "generator", None)
+        if generator is not None and state is not None:
+            generator.set_state(state)
 
 
-HEADS = ("full", "partial", "knn")
+class HeadKind(StrEnum):
+    """Which classes are active in a step."""
+
+    FULL = "full"  # every class: the accuracy reference, only for small N
+    PARTIAL = "partial"  # labels + uniform random negatives (PartialFC)
+    KNN = "knn"  # labels + their nearest classes from the graph (KNN softmax)
 
 
-def build_head(name: str, store: RowStore, table: str, num_classes: int,
+def build_head(name: HeadKind | str, store: RowStore, table: str, num_classes: int,
                margin: CombinedMarginLoss, *, sample_rate: float | None = None,
                k: int | None = None, budget: int | None = None, random_share: float = 0.0,
                logq_correction: bool = True, seed: int = 0) -> ClassifierHead:
@@ -235,20 +250,20 @@ def build_head(name: str, store: RowStore, table: str, num_classes: int,
     ``logq_correction`` weights the uniformly drawn classes' logits (see ClassifierHead).
     ``seed`` seeds the generator that draws random negatives.
     """
+    if name not in list(HeadKind):
+        raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HeadKind)}")
     generator = torch.Generator().manual_seed(seed)
-    if name == "full":
+    if name == HeadKind.FULL:
         selector: ActiveSelector = AllClasses(num_classes)
-    elif name == "partial":
+    elif name == HeadKind.PARTIAL:
         if sample_rate is None:
             raise ValueError("the partial head needs sample_rate")
         selector = SampledClasses(num_classes, sample_rate, generator)
-    elif name == "knn":
+    else:
         if k is None or budget is None:
             raise ValueError("the knn head needs k and budget")
-        selector = NeighbourClasses(store, table, num_classes, k, budget, generator,
+        selector = NeighborClasses(store, table, num_classes, k, budget, generator,
                                     random_share)
-    else:
-        raise ValueError(f"unknown head {name!r}; known heads: {', '.join(HEADS)}")
     # full draws nothing, so there is nothing to weight (and a (B, N) add saved per step)
     return ClassifierHead(store, table, num_classes, margin, selector,
-                          logq_correction and name != "full")
+                          logq_correction and name != HeadKind.FULL)

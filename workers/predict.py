@@ -1,4 +1,5 @@
-"""Deployment: classify by the nearest class row (seed 000 §4.5), and the export format.
+"""Deployment: classify by the nearest class row (as KNN softmax deploys its model), and the
+export format.
 
 An export directory holds everything needed to classify without the AMS:
 
@@ -42,7 +43,7 @@ def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor,
     Returns (ids int64 (n, k), cosines float32 (n, k)), best first (-1 / -inf pads k > N).
     Memory is bounded by ``max_scores`` float32 scores (64 MiB) per step, never by n x N: the
     features are taken in chunks against each block, and each chunk's block top-k is merged
-    into the running lists (a whole 52k-image test set against 40k rows at once took 24 GB).
+    into the running lists (a whole test set against every row at once would take n x N).
     """
     q = F.normalize(features.float(), dim=1)
     n = q.shape[0]
@@ -73,9 +74,8 @@ def class_means(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classe
     Returns (means float32 (num_classes, dim), unit length, zero for a class with no feature;
     counts int64 (num_classes,)). The sums are float64: num_classes x dim x 8 bytes.
 
-    Used as class rows ("class-means"), they classify by the backbone alone. On the glyph
-    data they beat every head's trained rows on unseen designs (docs/accuracy.md), the
-    sampled heads' most: their rows take rare, large steps, the means none.
+    Used as class rows ("class-means"), they classify by the backbone alone, free of the
+    trained rows' convergence (docs/accuracy.md compares the two).
     """
     sums = torch.zeros(num_classes, dim, dtype=torch.float64)
     counts = torch.zeros(num_classes, dtype=torch.int64)

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
+from workers.batch_plan import Batch
 from workers.heads import ActiveBatch
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sample ids, images, labels
 
 
 @dataclass
