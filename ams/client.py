@@ -193,6 +193,16 @@ def _to_ams_error(e: grpc.RpcError, address: str, method: str) -> AmsError:
 # ---- the client over all shards ------------------------------------------------------------
 
 
+def check_ids(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as the int64 CPU tensor of shape (n,) every client call takes; InvalidArgument
+    when it is not an integer tensor of shape (n,)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() \
+            or ids.is_complex() or ids.dtype == torch.bool:
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
+        raise InvalidArgument(f"ids: need an integer tensor of shape (n,), got {got}")
+    return ids.to(device="cpu", dtype=torch.int64)
+
+
 class ShardedClient:
     """The AMS client API over ``shards[i]`` = shard i of ``len(shards)``.
 
@@ -239,14 +249,6 @@ class ShardedClient:
     def _rows_per_call(self, spec: TableSpec) -> int:
         return max(1, REQUEST_BYTES // (spec.dim * 4))
 
-    @staticmethod
-    def _check_ids(ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() \
-                or ids.is_complex() or ids.dtype == torch.bool:
-            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
-            raise InvalidArgument(f"ids: need an integer tensor of shape (n,), got {got}")
-        return ids.to(device="cpu", dtype=torch.int64)
-
     # ---- tables -----------------------------------------------------------------------
 
     def create_table(self, name: str, num_rows: int, dim: int, dtype: str = "float32",
@@ -270,7 +272,7 @@ class ShardedClient:
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` in request order. ids: int (n,), repeats allowed -> (n, dim) in the
         table's dtype (CPU)."""
-        ids = self._check_ids(ids)
+        ids = check_ids(ids)
         spec = self.spec(name)
         unique, inverse = torch.unique(ids, return_inverse=True)
         out = torch.empty((unique.numel(), spec.dim), dtype=spec.dtype)
@@ -295,7 +297,7 @@ class ShardedClient:
         decay_clock: the step's weight-decay clock (``ams.optim``; None: rows that sat out
         steps do not catch up on their decay).
         """
-        ids = self._check_ids(ids)
+        ids = check_ids(ids)
         spec = self.spec(name)
         if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), spec.dim):
             got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads)
@@ -332,14 +334,14 @@ class ShardedClient:
         """The blocks of one shard (ids ascending)."""
         return self.shards[shard].scan(name, block_rows)
 
-    # ---- neighbour lists ----------------------------------------------------------------
+    # ---- neighbor lists ----------------------------------------------------------------
 
     def neighbors(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Neighbour ids of each class in rank order, the class itself first.
+        """Neighbor ids of each class in rank order, the class itself first.
 
         ids: int (n,) -> int64 (n, k), k the longest list; shorter lists are padded with -1.
         """
-        ids = self._check_ids(ids)
+        ids = check_ids(ids)
         self.spec(name)
         unique, inverse = torch.unique(ids, return_inverse=True)
         parts = sharding.split_by_shard(unique, self.num_shards)
@@ -360,12 +362,12 @@ class ShardedClient:
 
     def set_neighbors(self, name: str, ids: torch.Tensor, neighbors: torch.Tensor, *,
                       version: int, step: int, replace_all: bool) -> None:
-        """Write neighbour lists back to the shards that own the classes.
+        """Write neighbor lists back to the shards that own the classes.
 
         ids: int64 (n,) unique; neighbors: int64 (n, k) in rank order (-1 pads a short list).
         ``replace_all``: ids cover the whole table and start graph ``version``.
         """
-        ids = self._check_ids(ids)
+        ids = check_ids(ids)
         parts = sharding.split_by_shard(ids, self.num_shards)
 
         step_rows = max(1, REQUEST_BYTES // (8 * (neighbors.shape[1] + 2)))
@@ -381,20 +383,6 @@ class ShardedClient:
                                              step, replace_all)
 
         self._fan_out(work)
-
-    def build_graph(self, name: str, k: int, **options: object) -> int:
-        """Build the exact k-NN graph of table ``name`` and store it with the shards; returns
-        the graph version. Options: see ``ams.graph_build.build_graph``."""
-        from ams.graph_build import build_graph
-
-        return build_graph(self, name, k, **options)
-
-    def refresh_graph(self, name: str, class_ids: torch.Tensor, **options: object) -> int:
-        """Recompute the neighbour lists of just ``class_ids``; see
-        ``ams.graph_build.refresh_graph``."""
-        from ams.graph_build import refresh_graph
-
-        return refresh_graph(self, name, class_ids, **options)
 
     # ---- snapshots and stats ------------------------------------------------------------
 

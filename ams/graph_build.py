@@ -1,4 +1,5 @@
-"""Build or refresh a table's neighbour graph through the client API (local or gRPC shards).
+"""Build or refresh a table's neighbors graph through the public client API (local or gRPC
+shards); callers pass the client: ``build_graph(client, table, k)``.
 
 The pure search is ``ams.graph``; this module only feeds it each shard's Scan stream and writes
 each class's list back to the shard that owns it (SetNeighbors). A table whose fp32 rows fit in
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ams.client import ShardedClient
+from ams.client import ShardedClient, check_ids
 from ams.errors import InvalidArgument
 from ams.graph import (
     assign_shards,
@@ -99,7 +100,7 @@ def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, *,
     version = current_graph_version(client, table)
     if version == 0:
         raise InvalidArgument(f"table {table!r} has no graph to refresh; build one first")
-    ids = torch.unique(client._check_ids(class_ids))
+    ids = torch.unique(check_ids(class_ids))
     k = client.neighbors(table, ids[:1]).shape[1]
     neighbors, _ = refresh_neighbors(ids, client.pull(table, ids), client.scan(table), k,
                                      device=device, low_precision=low_precision)

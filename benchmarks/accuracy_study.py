@@ -5,7 +5,7 @@
 Trains the same backbone, data order and schedule once per head (embedded AMS) and prints a
 markdown table: top-1 / top-5 on typeface designs never seen in training, wall time per epoch,
 and rows pulled per step. Partial uses ``sample_rate``; knn gets the same number of active
-classes (labels + nearest neighbours, filled at random), so the comparison is at equal cost.
+classes (labels + nearest neighbors, filled at random), so the comparison is at equal cost.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from xcls.config import load_config
-from xcls.train_cmd import build_run
+from xcls.run import build_run
 
 
 def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
@@ -47,7 +47,7 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     result = run.trainer.train()
     seconds = time.perf_counter() - started
     steps_per_epoch = run.trainer.plan.steps_per_epoch
-    means = run.trainer.evaluate(rows="class-means") if args.class_means else {}
+    means = run.trainer.evaluator.evaluate(rows="class-means") if args.class_means else {}
     return {
         "head": kind, "top1": result.eval["top1"], "top5": result.eval["top5"],
         "top1_class_means": means.get("top1"),
@@ -74,14 +74,14 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--sample-rate", type=float, default=0.1,
                    help="partial's active fraction; knn gets the same active-set size")
-    p.add_argument("--k", type=int, default=16, help="knn: neighbours per label")
+    p.add_argument("--k", type=int, default=16, help="knn: neighbors per label")
     p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
     p.add_argument("--random-share", type=float,
                    help="knn: fraction of the negative slots given to uniform random classes "
                         "(default: head.random_share's default)")
     p.add_argument("--head-momentum", type=float,
                    help="the class rows' momentum (default: optim.head_momentum's default; "
-                        "0.9 reproduces the session-1/2 rows of docs/accuracy.md)")
+                        "0.9: lazy momentum rows, as docs/accuracy.md compares)")
     p.add_argument("--head-lr", type=float,
                    help="the class rows' peak learning rate (default: optim.head_lr's default, "
                         "lr / (1 - momentum) = 1.0)")

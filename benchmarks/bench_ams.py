@@ -45,6 +45,7 @@ import torch
 
 import ams
 from ams import rowcopy, sharding
+from xcls.shards import shard_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -245,43 +246,6 @@ class RedisShards:
             p.wait(10)
 
 
-# ---- xcls shard processes ----------------------------------------------------------------
-
-
-def start_shards(num_shards: int, workdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """``xcls serve shard`` processes as in tests/integration/conftest.py; -> (procs, addresses)."""
-    procs, port_files = [], []
-    for s in range(num_shards):
-        port_file = workdir / f"port-{s}-of-{num_shards}"
-        port_file.unlink(missing_ok=True)
-        port_files.append(port_file)
-        log = open(workdir / f"shard-{s}-of-{num_shards}.log", "ab")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "xcls", "-q", "serve", "shard", "--shard-id", str(s),
-             "--num-shards", str(num_shards), "--port", "0", "--port-file", str(port_file),
-             "--data-dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        log.close()
-    deadline = time.monotonic() + 60
-    while not all(p.exists() for p in port_files):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            stop(procs)
-            raise SystemExit(f"shards did not start; see {workdir}/shard-*.log")
-        time.sleep(0.05)
-    return procs, [f"127.0.0.1:{int(p.read_text())}" for p in port_files]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-
-
 # ---- measurement -------------------------------------------------------------------------
 
 
@@ -311,9 +275,9 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[tuple]:
     for num_shards in args.shards:
         pool = ThreadPoolExecutor(num_shards) if num_shards > 1 else None
         with ExitStack() as stack:
-            procs, addresses = start_shards(num_shards, workdir)
-            stack.callback(stop, procs)
-            remote = stack.enter_context(ams.connect(addresses))
+            shards = stack.enter_context(shard_processes(
+                num_shards, data_dir=workdir, xcls_flags=["-q"], log_dir=workdir))
+            remote = stack.enter_context(ams.connect([shard.address for shard in shards]))
             local = stack.enter_context(ams.connect(local_shards=num_shards))
             red = RedisShards(num_shards, workdir, pool)
             stack.callback(red.close)

@@ -1,8 +1,8 @@
 """Exact KNN graph build: xcls (ams.graph.knn) against faiss IndexFlatIP.
 
-Every row is searched against all rows (k neighbours, the row itself included) on clustered
+Every row is searched against all rows (k neighbors, the row itself included) on clustered
 Gaussian data. Recall@k of both is measured against a float64 numpy brute force on a sample of
-query rows; a returned neighbour counts as correct when its float64 score reaches the k-th
+query rows; a returned neighbor counts as correct when its float64 score reaches the k-th
 best float64 score (less 1e-6), so exact ties at the cut are not counted as misses.
 "cpu s" is process CPU time (all threads): a check on wall times taken on a busy machine.
 "xcls +MB" is how far the xcls build raised the process's peak resident memory above what it

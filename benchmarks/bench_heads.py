@@ -8,8 +8,8 @@
 (a) The head alone: select + pull + forward + backward + push for one batch of fixed random
     features, at each ``--sizes`` N, on an embedded AMS (``ams.connect(local_shards=S)``, fp32
     rows). Heads: full (all N rows), partial (``--sample-rate`` * N), knn at partial's active-set
-    size (labels + neighbours, random fill), and knn at the paper's small budget (``--k``
-    neighbours per label, budget batch * k).
+    size (labels + neighbors, random fill), and knn at the KNN softmax paper's small budget (``--k``
+    neighbors per label, budget batch * k).
 (b) A whole training step at ``--step-classes`` N: random uint8 images through the
     ``resnet_small`` backbone, the head, the backbone's backward and SGD step, on the embedded
     AMS and on ``--shards`` ``xcls serve shard`` processes on loopback (gRPC). The step runs
@@ -25,12 +25,12 @@ trainer does (``--no-amp``: float32), and every timestamp waits for the GPU to f
 Heads run round-robin, one step each in turn, on the same label sequence, so drift on a shared
 machine hits them alike; each figure is the median over the measured steps after ``--warmup``.
 
-The knn head needs a neighbour graph. An exact build costs O(N^2 d): ``client.build_graph`` runs
-for N <= ``--exact-graph-max`` and its time is reported; above that the shards get a stand-in
-graph of the same shape (each class, then k-1 uniform random classes), and the exact build's
-time is extrapolated as N^2 from the largest exact build of the run. The stand-in does not
-change a step's cost: lookup, selection, pull and push see lists of the same length, and the
-budget fixes the active-set size whatever the lists hold.
+The knn head needs a neighbor graph. An exact build costs O(N^2 d):
+``ams.graph_build.build_graph`` runs for N <= ``--exact-graph-max`` and its time is reported;
+above that the shards get a stand-in graph of the same shape (each class, then k-1 uniform
+random classes), and the exact build's time is extrapolated as N^2 from the largest exact build
+of the run. The stand-in does not change a step's cost: lookup, selection, pull and push see
+lists of the same length, and the budget fixes the active-set size whatever the lists hold.
 """
 
 from __future__ import annotations
@@ -39,14 +39,11 @@ import argparse
 import datetime
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +51,14 @@ import torch
 
 import ams
 from ams.client import ShardedClient
+from ams.graph_build import build_graph
 from workers.backbones import build_backbone
 from workers.distributed import worker_device
 from workers.heads import ClassifierHead, build_head
 from workers.losses import CombinedMarginLoss
 from workers.predict import images_to_input
 from workers.trainer import step_backbone
+from xcls.shards import shard_processes
 
 TABLE = "bench"
 IMAGE_SIZE = 32
@@ -187,45 +186,10 @@ def prepare_table(client: ShardedClient, n: int, args: argparse.Namespace) -> Gr
     exact = n <= args.exact_graph_max
     started = clock(args.device)
     if exact:
-        client.build_graph(TABLE, k=args.k, device=args.device)
+        build_graph(client, TABLE, k=args.k, device=args.device)
     else:
         install_standin_graph(client, n, args.k, args.seed)
     return GraphBuild(n, args.k, exact, clock(args.device) - started)
-
-
-@contextmanager
-def shard_processes(count: int) -> Iterator[list[str]]:
-    """``count`` ``xcls serve shard`` processes on 127.0.0.1; yields their addresses."""
-    with tempfile.TemporaryDirectory(prefix="bench_heads_") as tmp:
-        procs = []
-        try:
-            for s in range(count):
-                port_file = Path(tmp) / f"port-{s}"
-                with open(Path(tmp) / f"shard-{s}.log", "wb") as log:
-                    procs.append((port_file, subprocess.Popen(
-                        [sys.executable, "-m", "xcls", "-q", "serve", "shard", "--shard-id",
-                         str(s), "--num-shards", str(count), "--port", "0",
-                         "--port-file", str(port_file)],
-                        stdout=log, stderr=subprocess.STDOUT)))
-            addresses = []
-            for port_file, proc in procs:
-                deadline = time.monotonic() + 60
-                while not port_file.exists():
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"shard did not start; see {port_file.parent}")
-                    time.sleep(0.05)
-                addresses.append(f"127.0.0.1:{int(port_file.read_text())}")
-            yield addresses
-        finally:
-            for _, proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for _, proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
 
 
 # ---- (a) the head alone ------------------------------------------------------------------
@@ -245,7 +209,8 @@ def bench_head_alone(client: ShardedClient, n: int, args: argparse.Namespace,
         started = clock(args.device)
         batch = c.head.prepare(labels[i])
         prepared = clock(args.device)
-        c.head.forward_backward(features, batch, lr=LR)
+        out = c.head.forward_backward(features, batch)
+        c.store.push(TABLE, batch.active_ids, out.row_grad, LR)
         done = clock(args.device)
         c.record(total=done - started, select=prepared - started - c.store.pull_s,
                  pull=c.store.pull_s, compute=done - prepared - c.store.push_s,
@@ -290,7 +255,8 @@ def bench_whole_step(client: ShardedClient, n: int, args: argparse.Namespace, mo
         with torch.autocast(device.type, enabled=amp):
             features = net(images_to_input(images[i].to(device, non_blocking=True)))
         embedded = clock(device)
-        out = c.head.forward_backward(features, active, lr=LR)
+        out = c.head.forward_backward(features, active)
+        c.store.push(TABLE, active.active_ids, out.row_grad, LR)
         headed = clock(device)
         step_backbone(features, out.feature_grad, optimizer, scaler)
         optimizer.zero_grad(set_to_none=True)
@@ -349,7 +315,7 @@ def graph_table(builds: list[GraphBuild]) -> list[str]:
     lines = ["| N | k | graph | seconds |", "|---:|---:|---|---:|"]
     for b in builds:
         if b.exact:
-            lines.append(f"| {b.n:,} | {b.k} | exact build (client.build_graph) "
+            lines.append(f"| {b.n:,} | {b.k} | exact build (build_graph) "
                          f"| {b.seconds:,.1f} |")
             continue
         estimate = ""
@@ -379,7 +345,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-batch", type=int, default=256, help="batch of (b)")
     parser.add_argument("--sample-rate", type=float, default=0.1, help="partial head")
     parser.add_argument("--k", type=int, default=12,
-                        help="neighbours per class in the graph (the class itself included)")
+                        help="neighbors per class in the graph (the class itself included)")
     parser.add_argument("--margin", default="arcface", help="margin preset (s=64)")
     parser.add_argument("--shards", type=int, default=2,
                         help="shards, embedded and as gRPC processes")
@@ -440,7 +406,9 @@ def main() -> None:
                     client, n, args, "embedded")
 
     if args.step_classes and not args.no_grpc:
-        with shard_processes(args.shards) as addresses, ams.connect(addresses) as client:
+        with tempfile.TemporaryDirectory(prefix="bench_heads_") as tmp, \
+                shard_processes(args.shards, xcls_flags=["-q"], log_dir=Path(tmp)) as shards, \
+                ams.connect([shard.address for shard in shards]) as client:
             prepare_table(client, args.step_classes, args)
             steps[f"gRPC ({args.shards} processes, loopback)"] = bench_whole_step(
                 client, args.step_classes, args, "gRPC")
@@ -454,7 +422,7 @@ def main() -> None:
         "", "Graph (built once per table, outside the step timings):", "",
         *graph_table(builds),
         "", f"(a) Head alone, batch {args.batch}, embedded AMS ({args.shards} shards) "
-        "(ms; select includes the knn neighbour lookup):", "",
+        "(ms; select includes the knn neighbor lookup):", "",
         *head_table(heads),
     ]
     if steps:

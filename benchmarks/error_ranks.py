@@ -1,12 +1,12 @@
-"""Where a model's test errors lie in the class-row neighbourhood of the true class.
+"""Where a model's test errors lie in the class-row neighborhood of the true class.
 
     python benchmarks/error_ranks.py data/glyphs-10k/test model-full/ model-knn/
 
 For each export directory (``xcls export``), classifies the test split by nearest row and,
 for every wrong prediction, finds the rank of the predicted class in the true class's
-neighbour list over the model's own normalized rows (rank 1 = the true class's nearest other
+neighbor list over the model's own normalized rows (rank 1 = the true class's nearest other
 class). Prints one markdown row per model: errors by rank bucket. A head that trains against
-too few or stale neighbours shows its extra errors at low ranks.
+too few or stale neighbors shows its extra errors at low ranks.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def error_ranks(clf: Classifier, images: torch.Tensor, labels: torch.Tensor,
     ids, _ = clf.predict(images, topk=1)
     wrong = ids[:, 0] != labels
     rows = F.normalize(clf.rows.float(), dim=1)
-    neighbours, _ = knn(rows, depth + 1)
-    lists = neighbours[labels[wrong]]
+    neighbors, _ = knn(rows, depth + 1)
+    lists = neighbors[labels[wrong]]
     hit = lists == ids[wrong, :1]
     rank = torch.where(hit.any(dim=1), hit.float().argmax(dim=1), 0)
     return int(wrong.sum()), rank

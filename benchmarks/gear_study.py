@@ -1,6 +1,6 @@
 """Gear training on vs off on a glyph dataset: backbone work per sample, wall time per epoch and
-top-1 on unseen designs, for feature-cache ttl 0 / short / long and m 1 / 4 (the shape of seed
-002's table 2 and figure 5).
+top-1 on unseen designs, for feature-cache ttl 0 / short / long and m 1 / 4 (the shape of the Gear
+training paper's table 2 and figure 5; docs/references.md).
 
 Every run trains the same config from scratch in this process (embedded AMS, full head, gear
 backend ``memory``, in-process slow gear) and evaluates at each epoch end. Backbone work is
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from xcls.config import load_config
-from xcls.train_cmd import build_run
+from xcls.run import build_run
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,8 +76,8 @@ def run_one(args: argparse.Namespace, out_dir: Path, gear: dict[str, object]) ->
                       round(100 * result["top1"], 2)))
         return result
 
-    plain_evaluate = trainer.evaluate
-    trainer.evaluate = evaluate
+    plain_evaluate = trainer.evaluator.evaluate
+    trainer.evaluator.evaluate = evaluate
     run.backbone.register_forward_hook(count)
     result = trainer.train()
     train_seconds = time.perf_counter() - started - eval_seconds[0]

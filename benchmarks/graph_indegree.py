@@ -1,9 +1,9 @@
-"""How evenly a trained run's neighbour graph spreads the knn head's negatives.
+"""How evenly a trained run's neighbor graph spreads the knn head's negatives.
 
 A class is a knn negative when it is among the first ranks of a batch label's list, so how often
 each class is taken follows its in-degree in the graph truncated to those ranks. Prints, for
 ranks 1..r, the in-degree's maximum, the share of all in-edges held by the top 1 % of classes,
-and the fraction of classes that no list contains (never a neighbour-negative).
+and the fraction of classes that no list contains (never a neighbor-negative).
 
     python benchmarks/graph_indegree.py runs/accuracy-study/knn --ranks 1,3,15
 """
@@ -21,7 +21,7 @@ from ams.snapshot import read_piece
 
 
 def load_graph(run_dir: Path, table: str) -> torch.Tensor:
-    """The newest snapshot's neighbour lists of ``table``, (N, k) int64 in class order."""
+    """The newest snapshot's neighbor lists of ``table``, (N, k) int64 in class order."""
     snapshots = sorted((run_dir / "ams" / "snapshots").glob("step-*"))
     if not snapshots:
         raise SystemExit(f"error: no AMS snapshot under {run_dir / 'ams' / 'snapshots'}")
@@ -48,7 +48,7 @@ def main() -> int:
     args = p.parse_args()
     graph = load_graph(args.run, args.table)
     n = graph.shape[0]
-    print("| ranks | mean in-degree | max | top 1 % share | never a neighbour |")
+    print("| ranks | mean in-degree | max | top 1 % share | never a neighbor |")
     print("|---|---:|---:|---:|---:|")
     for r in (int(x) for x in args.ranks.split(",")):
         cols = graph[:, 1:r + 1].reshape(-1).numpy()

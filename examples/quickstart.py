@@ -9,7 +9,6 @@ snapshot, and stats; then the same calls on the in-process (embedded) AMS.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,23 +17,7 @@ from pathlib import Path
 import torch
 
 import ams
-
-
-def start_shards(num_shards: int, data_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, port_files = [], []
-    for s in range(num_shards):
-        port_file = data_dir / f"port-{s}"
-        port_files.append(port_file)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "xcls", "-q", "serve", "shard", "--shard-id", str(s),
-             "--num-shards", str(num_shards), "--port", "0", "--port-file", str(port_file),
-             "--data-dir", str(data_dir)]))
-    deadline = time.monotonic() + 60
-    while not all(p.exists() for p in port_files):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            raise SystemExit("shards did not start")
-        time.sleep(0.05)
-    return procs, [f"127.0.0.1:{int(p.read_text())}" for p in port_files]
+from xcls.shards import shard_processes
 
 
 def tour(client: ams.ShardedClient, rows: int, dim: int, where: str) -> None:
@@ -57,22 +40,17 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000, help="classes in the table")
     parser.add_argument("--dim", type=int, default=128, help="row width")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs, addresses = start_shards(2, Path(tmp))
-        try:
-            with ams.connect(addresses) as client:
-                tour(client, args.rows, args.dim, "2 gRPC shards " + ",".join(addresses))
-                print("snapshot pieces:", *client.snapshot(step=1), sep="\n  ")
-                for s in client.stats():
-                    t = s["tables"]["fc"]
-                    print(f"  shard {s['shard_id']}: {t['owned_rows']} rows, "
-                          f"{(t['row_bytes'] + t['state_bytes']) / 2**20:.0f} MiB, "
-                          f"{t['rows_pulled']} rows pulled, {t['rows_pushed']} pushed")
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, \
+            shard_processes(2, data_dir=Path(tmp), xcls_flags=["-q"]) as shards:
+        addresses = [shard.address for shard in shards]
+        with ams.connect(addresses) as client:
+            tour(client, args.rows, args.dim, "2 gRPC shards " + ",".join(addresses))
+            print("snapshot pieces:", *client.snapshot(step=1), sep="\n  ")
+            for s in client.stats():
+                t = s["tables"]["fc"]
+                print(f"  shard {s['shard_id']}: {t['owned_rows']} rows, "
+                      f"{(t['row_bytes'] + t['state_bytes']) / 2**20:.0f} MiB, "
+                      f"{t['rows_pulled']} rows pulled, {t['rows_pushed']} pushed")
     with ams.connect(local_shards=2) as client:
         tour(client, args.rows, args.dim, "embedded, 2 in-process shards")
     return 0

@@ -19,7 +19,7 @@ from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
 from workers.schedule import lr_at
 from xcls.config import load_config
-from xcls.train_cmd import build_run
+from xcls.run import build_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     expected /= expected.norm(dim=1, keepdim=True)
     torch.testing.assert_close(means.rows.double(), expected, atol=1e-4, rtol=0)
     assert '"rows": "class-means"' in (tmp_path / "exp-means" / "export.json").read_text()
-    by_means = run.trainer.evaluate(rows="class-means")
+    by_means = run.trainer.evaluator.evaluate(rows="class-means")
     ids, _ = means.predict(images, topk=1)
     assert abs(by_means["top1"] - float((ids[:, 0] == labels).float().mean())) < 1e-6
 

@@ -11,24 +11,27 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import IO
 
 from xcls.config import ConfigError, ExperimentConfig, load_config
+from xcls.shards import (
+    Child,
+    ShardProcess,
+    ShardStartError,
+    ShardStartTimeout,
+    StartCancelled,
+    shard_processes,
+    spawn,
+    stop,
+)
 
 log = logging.getLogger("xcls.cluster")
 
-HOST = "127.0.0.1"
 POLL_S = 0.2
 
 
@@ -80,23 +83,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cluster.set_defaults(func=lambda args: cluster.print_help() or 2)
 
 
-@dataclass
-class Role:
-    """One child process (a shard, or torchrun with its workers) and its output relay."""
-
-    name: str
-    proc: subprocess.Popen
-    relay: threading.Thread | None = None
-
-
-def _relay(stream: IO[bytes], prefix: str) -> None:
-    """Copy a child's output to our stderr line by line, prefixed with its role."""
-    for line in iter(stream.readline, b""):
-        sys.stderr.write(f"{prefix}{line.decode(errors='replace')}")
-        sys.stderr.flush()
-    stream.close()
-
-
 def _child_flags(args: argparse.Namespace) -> list[str]:
     """The global verbosity flags, passed on so every role logs as loudly as this one."""
     return ["-q"] if args.quiet else ["-v"] * args.verbose
@@ -141,17 +127,15 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
 
 
 class Cluster:
-    """Starts and stops the roles; ``stop_requested`` is set by SIGINT/SIGTERM."""
+    """The roles of one ``cluster up``; ``stop_requested`` is set by SIGINT/SIGTERM."""
 
-    def __init__(self, args: argparse.Namespace, cfg: ExperimentConfig | None,
-                 port_dir: Path) -> None:
-        self.args, self.cfg, self.port_dir = args, cfg, port_dir
+    def __init__(self, args: argparse.Namespace, cfg: ExperimentConfig | None) -> None:
+        self.args, self.cfg = args, cfg
         self.data_dir: Path = args.data_dir or Path(cfg.train.out_dir) / "ams"
         self.token_file = cfg.ams.token_file if cfg else ""
-        self.shards: list[Role] = []
-        self.workers: Role | None = None
-        self.slow: Role | None = None
-        self.addresses: list[str] = []
+        self.shards: list[ShardProcess] = []
+        self.workers: Child | None = None
+        self.slow: Child | None = None
         self.stop_requested = threading.Event()
         self.signum = 0
 
@@ -161,80 +145,27 @@ class Cluster:
         self.signum = self.signum or signum
         self.stop_requested.set()
 
-    def _spawn(self, name: str, cmd: list[str], prefix: str | None) -> Role:
-        """Start a child in its own session; ``prefix``: relay its output with that prefix
-        (None: it writes to our stdout/stderr directly)."""
-        log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
-        pipe = subprocess.PIPE if prefix is not None else None
-        proc = subprocess.Popen(cmd, stdout=pipe, stderr=subprocess.STDOUT if pipe else None,
-                                start_new_session=True)
-        role = Role(name, proc)
-        if prefix is not None:
-            role.relay = threading.Thread(target=_relay, args=(proc.stdout, prefix),
-                                          daemon=True)
-            role.relay.start()
-        return role
-
     # ---- shards -------------------------------------------------------------------------
 
-    def _port_file(self, shard: int) -> Path:
-        return self.port_dir / f"port-{shard}"
+    def shard_processes(self) -> AbstractContextManager[list[ShardProcess]]:
+        """The shards, serving on 127.0.0.1 until the block ends."""
+        args = self.args
+        ports = range(args.base_port, args.base_port + args.shards) \
+            if args.base_port is not None else None
+        # In training mode the workers restore the exact step of their checkpoint; by hand,
+        # the newest snapshot is the natural state to come back to.
+        restore = ["--restore", "latest"] if args.shards_only else []
+        return shard_processes(args.shards, data_dir=self.data_dir, ports=ports,
+                               token_file=self.token_file, extra_args=restore,
+                               xcls_flags=_child_flags(args), ready_timeout=args.start_timeout,
+                               stop_timeout=args.stop_timeout, cancel=self.stop_requested)
 
-    def start_shards(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        num = self.args.shards
-        for s in range(num):
-            port = self.args.base_port + s if self.args.base_port is not None else 0
-            cmd = [sys.executable, "-m", "xcls", *_child_flags(self.args), "serve", "shard",
-                   "--shard-id", str(s), "--num-shards", str(num), "--host", HOST,
-                   "--port", str(port), "--port-file", str(self._port_file(s)),
-                   "--data-dir", str(self.data_dir)]
-            if self.token_file:
-                cmd += ["--auth-token-file", self.token_file]
-            if self.args.shards_only:
-                # In training mode the workers restore the exact step of their checkpoint;
-                # by hand, the newest snapshot is the natural state to come back to.
-                cmd += ["--restore", "latest"]
-            self.shards.append(self._spawn(f"shard-{s}", cmd, f"[shard-{s}] "))
-
-    def wait_shards_serving(self) -> bool:
-        """True once every shard answers SERVING; False if a stop was requested first."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from ams.server import SERVICE_NAME
-
-        deadline = time.monotonic() + self.args.start_timeout
-        for s, role in enumerate(self.shards):
-            port_file = self._port_file(s)
-            while True:
-                if self.stop_requested.is_set():
-                    return False
-                if role.proc.poll() is not None:
-                    raise ClusterError(f"shard {s} exited with code {role.proc.returncode} "
-                                       "while starting (its output is above)")
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"shard {s} was not serving after "
-                                       f"{self.args.start_timeout:.0f}s (--start-timeout)")
-                if port_file.exists():
-                    address = f"{HOST}:{int(port_file.read_text())}"
-                    with grpc.insecure_channel(address) as channel:
-                        try:
-                            reply = health_pb2_grpc.HealthStub(channel).Check(
-                                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
-                        except grpc.RpcError:
-                            reply = None
-                    if reply is not None and \
-                            reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        self.addresses.append(address)
-                        break
-                self.stop_requested.wait(POLL_S)
-        log.info("shards_serving addresses=%s data_dir=%s", ",".join(self.addresses),
-                 self.data_dir)
-        return True
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.shards]
 
     def dead_shard(self) -> int | None:
-        return next((s for s, r in enumerate(self.shards) if r.proc.poll() is not None), None)
+        return next((s.shard_id for s in self.shards if s.proc.poll() is not None), None)
 
     def report_shard_stats(self) -> None:
         """Print each shard's traffic for the run (pushes count every worker's pushes)."""
@@ -270,14 +201,14 @@ class Cluster:
         """The slow-gear group, if --slow-workers: it runs until stopped (SIGTERM), then
         publishes the backbone a last time."""
         if self.args.slow_workers:
-            self.slow = self._spawn("slow-gear", self._torchrun(self.args.slow_workers, "gear",
-                                                                "slow"), "[slow-gear] ")
+            self.slow = spawn("slow-gear", self._torchrun(self.args.slow_workers, "gear",
+                                                          "slow"), prefix="[slow-gear] ")
 
     def run_workers(self) -> int | None:
         """Train until the workers exit (their exit code), a stop is requested or a shard
         dies (None)."""
         self.start_slow_gear()
-        self.workers = self._spawn("workers", self.worker_command(), None)
+        self.workers = spawn("workers", self.worker_command())
         while self.workers.proc.poll() is None:
             if self.stop_requested.wait(POLL_S):
                 return None
@@ -288,57 +219,16 @@ class Cluster:
                 return None
         return self.workers.proc.returncode
 
-    # ---- stopping -----------------------------------------------------------------------
-
-    def _stop(self, roles: list[Role], children: bool = False) -> None:
-        """SIGTERM all, then wait for each (SIGKILL after --stop-timeout); report codes.
-        ``children``: signal the role's child processes instead of the role itself (torchrun
-        reports its own SIGTERM as a failure with a traceback, but exits 0 when its workers
-        stop cleanly on theirs)."""
-        signalled = set()
-        for role in roles:
-            if role.proc.poll() is None:
-                pids = _child_pids(role.proc.pid) if children else []
-                for pid in pids or [role.proc.pid]:
-                    try:
-                        os.kill(pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-                signalled.add(role.name)
-        deadline = time.monotonic() + self.args.stop_timeout
-        for role in roles:
-            try:
-                role.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.error("stop_timeout role=%s pid=%d; sending SIGKILL", role.name,
-                          role.proc.pid)
-                role.proc.kill()
-                role.proc.wait()
-            if role.relay is not None:
-                role.relay.join()
-            # a role that failed on its own is worth a line even under -q
-            failed = role.proc.returncode != 0 and role.name not in signalled
-            log.log(logging.WARNING if failed else logging.INFO, "stopped role=%s exit_code=%d",
-                    role.name, role.proc.returncode)
-
-    def stop_all(self) -> None:
+    def stop_workers(self) -> None:
+        """Workers first (their last pushes land on live shards), then the slow-gear group
+        (its last publication sees every gradient the workers sent); the shards stop after."""
         if self.workers is not None:
-            self._stop([self.workers])
+            stop([self.workers], self.args.stop_timeout)
         if self.slow is not None:
-            # The slow gear only ever stops on a signal; its ranks publish and exit 0.
-            self._stop([self.slow], children=True)
-        self._stop(self.shards)
-
-
-def _child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc; empty where that is unavailable)."""
-    found: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        return []
-    return found
+            # The slow gear only ever stops on a signal; its ranks publish and exit 0. Signal
+            # them, not torchrun, which reports its own SIGTERM as a failure with a traceback
+            # but exits 0 when its workers stop cleanly on theirs.
+            stop([self.slow], self.args.stop_timeout, signal_children=True)
 
 
 class ClusterError(RuntimeError):
@@ -358,20 +248,24 @@ def _signals_to(handler: object) -> Iterator[None]:
 
 def run_up(args: argparse.Namespace) -> int:
     cfg = _check_args(args)
-    with tempfile.TemporaryDirectory(prefix="xcls-cluster-") as port_dir:
-        cluster = Cluster(args, cfg, Path(port_dir))
-        # Handlers go in before the first child starts: a signal at any point must still
-        # lead to the ordered stop below, never to orphans.
-        with _signals_to(cluster.on_signal):
-            code = 1
-            try:
-                cluster.start_shards()
-                if cluster.wait_shards_serving():
+    cluster = Cluster(args, cfg)
+    # Handlers go in before the first child starts: a signal at any point must still lead to
+    # the ordered stop below, never to orphans.
+    with _signals_to(cluster.on_signal):
+        code = 1
+        try:
+            with cluster.shard_processes() as shards:
+                cluster.shards = shards
+                try:
                     code = _serve_or_train(cluster)
-            except ClusterError as e:
-                print(f"error: {e}", file=sys.stderr)
-            finally:
-                cluster.stop_all()
+                finally:
+                    cluster.stop_workers()
+        except StartCancelled:
+            pass
+        except ShardStartTimeout as e:
+            print(f"error: {e} (--start-timeout)", file=sys.stderr)
+        except (ShardStartError, ClusterError) as e:
+            print(f"error: {e}", file=sys.stderr)
     if cluster.signum:
         return 128 + cluster.signum
     return code

@@ -1,9 +1,9 @@
-"""``xcls gear slow``, and the config -> objects wiring of gear mode used by ``xcls train``.
+"""``xcls gear slow``: the slow-gear worker (gear mode's objects are built by ``xcls.run``).
 
 With ``gear.slow = "external"`` the trainers (fast gears) do not step the backbone: one
 ``xcls gear slow`` process reads the Redis Stream of ready mean gradients through the consumer
 group, owns the backbone optimizer, and publishes the weights (a versioned Redis key, see
-:class:`workers.gear.WeightStore`) every ``gear.publish_every`` backbone steps; the trainers
+:class:`bridge.WeightStore`) every ``gear.publish_every`` backbone steps; the trainers
 reload the newest every ``gear.sync_every`` steps. A slow process started later in the same
 group takes over the entries of one that died (after ``--min-idle-ms``) and starts from the last
 published weights.
@@ -24,18 +24,12 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
 
-from xcls.config import ConfigError, ExperimentConfig, GearConfig, load_config
+from xcls.config import ConfigError, ExperimentConfig, load_config
+from xcls.run import build_backbone_and_optimizer, redis_client, worker_placement
 
-if TYPE_CHECKING:  # the command line imports torch and redis only when a command runs
-    import redis
+if TYPE_CHECKING:  # the command line imports torch only when a command runs
     import torch
-    from torch import nn
-    from torch.utils.data import Dataset
-
-    from bridge import FeatureCache
-    from workers.gear import Gear
 
 log = logging.getLogger("xcls.gear")
 
@@ -72,71 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gear.set_defaults(func=lambda args: gear.print_help() or 2)
 
 
-def redis_client(url: str) -> redis.Redis:
-    """A bridge Redis client (short timeouts) for ``redis://[:password@]host[:port][/db]``."""
-    from bridge import make_client
-
-    u = urlparse(url)
-    if u.scheme != "redis" or not u.hostname:
-        raise ConfigError(f"gear.redis_url: expected redis://host[:port][/db], got {url!r}")
-    try:
-        db = int(u.path.lstrip("/") or 0)
-        port = u.port or 6379
-    except ValueError:
-        raise ConfigError(f"gear.redis_url: bad port or db in {url!r}") from None
-    return make_client(u.hostname, port, db, unquote(u.password) if u.password else None)
-
-
-def build_cache(g: GearConfig, dim: int, out_dir: Path,
-                client: redis.Redis | None) -> FeatureCache | None:
-    """The feature cache of ``g.backend``; None when ``g.ttl`` is 0 (never reuse)."""
-    from bridge import LmdbFeatureCache, MemoryFeatureCache, RedisFeatureCache
-
-    if g.ttl == 0:
-        return None
-    if g.backend == "memory":
-        return MemoryFeatureCache(dim, g.cache_mb << 20, ttl_s=g.ttl)
-    if g.backend == "lmdb":
-        return LmdbFeatureCache(out_dir / "gear_cache", dim, g.cache_mb << 20, ttl_s=g.ttl)
-    return RedisFeatureCache(client, dim, g.prefix, ttl_s=g.ttl)
-
-
-def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-               train_set: Dataset, device: torch.device, out_dir: Path,
-               world: int) -> Gear | None:
-    """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
-
-    model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters.
-    """
-    from bridge import MemoryGradientAccumulator, RedisGradientAccumulator, RedisGradientConsumer
-    from workers.gear import Gear, SlowGear, WeightStore
-
-    g = cfg.gear
-    if not g.enabled:
-        return None
-    if g.slow == "local" and world > 1:
-        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
-                          "alone, which data-parallel workers cannot share; use "
-                          "gear.slow=external with 'xcls gear slow'")
-    dim = cfg.model.dim
-    client = redis_client(g.redis_url) if g.backend == "redis" else None
-    cache = build_cache(g, dim, out_dir, client)
-    if client is not None:
-        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix)
-    else:
-        accumulator = MemoryGradientAccumulator(dim, g.m)
-    if g.slow == "external":
-        return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
-                    sync_every=g.sync_every)
-    source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
-    backbone = getattr(model, "module", model)
-    slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
-    return Gear(model, cache, accumulator, device, slow=(slow, source))
-
-
 def run_slow(args: argparse.Namespace) -> int:
     from workers.distributed import process_group
-    from xcls.train_cmd import worker_placement
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -155,11 +86,10 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
                rank: int, world: int) -> int:
     import torch
 
-    from bridge import RedisGradientConsumer
-    from workers.backbones import build_backbone
+    from bridge import RedisGradientConsumer, WeightChannel, WeightStore, weights_digest
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import LmdbImageDataset
-    from workers.gear import SlowGear, SlowGearGroup, WeightStore, weights_digest
+    from workers.gear import SlowGear, SlowGearGroup
     from workers.schedule import lr_at
 
     if cfg.train.threads:
@@ -168,17 +98,11 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
         train_set = LmdbImageDataset(cfg.data.train)
     except DatasetError as e:
         raise ConfigError(f"data.train: {e}") from None
-    meta = train_set.metadata
-    torch.manual_seed(cfg.train.seed)  # the trainers' initial backbone, should none be published
-    try:
-        backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
-    backbone = backbone.to(device).train()
-    optimizer = torch.optim.SGD(backbone.parameters(), lr=cfg.optim.lr,
-                                momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    # The trainers' initial backbone, should none be published yet.
+    backbone, optimizer = build_backbone_and_optimizer(cfg, train_set.metadata, device)
+    backbone.train()
     client = redis_client(cfg.gear.redis_url)
-    weights = WeightStore(client, cfg.gear.prefix)
+    weights: WeightChannel = WeightStore(client, cfg.gear.prefix)
     group = SlowGearGroup(rank, world)
     # Take over where a previous slow worker stopped (its optimizer momentum is not kept);
     # rank 0's copy is everyone's, should the ranks have read different publications.
@@ -205,8 +129,6 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
     while not (args.max_steps and steps >= args.max_steps):
         # No cosine decay: this worker does not know how long the trainers will run.
         lr = lr_at(steps, cfg.optim.lr, cfg.optim.warmup_steps, 0, "constant")
-        for group_params in optimizer.param_groups:
-            group_params["lr"] = lr
         batch = consumer.read(slow.max_items, args.block_ms)
         if len(batch):
             last_work = time.monotonic()
@@ -215,7 +137,7 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
         total, stopping, anyone_busy = group.agree(len(batch), stop, busy)
         before = slow.version
         if total:
-            slow.apply(batch)  # alone, a batch of only rejected ids takes no step
+            slow.apply(batch, lr)  # alone, a batch of only rejected ids takes no step
             if len(batch):
                 # Rejected ids are acked too: re-delivering them would only reject them again.
                 consumer.ack(batch)

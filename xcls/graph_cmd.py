@@ -12,8 +12,8 @@ log = logging.getLogger("xcls.graph")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    graph = sub.add_parser("graph", help="neighbour graph of a table (KNN softmax)",
-                           description="Neighbour graph commands. See 'xcls graph build --help'.")
+    graph = sub.add_parser("graph", help="neighbor graph of a table (KNN softmax)",
+                           description="Neighbor graph commands. See 'xcls graph build --help'.")
     cmds = graph.add_subparsers(dest="graph_command", metavar="COMMAND")
     p = cmds.add_parser(
         "build", help="build the exact k-NN table over a table's normalized rows",
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ams", required=True, metavar="ADDR[,ADDR...]",
                    help="the shards' host:port, in shard order")
     p.add_argument("--table", required=True, help="table name, e.g. fc")
-    p.add_argument("--k", type=int, default=32, help="neighbours per class (itself included)")
+    p.add_argument("--k", type=int, default=32, help="neighbors per class (itself included)")
     p.add_argument("--builders", type=int, default=1,
                    help="split the shards between this many builder processes")
     p.add_argument("--builder-index", type=int,

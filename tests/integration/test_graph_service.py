@@ -14,6 +14,7 @@ import ams
 from ams import codec
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.graph_build import build_graph, refresh_graph
 
 N, D, K = 600, 12, 8
 
@@ -33,7 +34,7 @@ def check_lists(neighbors: torch.Tensor, scores: np.ndarray, kth: np.ndarray) ->
     for i in range(nb.shape[0]):
         got = scores[i, nb[i]]
         assert len(set(nb[i].tolist())) == nb.shape[1]
-        assert (got >= kth[i] - 1e-6).all()  # every returned neighbour is in the true top-k
+        assert (got >= kth[i] - 1e-6).all()  # every returned neighbor is in the true top-k
         assert (np.diff(got[1:]) <= 1e-6).all()  # rank order after the class itself
 
 
@@ -51,7 +52,7 @@ def test_cli_build_on_three_shards_equals_brute_force(shard_cluster):
     check_lists(client.neighbors("fc", torch.arange(N)), scores, kth)
     assert {s["tables"]["fc"]["graph_version"] for s in client.stats()} == {1}
     # in-process build through a connected client gives the next version, same lists
-    assert client.build_graph("fc", k=K, step=7) == 2
+    assert build_graph(client, "fc", k=K, step=7) == 2
     check_lists(client.neighbors("fc", torch.arange(N)), scores, kth)
     assert {s["tables"]["fc"]["graph_step"] for s in client.stats()} == {7}
     client.close()
@@ -61,13 +62,13 @@ def test_partial_refresh_after_rows_move(shard_cluster):
     procs = shard_cluster(2)
     client = ams.connect([p.address for p in procs])
     client.create_table("fc", num_rows=N, dim=D, seed=2, momentum=0.0, weight_decay=0.0)
-    client.build_graph("fc", k=K)
+    build_graph(client, "fc", k=K)
     moved = torch.tensor([3, 10, 11, 500])
-    # pull rows 3.. toward row 40 so their true neighbours change
+    # pull rows 3.. toward row 40 so their true neighbors change
     target = client.pull("fc", torch.tensor([40])).float()
     rows = client.pull("fc", moved).float()
     client.push("fc", moved, (rows - target) / 0.9, lr=0.9)
-    client.refresh_graph("fc", moved)
+    refresh_graph(client, "fc", moved)
     scores, kth = brute_force(client.pull("fc", torch.arange(N)), K)
     nb = client.neighbors("fc", moved)
     for i, c in enumerate(moved.tolist()):
@@ -86,7 +87,7 @@ def test_neighbors_rpc_bad_input(shard_cluster):
         stub.Neighbors(pb.NeighborsRequest(table="fc", ids=codec.encode(torch.tensor([1]))))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "build it first" in info.value.details()
-    client.build_graph("fc", k=K)
+    build_graph(client, "fc", k=K)
     for ids, code in ((torch.tensor([N]), grpc.StatusCode.OUT_OF_RANGE),
                       (torch.tensor([1.5]), grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:

@@ -116,7 +116,7 @@ BAD_REQUESTS = [
                                                             dtype=pb.FLOAT32)),
      grpc.StatusCode.ALREADY_EXISTS, "fc"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([0])),
-     grpc.StatusCode.FAILED_PRECONDITION, "no neighbour graph"),
+     grpc.StatusCode.FAILED_PRECONDITION, "no neighbor graph"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([N + 2])),
      grpc.StatusCode.OUT_OF_RANGE, str(N + 2)),
     ("Neighbors", pb.NeighborsRequest(table="zz", ids=_ids([0])),
@@ -220,7 +220,7 @@ def test_snapshot_of_two_shards_restores_into_three(shard_cluster, tmp_path):
 def test_wrong_token_is_refused(shard_cluster, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    (proc,) = shard_cluster(1, ["--auth-token-file", str(token_file)])
+    (proc,) = shard_cluster(1, token_file=token_file)
     with pytest.raises(errors.Unauthenticated, match="token"):
         ams.connect([proc.address], token="wrong")
     with pytest.raises(errors.Unauthenticated):
@@ -277,8 +277,7 @@ def test_tls_and_token(shard_cluster, tmp_path):
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     token_file = tmp_path / "token"
     token_file.write_text("t0k3n")
-    (proc,) = shard_cluster(1, ["--tls-cert", str(cert), "--tls-key", str(key),
-                                "--auth-token-file", str(token_file)])
+    (proc,) = shard_cluster(1, tls=(cert, key), token_file=token_file)
     client = ams.connect([proc.address], tls_ca=cert.read_bytes(), token="t0k3n")
     client.create_table("fc", num_rows=10, dim=4)
     assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)

@@ -1,0 +1,251 @@
+"""The package layering, read from the source with ``ast``: no import cycles, no upward imports.
+
+Layers, lowest first: ``ams`` (model server) and ``bridge`` (feature cache) stand alone,
+``workers`` (training) builds on both, ``xcls`` (the command line and run assembly) on all.
+Every import counts, at module level, inside functions and under ``TYPE_CHECKING`` alike: a
+lazy import still ties the modules together, only later. No ``xcls/*_cmd.py`` imports another
+one; what two commands share lives in a library module they both import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("ams", "bridge", "workers", "xcls")
+# What each package may import of the project (itself included).
+ALLOWED = {
+    "ams": {"ams"},
+    "bridge": {"bridge"},
+    "workers": {"ams", "bridge", "workers"},
+    "xcls": {"ams", "bridge", "workers", "xcls"},
+}
+COMMAND_MODULE = re.compile(r"^xcls\.\w+_cmd$")
+
+
+@dataclass(frozen=True)
+class Import:
+    """``module`` imports project module ``target`` at ``path``:``line``."""
+
+    module: str
+    target: str
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(self.path.parents[1])}:{self.line}: " \
+               f"{self.module} imports {self.target}"
+
+
+def module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted name -> file of every ``.py`` under ``root/<package>``."""
+    names = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            names[".".join(parts)] = path
+    return names
+
+
+def _project_module(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module ``name`` loads: itself, or the longest known prefix of it (None for
+    anything outside the project)."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in modules:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def project_imports(modules: dict[str, Path]) -> list[Import]:
+    """Every import of a project module by a project module, wherever in the file it is."""
+    found: dict[tuple[str, str, int], Import] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*base_parts, *([node.module] if node.module else [])])
+                else:
+                    base = node.module
+                # ``from pkg import name``: the submodule pkg.name if there is one, else pkg.
+                names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                         for alias in node.names]
+            else:
+                continue
+            for name in names:
+                target = _project_module(name, modules)
+                if target is not None and target != module:
+                    found.setdefault((module, target, node.lineno),
+                                     Import(module, target, path, node.lineno))
+    return list(found.values())
+
+
+def find_cycles(imports: list[Import]) -> list[list[Import]]:
+    """One cycle, as the imports that close it, per strongly connected group of modules."""
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in imports:
+        edges.setdefault(imp.module, {}).setdefault(imp.target, imp)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(imports) + 100))
+    try:
+        for v in sorted(edges):
+            if v not in index:
+                connect(v)
+    finally:
+        sys.setrecursionlimit(limit)
+
+    cycles = []
+    for group in groups:
+        start = min(group)
+        # Shortest way back to ``start`` inside the group (breadth first).
+        previous: dict[str, Import] = {}
+        frontier = [start]
+        while frontier and start not in previous:
+            following = []
+            for v in frontier:
+                for w, imp in sorted(edges.get(v, {}).items()):
+                    if w in group and w not in previous:
+                        previous[w] = imp
+                        following.append(w)
+            frontier = following
+        cycle, v = [], start
+        while True:
+            cycle.append(previous[v])
+            v = previous[v].module
+            if v == start:
+                break
+        cycles.append(cycle[::-1])
+    return cycles
+
+
+def layering_violations(imports: list[Import]) -> list[str]:
+    """Imports against the layering: upward across packages, or between command modules."""
+    bad = []
+    for imp in imports:
+        layer, target_layer = imp.module.split(".")[0], imp.target.split(".")[0]
+        if target_layer not in ALLOWED[layer]:
+            bad.append(f"{imp}: {layer} may import only "
+                       f"{', '.join(sorted(ALLOWED[layer]))} of the project")
+        elif COMMAND_MODULE.match(imp.module) and COMMAND_MODULE.match(imp.target):
+            bad.append(f"{imp}: a command module imports another; move what they share into a "
+                       "library module")
+    return bad
+
+
+def _describe(cycle: list[Import]) -> str:
+    return " -> ".join([cycle[0].module, *(imp.target for imp in cycle)]) + "\n    " + \
+        "\n    ".join(str(imp) for imp in cycle)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(project_imports(module_names(ROOT, PACKAGES)))
+    assert not cycles, "import cycles:\n  " + "\n  ".join(_describe(c) for c in cycles)
+
+
+def test_imports_follow_the_layering():
+    bad = layering_violations(project_imports(module_names(ROOT, PACKAGES)))
+    assert not bad, "imports against the layering:\n  " + "\n  ".join(bad)
+
+
+def test_checks_catch_a_cycle_and_an_upward_import(tmp_path):
+    """The checks themselves, on a small tree with one cycle (via a lazy, relative import)
+    and one upward import."""
+    (tmp_path / "ams").mkdir()
+    (tmp_path / "ams" / "__init__.py").write_text("")
+    (tmp_path / "ams" / "a.py").write_text("import ams.b\n")
+    (tmp_path / "ams" / "b.py").write_text("def f():\n    from . import a\n")
+    (tmp_path / "ams" / "c.py").write_text("from typing import TYPE_CHECKING\n"
+                                           "if TYPE_CHECKING:\n    from xcls.run import Run\n")
+    (tmp_path / "xcls").mkdir()
+    (tmp_path / "xcls" / "__init__.py").write_text("")
+    (tmp_path / "xcls" / "run.py").write_text("import ams.c\nimport torch\n")
+    (tmp_path / "xcls" / "a_cmd.py").write_text("from xcls import b_cmd\n")
+    (tmp_path / "xcls" / "b_cmd.py").write_text("")
+    imports = project_imports(module_names(tmp_path, ("ams", "xcls")))
+    cycles = find_cycles(imports)
+    assert [[(i.module, i.target) for i in c] for c in cycles] == [
+        [("ams.a", "ams.b"), ("ams.b", "ams.a")], [("ams.c", "xcls.run"), ("xcls.run", "ams.c")]]
+    bad = layering_violations(imports)
+    assert len(bad) == 2
+    assert "ams/c.py:3: ams.c imports xcls.run" in bad[0]
+    assert "xcls/a_cmd.py:1: xcls.a_cmd imports xcls.b_cmd" in bad[1]
+
+
+# Each module is imported in a forked child of one process that has loaded only the heavy
+# third-party libraries: every import starts with none of the project loaded (an order
+# dependence cannot hide), at the cost of one interpreter start in all.
+_IMPORT_EACH = """
+import contextlib, importlib, os, sys, traceback
+import numpy, torch
+failed = []
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            if name.endswith("__main__"):  # the entry point runs the command: ask for --help
+                sys.argv = [name, "--help"]
+                with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+                    try:
+                        importlib.import_module(name)
+                    except SystemExit as e:
+                        code = e.code or 0
+            else:
+                importlib.import_module(name)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if os.waitpid(pid, 0)[1]:
+        failed.append(name)
+print("failed:", " ".join(failed))
+"""
+
+
+def test_every_module_imports_on_its_own():
+    names = sorted(module_names(ROOT, PACKAGES))
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "failed:", out.stdout + out.stderr

@@ -1,0 +1,246 @@
+"""Run assembly: where a config becomes objects.
+
+Builds the AMS client and table, datasets, backbone and its optimizer, head, gear mode's cache,
+accumulator and slow gear, and the ``workers.trainer.Trainer`` that drives them. The
+``xcls/*_cmd.py`` modules only parse arguments, call into here, and print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+from xcls.config import ConfigError, ExperimentConfig, GearConfig, to_toml
+
+if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
+    import redis
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from ams.client import ShardedClient
+    from bridge import FeatureCache
+    from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageDataset
+    from workers.gear import Gear
+    from workers.trainer import Trainer
+
+
+@dataclass
+class Run:
+    """Everything built from a config, ready to train, evaluate or export."""
+
+    cfg: ExperimentConfig
+    trainer: Trainer
+    client: ShardedClient
+    train_set: LmdbImageDataset
+    backbone: nn.Module
+
+
+def training_device(cfg: ExperimentConfig, local_rank: int = 0) -> torch.device:
+    """The device ``train.device`` names for the worker with this local rank (made current when
+    it is a GPU); ConfigError when it cannot be had."""
+    from workers.distributed import worker_device
+
+    try:
+        return worker_device(cfg.train.device, local_rank)
+    except ValueError as e:
+        raise ConfigError(f"train.device: {e}") from None
+
+
+def worker_placement(cfg: ExperimentConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of a worker under torchrun ((0, 1, ...) in a plain process);
+    ConfigError, in one line, when torchrun's environment or ``train.device`` is wrong."""
+    from workers.distributed import torchrun_env
+
+    try:
+        rank, world, local_rank = torchrun_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return rank, world, training_device(cfg, local_rank)
+
+
+def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
+                                 device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``cfg.model``'s backbone for ``meta``'s images, seeded with ``train.seed`` and moved to
+    ``device``, and the SGD optimizer of ``cfg.optim`` over its parameters.
+
+    Every process that builds from the same config starts from the same weights: the
+    data-parallel ranks, and a slow-gear worker standing in for weights nobody published yet.
+    """
+    import torch
+
+    from workers.backbones import build_backbone
+
+    torch.manual_seed(cfg.train.seed)
+    try:
+        backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    backbone = backbone.to(device)
+    # A DistributedDataParallel wrapper shares these parameter objects, so this optimizer
+    # also steps a wrapped backbone.
+    optimizer = torch.optim.SGD(backbone.parameters(), lr=cfg.optim.lr,
+                                momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    return backbone, optimizer
+
+
+def build_run(cfg: ExperimentConfig,
+              placement: tuple[int, int, torch.device] | None = None) -> Run:
+    """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``, for
+    the worker at ``placement`` (``worker_placement``; default: a lone worker, rank 0 of 1)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ams
+    from ams.graph import budget_for_sample_rate
+    from ams.graph_build import build_graph as build_table_graph
+    from workers.data.errors import DatasetError
+    from workers.data.lmdb_dataset import LmdbImageDataset
+    from workers.heads import HeadKind, build_head
+    from workers.losses import CombinedMarginLoss
+    from workers.trainer import LoopOptions, Trainer
+
+    rank, world, device = placement or (0, 1, training_device(cfg))
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if not cfg.data.train:
+        raise ConfigError("data.train: no training dataset given (an LMDB dataset directory)")
+    if world > 1 and not cfg.ams.addresses:
+        raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
+                          "AMS lives inside one process); start shards with 'xcls serve shard' "
+                          "or use 'xcls cluster up'")
+    try:
+        train_set = LmdbImageDataset(cfg.data.train)
+        test_set = LmdbImageDataset(cfg.data.test) if cfg.data.test else None
+    except DatasetError as e:
+        raise ConfigError(f"data: {e}") from None
+    meta = train_set.metadata
+    if test_set is not None:
+        t = test_set.metadata
+        if (t.num_classes, t.height, t.width, t.channels) != (meta.num_classes, meta.height,
+                                                              meta.width, meta.channels):
+            raise ConfigError(f"data.test: {cfg.data.test} has {t.num_classes} classes of "
+                              f"{t.channels}x{t.height}x{t.width}, data.train has "
+                              f"{meta.num_classes} of {meta.channels}x{meta.height}x{meta.width}")
+    if meta.height != meta.width:
+        raise ConfigError(f"data.train: images are {meta.height}x{meta.width}; square images "
+                          "are expected")
+    num_classes = meta.num_classes
+
+    out_dir = Path(cfg.train.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    token = Path(cfg.ams.token_file).read_text().strip() if cfg.ams.token_file else None
+    client = ams.connect(cfg.ams.addresses, token=token) if cfg.ams.addresses else \
+        ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams")
+    client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
+                        dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
+                        momentum=cfg.optim.head_momentum,
+                        weight_decay=cfg.optim.head_weight_decay, seed=cfg.train.seed)
+
+    backbone, optimizer = build_backbone_and_optimizer(cfg, meta, device)
+    gpu_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(backbone, device_ids=gpu_ids) if world > 1 else backbone
+    margin = CombinedMarginLoss.from_preset(cfg.head.margin, s=cfg.head.scale)
+    budget = cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, num_classes)
+    head = build_head(cfg.head.kind, client, cfg.ams.table, num_classes, margin,
+                      sample_rate=cfg.head.sample_rate, k=cfg.head.k, budget=budget,
+                      random_share=cfg.head.random_share,
+                      logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
+    build_graph = None
+    if cfg.head.kind == HeadKind.KNN:
+        graph_device = cfg.graph.device or str(device)
+
+        def build_graph(step: int) -> None:
+            build_table_graph(client, cfg.ams.table, k=cfg.graph.k, step=step,
+                              device=graph_device)
+
+    options = LoopOptions(
+        out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
+        batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
+        prefetch_depth=cfg.train.prefetch_depth, lr=cfg.optim.lr,
+        head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
+        schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
+        eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
+        rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
+        resume=cfg.train.resume)
+    gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, world)
+    try:
+        trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
+                          optimizer=optimizer, head=head, train_set=train_set,
+                          test_set=test_set, options=options, device=device,
+                          build_graph=build_graph, rank=rank, world=world, gear=gear)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    (out_dir / "config.toml").write_text(to_toml(cfg))
+    return Run(cfg, trainer, client, train_set, backbone)
+
+
+def redis_client(url: str) -> redis.Redis:
+    """A bridge Redis client (short timeouts) for ``redis://[:password@]host[:port][/db]``."""
+    from bridge import make_client
+
+    u = urlparse(url)
+    if u.scheme != "redis" or not u.hostname:
+        raise ConfigError(f"gear.redis_url: expected redis://host[:port][/db], got {url!r}")
+    try:
+        db = int(u.path.lstrip("/") or 0)
+        port = u.port or 6379
+    except ValueError:
+        raise ConfigError(f"gear.redis_url: bad port or db in {url!r}") from None
+    return make_client(u.hostname, port, db, unquote(u.password) if u.password else None)
+
+
+def build_cache(g: GearConfig, dim: int, out_dir: Path,
+                client: redis.Redis | None) -> FeatureCache | None:
+    """The feature cache of ``g.backend``; None when ``g.ttl`` is 0 (never reuse)."""
+    from bridge import GearBackend, LmdbFeatureCache, MemoryFeatureCache, RedisFeatureCache
+
+    if g.ttl == 0:
+        return None
+    if g.backend == GearBackend.MEMORY:
+        return MemoryFeatureCache(dim, g.cache_mb << 20, ttl_s=g.ttl)
+    if g.backend == GearBackend.LMDB:
+        return LmdbFeatureCache(out_dir / "gear_cache", dim, g.cache_mb << 20, ttl_s=g.ttl)
+    return RedisFeatureCache(client, dim, g.prefix, ttl_s=g.ttl)
+
+
+def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+               train_set: Dataset, device: torch.device, out_dir: Path,
+               world: int) -> Gear | None:
+    """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
+
+    model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters,
+    stepped by an in-process slow gear at the lr the trainer passes to ``Gear.backward``.
+    """
+    from bridge import (
+        GearBackend,
+        MemoryGradientAccumulator,
+        RedisGradientAccumulator,
+        RedisGradientConsumer,
+        WeightStore,
+    )
+    from workers.gear import Gear, SlowGear, SlowGearMode
+
+    g = cfg.gear
+    if not g.enabled:
+        return None
+    if g.slow == SlowGearMode.LOCAL and world > 1:
+        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
+                          "alone, which data-parallel workers cannot share; use "
+                          "gear.slow=external with 'xcls gear slow'")
+    dim = cfg.model.dim
+    client = redis_client(g.redis_url) if g.backend == GearBackend.REDIS else None
+    cache = build_cache(g, dim, out_dir, client)
+    if client is not None:
+        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix)
+    else:
+        accumulator = MemoryGradientAccumulator(dim, g.m)
+    if g.slow == SlowGearMode.EXTERNAL:
+        return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
+                    sync_every=g.sync_every)
+    source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
+    backbone = getattr(model, "module", model)
+    slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
+    return Gear(model, cache, accumulator, device, slow=(slow, source))

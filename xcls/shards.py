@@ -1,0 +1,305 @@
+"""Local ``xcls serve shard`` processes: the one way shards are started from Python.
+
+``shard_processes(n, ...)`` starts shards 0..n-1 of n (``python -m xcls serve shard``) side by
+side, waits until every one answers its gRPC health check, yields them, and on exit stops them
+in order: SIGTERM to all, then a wait for each, SIGKILL after ``stop_timeout``. ``xcls cluster
+up``, the integration tests, the benchmarks and the examples all start shards through it.
+
+Every child runs in a session of its own, so a Ctrl-C in the terminal reaches the parent alone
+and the order in which things stop stays the parent's. ``spawn`` and ``stop`` are the process
+helpers underneath, which ``xcls cluster up`` also uses for its training and slow-gear roles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+POLL_S = 0.05
+# How much of a failed shard's log file its start error quotes.
+LOG_TAIL_CHARS = 4000
+
+
+class ShardStartError(RuntimeError):
+    """A shard exited, or did not answer its health check in time, while starting."""
+
+
+class ShardStartTimeout(ShardStartError):
+    """A shard was not serving within the ready timeout."""
+
+
+class StartCancelled(Exception):
+    """The caller's ``cancel`` event was set while shards were starting."""
+
+
+# ---- child processes ---------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """One child process; ``relay`` copies its output to our stderr. ``signalled``: we sent
+    it a signal, so a non-zero exit code is no failure of its own; ``reported``: ``stop`` has
+    logged its exit code."""
+
+    name: str
+    proc: subprocess.Popen
+    relay: threading.Thread | None = None
+    signalled: bool = False
+    reported: bool = False
+
+
+def _relay(stream: IO[bytes], prefix: str) -> None:
+    """Copy a child's output to our stderr line by line, each line behind ``prefix``."""
+    for line in iter(stream.readline, b""):
+        sys.stderr.write(f"{prefix}{line.decode(errors='replace')}")
+        sys.stderr.flush()
+    stream.close()
+
+
+def spawn(name: str, cmd: Sequence[str], *, prefix: str | None = None,
+          log_path: Path | None = None) -> Child:
+    """Start ``cmd`` in a session of its own. Its output is appended to ``log_path``; else
+    relayed to our stderr behind ``prefix``; else it writes to our stdout/stderr directly."""
+    log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
+    if log_path is not None:
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        return Child(name, proc)
+    pipe = subprocess.PIPE if prefix is not None else None
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=subprocess.STDOUT if pipe else None,
+                            start_new_session=True)
+    child = Child(name, proc)
+    if prefix is not None:
+        child.relay = threading.Thread(target=_relay, args=(proc.stdout, prefix), daemon=True)
+        child.relay.start()
+    return child
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty where that is unavailable)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+    return found
+
+
+def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = False) -> None:
+    """SIGTERM every live child, then wait for each in turn (SIGKILL once ``timeout`` seconds
+    have passed since the signals) and log its exit code, as a warning for one that failed
+    before it was asked to stop. Children already stopped by an earlier call are skipped.
+
+    ``signal_children``: signal the processes each child started instead of the child itself,
+    for a launcher that exits cleanly once they do.
+    """
+    children = [c for c in children if not c.reported]
+    for child in children:
+        if child.proc.poll() is None:
+            pids = _child_pids(child.proc.pid) if signal_children else []
+            for pid in pids or [child.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            child.signalled = True
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("stop_timeout role=%s pid=%d; sending SIGKILL", child.name, child.proc.pid)
+            child.proc.kill()
+            child.proc.wait()
+        if child.relay is not None:
+            child.relay.join()
+        failed = child.proc.returncode != 0 and not child.signalled
+        log.log(logging.WARNING if failed else logging.INFO, "stopped role=%s exit_code=%d",
+                child.name, child.proc.returncode)
+        child.reported = True
+
+
+# ---- shards ------------------------------------------------------------------------------
+
+
+def shard_serving(address: str, *, tls_ca: bytes | None = None, timeout: float = 2.0) -> bool:
+    """Whether the shard at ``address`` answers its gRPC health check with SERVING (health
+    checks need no auth token; ``tls_ca``: the CA of a TLS shard)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ams.server import SERVICE_NAME
+
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca)) \
+        if tls_ca is not None else grpc.insecure_channel(address)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class ShardProcess:
+    """Shard ``shard_id`` of ``num_shards`` as an ``xcls serve shard`` process; ``address``
+    once it is serving. It can be killed and started again on the same port (``kill9``,
+    ``start``), as a crash and a restart would."""
+
+    def __init__(self, shard_id: int, num_shards: int, *, host: str, port: int,
+                 data_dir: Path | None, port_file: Path, xcls_flags: Sequence[str],
+                 options: Sequence[str], log_path: Path | None, tls_ca: bytes | None) -> None:
+        self.shard_id, self.num_shards = shard_id, num_shards
+        self.host, self.port, self.data_dir = host, port, data_dir
+        self.port_file, self.log_path, self.tls_ca = port_file, log_path, tls_ca
+        self.xcls_flags, self.options = list(xcls_flags), list(options)
+        self.child: Child | None = None
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.shard_id}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The running (or last) process; a test may signal it directly."""
+        if self.child is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.child.proc
+
+    def launch(self) -> None:
+        """Start the process (on the port it had, after a restart); see ``wait_serving``."""
+        self.port_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "xcls", *self.xcls_flags, "serve", "shard", "--shard-id",
+               str(self.shard_id), "--num-shards", str(self.num_shards), "--host", self.host,
+               "--port", str(self.port), "--port-file", str(self.port_file), *self.options]
+        prefix = None if self.log_path is not None else f"[{self.name}] "
+        self.child = spawn(self.name, cmd, prefix=prefix, log_path=self.log_path)
+
+    def wait_serving(self, timeout: float, cancel: threading.Event | None = None, *,
+                     since: float | None = None) -> None:
+        """Return once the shard answers SERVING; ShardStartError if it exits first,
+        ShardStartTimeout ``timeout`` seconds after ``since`` (a ``time.monotonic()``; default:
+        now), StartCancelled once ``cancel`` is set."""
+        deadline = (time.monotonic() if since is None else since) + timeout
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise StartCancelled
+            if self.proc.poll() is not None:
+                raise ShardStartError(f"shard {self.shard_id} exited with code "
+                                      f"{self.proc.returncode} while starting"
+                                      f"{self._output(' (its output is above)')}")
+            if time.monotonic() > deadline:
+                raise ShardStartTimeout(f"shard {self.shard_id} was not serving after "
+                                        f"{timeout:.0f}s{self._output('')}")
+            if self.port_file.exists():
+                port = int(self.port_file.read_text())
+                if shard_serving(f"{self.host}:{port}", tls_ca=self.tls_ca):
+                    self.port = port
+                    return
+            if cancel is not None:
+                cancel.wait(POLL_S)
+            else:
+                time.sleep(POLL_S)
+
+    def start(self, timeout: float = 60.0) -> ShardProcess:
+        """``launch``, then ``wait_serving`` up to ``timeout`` seconds."""
+        self.launch()
+        self.wait_serving(timeout)
+        return self
+
+    def kill9(self) -> None:
+        """SIGKILL, as a crash would (no graceful shutdown, nothing flushed)."""
+        self.proc.kill()
+        self.proc.wait(10)
+        self.child.signalled = True
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """Stop it (SIGTERM, SIGKILL after ``timeout`` seconds); its exit code."""
+        stop([self.child], timeout)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        """What it wrote to its log file ("" when its output is relayed instead)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def _output(self, relayed: str) -> str:
+        """What an error says of this shard's output: ``relayed`` when it went to our stderr,
+        else the end of its log file."""
+        if self.log_path is None:
+            return relayed
+        return f"; the end of {self.log_path}:\n{self.log()[-LOG_TAIL_CHARS:]}"
+
+
+@contextmanager
+def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str = HOST,
+                    ports: Sequence[int] | None = None, token_file: Path | str | None = None,
+                    tls: tuple[Path, Path] | None = None, extra_args: Sequence[str] = (),
+                    xcls_flags: Sequence[str] = (), log_dir: Path | None = None,
+                    ready_timeout: float = 60.0, stop_timeout: float = 30.0,
+                    cancel: threading.Event | None = None) -> Iterator[list[ShardProcess]]:
+    """Shards 0..``num_shards``-1 as processes, serving; stopped in order on exit.
+
+    data_dir: their snapshot directory (``--data-dir``; None: they cannot snapshot); ports:
+    shard i listens on ``ports[i]`` (None: free ports the OS picks); token_file: the shared
+    secret clients must send; tls: (certificate chain, private key) PEM files, the
+    certificate also serving as the CA of the health checks; extra_args: more ``xcls serve
+    shard`` options (e.g. ``["--restore", "latest"]``); xcls_flags: global ``xcls`` options
+    (e.g. ``["-q"]``); log_dir: append each shard's output to ``shard-I-of-N.log`` there
+    (None: relay it to our stderr, each line behind ``[shard-I]``). ready_timeout: seconds
+    for all of them to start serving (ShardStartTimeout); a shard that exits while starting
+    raises ShardStartError, and a set ``cancel`` event StartCancelled (the shards started so
+    far are stopped first). stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+    """
+    if ports is not None and len(ports) != num_shards:
+        raise ValueError(f"ports: {len(ports)} given for {num_shards} shards")
+    options: list[str] = []
+    if data_dir is not None:
+        options += ["--data-dir", str(data_dir)]
+    if token_file:
+        options += ["--auth-token-file", str(token_file)]
+    if tls is not None:
+        options += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+    options += extra_args
+    tls_ca = Path(tls[0]).read_bytes() if tls is not None else None
+    with tempfile.TemporaryDirectory(prefix="xcls-shards-") as port_dir:
+        shards = [ShardProcess(s, num_shards, host=host, port=ports[s] if ports else 0,
+                               data_dir=data_dir, port_file=Path(port_dir) / f"port-{s}",
+                               xcls_flags=xcls_flags, options=options, tls_ca=tls_ca,
+                               log_path=log_dir / f"shard-{s}-of-{num_shards}.log"
+                               if log_dir is not None else None)
+                  for s in range(num_shards)]
+        try:
+            if data_dir is not None:
+                data_dir.mkdir(parents=True, exist_ok=True)
+            for shard in shards:  # boot side by side, then wait for each
+                shard.launch()
+            since = time.monotonic()
+            for shard in shards:
+                shard.wait_serving(ready_timeout, cancel, since=since)
+            log.info("shards_serving addresses=%s data_dir=%s",
+                     ",".join(s.address for s in shards), data_dir)
+            yield shards
+        finally:
+            stop([s.child for s in shards if s.child is not None], stop_timeout)
