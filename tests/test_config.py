@@ -64,8 +64,8 @@ def test_print_documents_each_field_above_it():
         if not line.startswith("# "):
             break
         doc.insert(0, line[2:])
-    assert " ".join(doc).startswith("steps between graph rebuilds (0: once per epoch).")
-    assert lines[lines.index("[graph]") + 1].startswith("# neighbours kept per class")
+    assert " ".join(doc).startswith("steps between graph rebuilds, >= 0 (0: once per epoch).")
+    assert lines[lines.index("[graph]") + 1].startswith("# neighbors kept per class")
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -15,15 +15,25 @@ continuous at theta_t (both sides equal -1 there), so the loss has no jump eithe
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 
 import torch
 from torch import nn
 
-# (m1, m2, m3) of the usual settings; insightface trains all of them with s = 64.
-MARGIN_PRESETS: dict[str, tuple[float, float, float]] = {
-    "arcface": (1.0, 0.5, 0.0),
-    "cosface": (1.0, 0.0, 0.35),
-    "softmax": (1.0, 0.0, 0.0),
+
+class Margin(StrEnum):
+    """The named margins a config can pick."""
+
+    ARCFACE = "arcface"  # additive angular margin: cos(theta + 0.5)
+    COSFACE = "cosface"  # additive cosine margin: cos(theta) - 0.35
+    SOFTMAX = "softmax"  # normalized softmax, no margin
+
+
+# (m1, m2, m3) of each named margin; insightface trains all of them with s = 64.
+MARGIN_PRESETS: dict[Margin, tuple[float, float, float]] = {
+    Margin.ARCFACE: (1.0, 0.5, 0.0),
+    Margin.COSFACE: (1.0, 0.0, 0.35),
+    Margin.SOFTMAX: (1.0, 0.0, 0.0),
 }
 
 # acos'(c) = -1/sqrt(1 - c^2) is infinite at c = +-1; clamping to 1 - 2^-23 (the float32 value
@@ -52,11 +62,11 @@ class CombinedMarginLoss(nn.Module):
         self.threshold_angle = (math.pi - self.m2) / self.m1
 
     @classmethod
-    def from_preset(cls, name: str, s: float = 64.0) -> CombinedMarginLoss:
-        """The margin called ``name`` (a key of :data:`MARGIN_PRESETS`) with scale ``s``."""
+    def from_preset(cls, name: Margin | str, s: float = 64.0) -> CombinedMarginLoss:
+        """The margin called ``name`` (a :class:`Margin`) with scale ``s``."""
         if name not in MARGIN_PRESETS:
             raise ValueError(f"unknown margin preset {name!r}; known: {', '.join(MARGIN_PRESETS)}")
-        return cls(s, *MARGIN_PRESETS[name])
+        return cls(s, *MARGIN_PRESETS[Margin(name)])
 
     def extra_repr(self) -> str:
         return f"s={self.s}, m1={self.m1}, m2={self.m2}, m3={self.m3}"

@@ -17,6 +17,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -48,56 +49,56 @@ class ModelConfig:
 @dataclass
 class HeadConfig:
     kind: str = "knn"
-    """full | partial | knn"""
+    """which classes are active per step: full | partial | knn (workers.heads.HeadKind)"""
     sample_rate: float = 0.1
-    """partial: fraction of all classes active per step"""
+    """partial: fraction of all classes active per step, in (0, 1]"""
     k: int = 16
-    """knn: neighbours per label taken into the active set (the graph keeps graph.k)"""
+    """knn: neighbors per label taken into the active set, > 0 and <= graph.k"""
     budget: int = 0
-    """knn: active classes per step (0: sample_rate * num_classes, so knn and partial compare
-    at equal size)"""
+    """knn: active classes per step, >= 0 (0: sample_rate * num_classes, so knn and partial
+    compare at equal size)"""
     random_share: float = 0.5
     """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
-    random classes; the rest go to the labels' neighbours by rank. 0 is the paper's
-    selection; half random trained better on the glyph data (docs/accuracy.md)"""
+    random classes, in [0, 1]; the rest go to the labels' neighbors by rank. 0 is KNN
+    softmax's own selection (docs/accuracy.md compares the two)"""
     logq_correction: bool = True
     """partial, knn: weight each uniformly drawn class's logit by the number of left-over
     classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one
-    without bias; classes taken for sure (labels, neighbours) are unweighted. Off is
-    PartialFC's (and the paper's) plain softmax over the active classes. With the AMS's decay
-    clock, on lifted knn by 2.4 (5k glyph classes) and 11.5 points (10k) and left partial
-    about where it was (docs/accuracy.md)"""
+    without bias; classes taken for sure (labels, neighbors) are unweighted. Off is
+    PartialFC's (and KNN softmax's) plain softmax over the active classes (docs/accuracy.md)"""
     margin: str = "cosface"
-    """arcface | cosface | softmax (normalized softmax, no margin)"""
+    """margin on the target logit: arcface | cosface | softmax (no margin;
+    workers.losses.Margin)"""
     scale: float = 32.0
-    """logit scale s"""
+    """logit scale s, > 0"""
 
 
 @dataclass
 class OptimConfig:
     lr: float = 0.1
-    """peak learning rate of the backbone"""
+    """peak learning rate of the backbone, >= 0"""
     head_lr: float = 0.0
-    """peak learning rate of the class rows (0: lr * (1 - head_momentum) / (1 - momentum), so
-    a row moves as far per unit of gradient as a backbone weight does under momentum)"""
+    """peak learning rate of the class rows, >= 0 (0: lr * (1 - head_momentum) / (1 -
+    momentum), so a row moves as far per unit of gradient as a backbone weight does under
+    momentum)"""
     head_momentum: float = 0.0
-    """momentum of the class rows' sparse SGD in the AMS. A sampled head's row is active in a
-    few steps per hundred and sparse momentum moves it only then, so with momentum m a
-    gradient would take effect over the row's next 1/(1-m) activations, hundreds of steps
-    late; at 0 the rows take the whole step at once (docs/accuracy.md)"""
+    """momentum of the class rows' sparse SGD in the AMS, in [0, 1). A sampled head's row is
+    active in few steps and sparse momentum moves it only then, so with momentum m a gradient
+    takes effect over the row's next 1/(1-m) activations; at 0 a row takes its whole step at
+    once (docs/accuracy.md)"""
     momentum: float = 0.9
-    """momentum of the backbone's SGD"""
+    """momentum of the backbone's SGD, in [0, 1)"""
     weight_decay: float = 5e-4
-    """weight decay of the backbone's SGD"""
+    """weight decay of the backbone's SGD, >= 0"""
     head_weight_decay: float = 5e-3
-    """weight decay of the class rows, applied by the AMS to every row in every step (rows
-    that sit out steps take what they owe at their next push, see ams.optim). 10x the
-    backbone's: it lifted full by 3.5 and knn by 4.6 points on 5k glyph classes against 5e-4
-    (docs/accuracy.md). Gear mode with features cached for the whole run lost its test
-    accuracy in 1 of 6 short runs at 5e-3 and in none at 5e-4; try 5e-4 there"""
+    """weight decay of the class rows, >= 0, applied by the AMS to every row in every step
+    (rows that sit out steps take what they owe at their next push, see
+    workers.row_update); the rows' peak lr times it must stay below 1. Gear mode with
+    features cached for a whole run is more stable at 5e-4 (docs/accuracy.md)"""
     warmup_steps: int = 100
+    """steps of linear warmup from 0 to the peak learning rates, >= 0"""
     schedule: str = "cosine"
-    """cosine | constant (after warmup)"""
+    """after warmup: cosine (to 0 at the last step) | constant"""
 
     def effective_head_lr(self) -> float:
         """The class rows' peak learning rate: ``head_lr``, or when 0 the rows' step that
@@ -113,9 +114,9 @@ class AmsConfig:
     """embedded mode: number of in-process shards"""
     table: str = "fc"
     dtype: str = "float32"
-    """row dtype: float32 | float16 | bfloat16"""
+    """row dtype: float32 | float16 | bfloat16 (ams.dtypes.RowDtype)"""
     state_dtype: str = ""
-    """momentum dtype (empty: same as dtype)"""
+    """momentum dtype: float32 | float16 | bfloat16 (empty: same as dtype)"""
     token_file: str = ""
     """file with the shards' shared secret (empty: none)"""
 
@@ -123,13 +124,11 @@ class AmsConfig:
 @dataclass
 class GraphConfig:
     k: int = 32
-    """neighbours kept per class in the graph (>= head.k)"""
+    """neighbors kept per class in the graph, > 0 and >= head.k"""
     rebuild_every: int = 0
-    """steps between graph rebuilds (0: once per epoch). Each rebuild writes the share of
-    neighbours it replaced to OUT/graph.csv ("turnover"): how stale the lists the knn head
-    took were. On 10k glyph classes it was 0.95 at every 300 steps and 0.5 at every 25 while
-    the learning rate was high; rebuilding every 25 halved knn's confusions with a class's
-    nearest class but did not raise top-1 (docs/accuracy.md)"""
+    """steps between graph rebuilds, >= 0 (0: once per epoch). Each rebuild writes the share
+    of neighbors it replaced to OUT/graph.csv ("turnover"): how stale the lists the knn head
+    took were (docs/accuracy.md)"""
     device: str = ""
     """where to build (empty: the training device)"""
 
@@ -167,13 +166,14 @@ class GearConfig:
     m: int = 1
     """gradients per sample averaged before the slow gear applies them"""
     backend: str = "memory"
-    """memory | lmdb | redis"""
+    """where the feature cache and gradient sums live: memory | lmdb | redis
+    (bridge.GearBackend)"""
     redis_url: str = "redis://127.0.0.1:6379/0"
     prefix: str = "xcls"
     """job name: every Redis key of the job starts with it (no ':')"""
     slow: str = "local"
     """local: the slow gear runs in the trainer after each step | external: separate
-    'xcls gear slow' processes (redis backend only)"""
+    'xcls gear slow' processes, redis backend only (workers.gear.SlowGearMode)"""
     slow_batch: int = 256
     """most mean gradients the slow gear applies in one backbone step"""
     cache_mb: int = 512
@@ -197,15 +197,23 @@ class ExperimentConfig:
 
 
 CHOICES = {
-    "head.kind": ("full", "partial", "knn"),
-    "head.margin": ("arcface", "cosface", "softmax"),
     "optim.schedule": ("cosine", "constant"),
-    "ams.dtype": ("float32", "float16", "bfloat16"),
-    "ams.state_dtype": ("", "float32", "float16", "bfloat16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "gear.backend": ("memory", "lmdb", "redis"),
-    "gear.slow": ("local", "external"),
 }
+
+
+def enum_fields() -> dict[str, type[StrEnum]]:
+    """Fields whose values are a library Enum's members: a config holds the member after
+    validation. Imported when a config is validated, not when the command line starts
+    (the libraries import torch)."""
+    from ams.dtypes import RowDtype
+    from bridge import GearBackend
+    from workers.gear import SlowGearMode
+    from workers.heads import HeadKind
+    from workers.losses import Margin
+
+    return {"head.kind": HeadKind, "head.margin": Margin, "ams.dtype": RowDtype,
+            "ams.state_dtype": RowDtype, "gear.backend": GearBackend, "gear.slow": SlowGearMode}
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "head.scale", "ams.local_shards", "gear.m", "gear.slow_batch",
             "gear.cache_mb", "gear.sync_every", "gear.publish_every"}
@@ -271,6 +279,15 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         value = get_value(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+    for key, enum in enum_fields().items():
+        value = get_value(cfg, key)
+        if key == "ams.state_dtype" and value == "":
+            continue  # the rows' dtype
+        if value not in list(enum):
+            raise ConfigError(f"{key}: {value!r} is not one of "
+                              f"{', '.join(repr(str(m)) for m in enum)}")
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, enum(value))
     for key in POSITIVE:
         if get_value(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {get_value(cfg, key)}")
@@ -283,7 +300,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"head.random_share: must be in [0, 1], got {cfg.head.random_share}")
     if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
-                          "keep at least as many neighbours as the head takes")
+                          "keep at least as many neighbors as the head takes")
     if cfg.gear.slow == "external" and cfg.gear.backend != "redis":
         raise ConfigError("gear.slow: 'external' slow gears read the Redis stream; set "
                           "gear.backend=redis")
