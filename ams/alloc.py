@@ -1,8 +1,8 @@
 """Keep large message buffers in the process heap instead of returning them to the OS.
 
 Pull replies and push requests are megabytes each. glibc serves such sizes with fresh mmap()
-pages and unmaps them on free, so every call page-faults its buffers in again; measured here
-that halved loopback throughput. Raising the mmap and trim thresholds makes freed buffers reusable.
+pages and unmaps them on free, so every call page-faults its buffers in again, a large share of
+loopback throughput. Raising the mmap and trim thresholds makes freed buffers reusable.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Whole-row gathers and scatters done by numpy, single-threaded.
 
-Moving rows is a memory-bound copy that one core does at memory speed (10k rows of d=128 in
-well under a millisecond). torch runs the same ops as intra-op parallel kernels, and when the
-cores are busy (a trainer computing while its prefetch thread pulls, shard handler threads,
-client and shard on one box) each parallel region waits for a time slice: measured here on 2
-busy cores, a 5 MB index_select took ~12 ms with 2 torch threads against 0.4-0.7 ms in numpy.
+Moving rows is a memory-bound copy that one core does at memory speed. torch runs the same
+ops as intra-op parallel kernels, and when the cores are busy (a trainer computing while its
+prefetch thread pulls, shard handler threads, client and shard on one box) each parallel
+region waits for a time slice, and a copy that numpy does in well under a millisecond takes
+torch many times longer (benchmarks/RESULTS.md).
 Rows are viewed as bytes, so every row dtype (bfloat16 included, which numpy lacks) works.
 """
 

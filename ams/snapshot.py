@@ -1,4 +1,4 @@
-"""LMDB snapshots of a shard's tables (rows, momentum, decay clocks, neighbour lists).
+"""LMDB snapshots of a shard's tables (rows, momentum, decay clocks, neighbor lists).
 
 Layout under a data dir shared by the shards of a cluster::
 

@@ -103,7 +103,7 @@ class TableCounters:
 class ShardTable:
     """One shard's part of a table. rows/state: (owned, dim); row_clock: float64 (owned,), the
     decay clock each row was last brought up to; clock: the newest clock a push reached here;
-    graph: neighbour lists or None."""
+    graph: neighbor lists or None."""
 
     spec: TableSpec
     rows: torch.Tensor
@@ -321,24 +321,24 @@ class ShardStore:
             yield sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards,
                                      start, stop), rows
 
-    # ---- neighbour lists ----------------------------------------------------------------
+    # ---- neighbor lists ----------------------------------------------------------------
 
     def neighbors(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neighbour lists of ``ids`` (request order) as CSR: offsets int64 (n+1,),
-        neighbours int64 (offsets[-1],)."""
+        """Neighbor lists of ``ids`` (request order) as CSR: offsets int64 (n+1,),
+        neighbors int64 (offsets[-1],)."""
         table = self.table(name)
         positions = self._positions(table, ids)
         graph = table.graph
         if graph is None:
             raise FailedPrecondition(
-                f"table {name!r} has no neighbour graph yet: build it first "
-                "(client.build_graph or 'xcls graph build')")
+                f"table {name!r} has no neighbor graph yet: build it first "
+                "(ams.graph_build.build_graph or 'xcls graph build')")
         return graph.lookup(positions)
 
     def set_neighbors(self, name: str, ids: torch.Tensor, offsets: torch.Tensor,
                       neighbors: torch.Tensor, version: int, step: int,
                       replace_all: bool) -> int:
-        """Store neighbour lists (CSR, see ``neighbors``) for owned ``ids``.
+        """Store neighbor lists (CSR, see ``neighbors``) for owned ``ids``.
 
         ``replace_all``: the lists belong to a new table of this ``version``, which may arrive in
         several calls (messages are size-limited); it replaces the current table once its calls
@@ -364,14 +364,14 @@ class ShardStore:
                 f"neighbors: ids must be in 0..{table.spec.num_rows - 1}, got "
                 f"{int(neighbors.min())}..{int(neighbors.max())}")
         if torch.unique(positions).numel() != n:
-            raise InvalidArgument("ids: repeated ids in one neighbour update")
+            raise InvalidArgument("ids: repeated ids in one neighbor update")
         with table.lock:
             if replace_all:
                 self._stage_graph(table, positions, offsets, neighbors, version, step)
             else:
                 if table.graph is None:
                     raise FailedPrecondition(
-                        f"table {name!r} has no neighbour graph to refresh; build it first")
+                        f"table {name!r} has no neighbor graph to refresh; build it first")
                 table.graph.update(positions, offsets, neighbors)
                 table.graph.version, table.graph.step = version, step
             return table.graph.version if table.graph is not None else 0

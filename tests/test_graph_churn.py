@@ -1,11 +1,11 @@
-"""neighbour_turnover against a set computation, one class at a time."""
+"""neighbor_turnover against a set computation, one class at a time."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ams.graph.churn import neighbour_turnover
+from ams.graph.churn import neighbor_turnover
 
 
 def reference_turnover(old: torch.Tensor, new: torch.Tensor) -> list[float]:
@@ -32,7 +32,7 @@ def test_turnover_matches_a_set_computation(k):
     old = random_lists(g, 200, k, 60)
     new = random_lists(g, 200, k, 60)
     new[:50] = old[:50]  # unchanged lists turn nothing over
-    got = neighbour_turnover(old, new)
+    got = neighbor_turnover(old, new)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.tensor(reference_turnover(old, new)))
     assert bool((got[:50] == 0).all())
@@ -40,11 +40,11 @@ def test_turnover_matches_a_set_computation(k):
 
 def test_reordered_lists_turn_nothing_over_and_disjoint_ones_everything():
     old = torch.tensor([[0, 5, 6, 7], [1, 8, 9, -1]])
-    assert neighbour_turnover(old, torch.tensor([[0, 7, 5, 6], [1, 9, 8, -1]])).tolist() == [0, 0]
-    assert neighbour_turnover(old, torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])).tolist() == [1, 1]
+    assert neighbor_turnover(old, torch.tensor([[0, 7, 5, 6], [1, 9, 8, -1]])).tolist() == [0, 0]
+    assert neighbor_turnover(old, torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])).tolist() == [1, 1]
 
 
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="one shape"):
-        neighbour_turnover(torch.zeros(3, 4, dtype=torch.int64),
+        neighbor_turnover(torch.zeros(3, 4, dtype=torch.int64),
                            torch.zeros(3, 5, dtype=torch.int64))

@@ -270,7 +270,7 @@ def test_partial_refresh_equals_rows_of_full_build():
                                       query_block_rows=32, key_block_rows=40, device="cpu")
     assert torch.equal(neigh[:, 0], pick + BIG)
     assert torch.allclose(scores, full_scores[pick], atol=TOL)
-    # Neighbour sets agree wherever the float64 scores leave no tie at the cut.
+    # Neighbor sets agree wherever the float64 scores leave no tie at the cut.
     ref = reference_scores(rows)
     for i, p in enumerate(pick.tolist()):
         cut = np.sort(ref[p])[::-1]

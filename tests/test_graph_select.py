@@ -1,4 +1,4 @@
-"""ams.graph.select against a plain-Python model of algorithm 1 (seed 000)."""
+"""ams.graph.select against a plain-Python model of KNN softmax's selection algorithm."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from ams.graph.select import select_weighted
 BIG = 5_000_000_000
 
 
-def priority_order(labels: list[int], neighbours: list[list[int]]) -> list[int]:
+def priority_order(labels: list[int], neighbors: list[list[int]]) -> list[int]:
     """Labels, then rank 1 of every list, rank 2, ... ; first occurrence wins; -1 skipped."""
     seen: dict[int, None] = dict.fromkeys(labels)
-    width = max((len(r) for r in neighbours), default=0)
+    width = max((len(r) for r in neighbors), default=0)
     for rank in range(width):
-        for row in neighbours:
+        for row in neighbors:
             if rank < len(row) and row[rank] >= 0:
                 seen.setdefault(row[rank])
     return list(seen)
@@ -32,21 +32,21 @@ def batches(draw):
     b = draw(st.integers(1, 40))
     k = draw(st.integers(0, 12))
     labels = draw(st.lists(st.integers(0, num_classes - 1), min_size=b, max_size=b))
-    neighbours = []
+    neighbors = []
     for label in labels:
         length = draw(st.integers(0, k))
         rest = draw(st.lists(st.integers(0, num_classes - 1), min_size=length, max_size=length))
         row = ([label] + rest)[: max(length, 1)] if k else []
-        neighbours.append(row + [-1] * (k - len(row)))
+        neighbors.append(row + [-1] * (k - len(row)))
     budget = draw(st.integers(0, num_classes + 10))
     seed = draw(st.integers(0, 2**31))
-    return num_classes, labels, neighbours, budget, seed
+    return num_classes, labels, neighbors, budget, seed
 
 
-def run(select, labels, neighbours, budget, seed, num_classes):
+def run(select, labels, neighbors, budget, seed, num_classes):
     g = torch.Generator().manual_seed(seed)
     lab = torch.tensor(labels, dtype=torch.int64)
-    nb = None if neighbours is None else torch.tensor(neighbours, dtype=torch.int64).reshape(
+    nb = None if neighbors is None else torch.tensor(neighbors, dtype=torch.int64).reshape(
         len(labels), -1)
     return select(lab, nb, budget, g, num_classes)
 
@@ -54,8 +54,8 @@ def run(select, labels, neighbours, budget, seed, num_classes):
 @settings(max_examples=150, deadline=None)
 @given(batch=batches())
 def test_select_active_properties(batch):
-    num_classes, labels, neighbours, budget, seed = batch
-    active, remapped = run(select_active, labels, neighbours, budget, seed, num_classes)
+    num_classes, labels, neighbors, budget, seed = batch
+    active, remapped = run(select_active, labels, neighbors, budget, seed, num_classes)
     assert active.dtype == remapped.dtype == torch.int64
     a = active.tolist()
     assert a == sorted(set(a)) and all(0 <= x < num_classes for x in a)
@@ -63,20 +63,20 @@ def test_select_active_properties(batch):
     distinct_labels = len(set(labels))
     keep = max(min(budget, num_classes), distinct_labels)
     assert len(a) == keep
-    order = priority_order(labels, neighbours)
+    order = priority_order(labels, neighbors)
     if len(order) >= keep:
         assert a == sorted(order[:keep])  # cut by rank, never dropping a label
     else:
         assert set(order) <= set(a)  # the rest is random fill
-    again = run(select_active, labels, neighbours, budget, seed, num_classes)
+    again = run(select_active, labels, neighbors, budget, seed, num_classes)
     assert torch.equal(again[0], active) and torch.equal(again[1], remapped)
 
 
 @settings(max_examples=150, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
 def test_select_active_random_share_keeps_random_slots(batch, share):
-    num_classes, labels, neighbours, budget, seed = batch
-    active, remapped = run(lambda *args: select_active(*args, share), labels, neighbours,
+    num_classes, labels, neighbors, budget, seed = batch
+    active, remapped = run(lambda *args: select_active(*args, share), labels, neighbors,
                            budget, seed, num_classes)
     a = active.tolist()
     assert a == sorted(set(a)) and [a[i] for i in remapped.tolist()] == labels
@@ -84,20 +84,20 @@ def test_select_active_random_share_keeps_random_slots(batch, share):
     total = max(min(budget, num_classes), distinct_labels)
     assert len(a) == total
     # labels, then the priority order for all but the random share of the negative slots
-    ranked = priority_order(labels, neighbours)[:total - round(share * (total - distinct_labels))]
+    ranked = priority_order(labels, neighbors)[:total - round(share * (total - distinct_labels))]
     assert set(ranked) <= set(a)
 
 
 def test_select_active_random_share_draws_uniform_classes():
-    # one label whose 40 neighbours would fill a budget of 41; with half the 40 negative slots
+    # one label whose 40 neighbors would fill a budget of 41; with half the 40 negative slots
     # random, the 20 nearest stay and over many draws every other class shows up about equally
     # often among the rest
     num_classes, labels = 200, torch.tensor([0])
-    neighbours = torch.arange(1, 41)[None, :]
+    neighbors = torch.arange(1, 41)[None, :]
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter()
     for _ in range(2000):
-        active, _ = select_active(labels, neighbours, 41, g, num_classes, random_share=0.5)
+        active, _ = select_active(labels, neighbors, 41, g, num_classes, random_share=0.5)
         a = set(active.tolist())
         assert len(a) == 41 and set(range(21)) <= a  # label + its 20 nearest
         counts.update(a - set(range(21)))
@@ -106,16 +106,16 @@ def test_select_active_random_share_draws_uniform_classes():
     assert set(counts) <= set(range(21, num_classes))
     assert max(counts.values()) < 1.5 * expected and min(counts.values()) > 0.5 * expected
     with pytest.raises(ValueError, match="random_share"):
-        select_active(labels, neighbours, 41, g, num_classes, random_share=1.5)
+        select_active(labels, neighbors, 41, g, num_classes, random_share=1.5)
 
 
 @settings(max_examples=100, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
 def test_select_weighted_draws_as_select_active_and_weights_only_random_classes(batch, share):
-    num_classes, labels, neighbours, budget, seed = batch
-    plain = run(lambda *args: select_active(*args, share), labels, neighbours, budget, seed,
+    num_classes, labels, neighbors, budget, seed = batch
+    plain = run(lambda *args: select_active(*args, share), labels, neighbors, budget, seed,
                 num_classes)
-    weighted = run(lambda *args: select_weighted(*args, share), labels, neighbours, budget,
+    weighted = run(lambda *args: select_weighted(*args, share), labels, neighbors, budget,
                    seed, num_classes)
     assert torch.equal(weighted.active, plain[0]) and torch.equal(weighted.target, plain[1])
     assert weighted.log_weight.dtype == torch.float32
@@ -126,18 +126,18 @@ def test_select_weighted_draws_as_select_active_and_weights_only_random_classes(
 
 def test_log_weights_make_the_partition_estimate_unbiased():
     # Full softmax partition sum_j exp(z_j) in float64 against the mean over many selections
-    # of sum_{j active} exp(z_j + log_weight_j): labels and neighbours count once, the uniform
+    # of sum_{j active} exp(z_j + log_weight_j): labels and neighbors count once, the uniform
     # draws stand for the classes left over. Without the weights the estimate falls short.
     num_classes, budget = 60, 14
     labels = torch.tensor([3, 7, 7])
-    neighbours = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
+    neighbors = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
     z = torch.randn(num_classes, generator=torch.Generator().manual_seed(5),
                     dtype=torch.float64) * 2
     full = z.exp().sum().item()
     g = torch.Generator().manual_seed(6)
     weighted, plain = [], []
     for _ in range(3000):
-        s = select_weighted(labels, neighbours, budget, g, num_classes, random_share=0.5)
+        s = select_weighted(labels, neighbors, budget, g, num_classes, random_share=0.5)
         terms = z[s.active].exp()
         weighted.append((terms * s.log_weight.double().exp()).sum().item())
         plain.append(terms.sum().item())
@@ -150,8 +150,8 @@ def test_log_weights_make_the_partition_estimate_unbiased():
 @settings(max_examples=100, deadline=None)
 @given(batch=batches())
 def test_select_partial_properties(batch):
-    num_classes, labels, neighbours, budget, seed = batch
-    active, remapped = run(select_partial, labels, neighbours, budget, seed, num_classes)
+    num_classes, labels, neighbors, budget, seed = batch
+    active, remapped = run(select_partial, labels, neighbors, budget, seed, num_classes)
     ignoring = run(select_partial, labels, None, budget, seed, num_classes)
     assert torch.equal(active, ignoring[0]) and torch.equal(remapped, ignoring[1])
     a = active.tolist()
@@ -160,21 +160,21 @@ def test_select_partial_properties(batch):
     assert len(a) == max(min(budget, num_classes), len(set(labels)))
 
 
-def test_neighbours_fill_before_random_and_by_rank():
+def test_neighbors_fill_before_random_and_by_rank():
     labels = torch.tensor([10, 20])
-    neighbours = torch.tensor([[10, 11, 12, 13], [20, 21, 22, -1]])
+    neighbors = torch.tensor([[10, 11, 12, 13], [20, 21, 22, -1]])
     g = torch.Generator().manual_seed(0)
-    active, remapped = select_active(labels, neighbours, 5, g, 100)
+    active, remapped = select_active(labels, neighbors, 5, g, 100)
     assert active.tolist() == [10, 11, 12, 20, 21]  # rank 1 of both, then rank 2 of the first
     assert active[remapped].tolist() == [10, 20]
-    active, _ = select_active(labels, neighbours, 9, g, 100)
+    active, _ = select_active(labels, neighbors, 9, g, 100)
     assert {10, 11, 12, 13, 20, 21, 22} <= set(active.tolist()) and active.numel() == 9
 
 
 def test_labels_over_budget_are_all_kept():
     labels = torch.tensor([5, 3, 9, 3, 1])
-    neighbours = torch.tensor([[5, 6], [3, 4], [9, 8], [3, 4], [1, 2]])
-    active, remapped = select_active(labels, neighbours, 2, torch.Generator(), 10)
+    neighbors = torch.tensor([[5, 6], [3, 4], [9, 8], [3, 4], [1, 2]])
+    active, remapped = select_active(labels, neighbors, 2, torch.Generator(), 10)
     assert active.tolist() == [1, 3, 5, 9]
     assert active[remapped].tolist() == labels.tolist()
 
@@ -194,10 +194,10 @@ def test_large_ids_and_big_batches():
     n = 2 * BIG
     g = torch.Generator().manual_seed(2)
     labels = torch.randint(n, (256,), generator=g)
-    neighbours = torch.cat([labels[:, None], torch.randint(n, (256, 1199), generator=g)], 1)
-    active, remapped = select_active(labels, neighbours, 100_000, g, n)
+    neighbors = torch.cat([labels[:, None], torch.randint(n, (256, 1199), generator=g)], 1)
+    active, remapped = select_active(labels, neighbors, 100_000, g, n)
     assert active.numel() == 100_000 and torch.equal(active[remapped], labels)
-    active, remapped = select_active(labels, neighbours, 400_000, g, n)
+    active, remapped = select_active(labels, neighbors, 400_000, g, n)
     assert active.numel() == 400_000 and torch.equal(active[remapped], labels)
     assert bool((active[1:] > active[:-1]).all()) and int(active.max()) < n
 

@@ -1,7 +1,7 @@
 """KNN graph over class-weight rows: exact blocked build, ring schedule over shards, CSR
-neighbour table, active-class selection. Pure torch: no gRPC, no ``ams.api``."""
+neighbor table, active-class selection. Pure torch: no gRPC, no ``ams.api``."""
 
-from ams.graph.churn import neighbour_turnover
+from ams.graph.churn import neighbor_turnover
 from ams.graph.csr import NeighborTable, csr_to_dense, gather_segments
 from ams.graph.knn import (
     LOW_PRECISION_DTYPE,
@@ -31,7 +31,7 @@ __all__ = [
     "csr_to_dense",
     "gather_segments",
     "knn",
-    "neighbour_turnover",
+    "neighbor_turnover",
     "refresh_neighbors",
     "resolve_device",
     "resolve_low_precision",

@@ -1,10 +1,10 @@
-"""How far a neighbour graph has gone stale: the share of each class's neighbours that a
+"""How far a neighbor graph has gone stale: the share of each class's neighbors that a
 rebuild replaced.
 
-Rows keep moving between rebuilds, and while the learning rate is high they move fast: in a
-10k-class glyph run, half the classes had a different nearest class 17 steps after a build.
-Measured at each rebuild (the trainer writes it to OUT/graph.csv), it says how stale the
-neighbours were that the knn head took since the last one. Pure torch.
+Rows keep moving between rebuilds, and while the learning rate is high they move fast
+(docs/accuracy.md shows how fast on the glyph data). Measured at each rebuild (the trainer
+writes it to OUT/graph.csv), it says how stale the neighbors were that the knn head took
+since the last one. Pure torch.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 
-def neighbour_turnover(old: Tensor, new: Tensor) -> Tensor:
-    """Per class, the fraction of ``new``'s neighbours that ``old`` did not list.
+def neighbor_turnover(old: Tensor, new: Tensor) -> Tensor:
+    """Per class, the fraction of ``new``'s neighbors that ``old`` did not list.
 
-    old, new: int64 (n, k) neighbour lists of the same n classes, nearest first, column 0
+    old, new: int64 (n, k) neighbor lists of the same n classes, nearest first, column 0
     being the class itself (it is left out), -1 padding short lists. Returns float32 (n,)
-    in [0, 1]; a class with no neighbours in ``new`` counts 0.
+    in [0, 1]; a class with no neighbors in ``new`` counts 0.
     """
     if old.shape != new.shape or old.dim() != 2:
         raise ValueError(f"old and new must be (n, k) of one shape, got {tuple(old.shape)} "
@@ -27,7 +27,7 @@ def neighbour_turnover(old: Tensor, new: Tensor) -> Tensor:
     candidates = new[:, 1:].contiguous()
     if old_sorted.shape[1] == 0:
         return torch.zeros(new.shape[0])
-    # membership of each new neighbour in its row's old list, by binary search: O(n k log k)
+    # membership of each new neighbor in its row's old list, by binary search: O(n k log k)
     # where a pairwise comparison would take n k^2 (k runs to the thousands at 100M classes)
     at = torch.searchsorted(old_sorted, candidates).clamp(max=old_sorted.shape[1] - 1)
     kept = old_sorted.gather(1, at) == candidates

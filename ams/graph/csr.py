@@ -1,4 +1,5 @@
-"""Compressed neighbour lists of the rows one shard owns (seed 000 §3.2.3 "graph compression").
+"""Compressed neighbor lists of the rows one shard owns (the graph compression of KNN
+softmax, docs/references.md).
 
 A shard keeps only its own rows' lists, indexed by local position 0..n-1. Lists may differ in
 length (short lists, partial refreshes), so they are stored CSR: list i is
@@ -45,7 +46,7 @@ def csr_to_dense(offsets: Tensor, neighbors: Tensor, width: int) -> Tensor:
 
 
 class NeighborTable:
-    """CSR neighbour lists of one shard's rows.
+    """CSR neighbor lists of one shard's rows.
 
     Attributes:
         offsets: (n + 1,) int64, offsets[0] == 0, non-decreasing.

@@ -1,4 +1,4 @@
-"""Exact k-nearest-neighbour search over L2-normalized class-weight rows, blocked and streamed.
+"""Exact k-nearest-neighbor search over L2-normalized class-weight rows, blocked and streamed.
 
 Everything here is built on one streaming core, :class:`TopKAccumulator`: a block of query rows
 with a running top-k that consumes key blocks from any source (local memory, a shard Scan
@@ -19,9 +19,9 @@ How a key block is consumed (see ``TopKAccumulator.update``):
   re-scored exactly in fp32 before they enter the running list. The margin ``2**-8`` bounds the
   fp16 score error of unit rows (inputs rounded to 11-bit mantissa: |err| <= 2 * 2**-11 * sum|q_j
   k_j| <= 2**-10, output rounding <= 2**-11), so every key whose fp32 score reaches the
-  threshold passes the filter: the low-precision pass loses no neighbour and the result equals
-  the fp32 search. This replaces the paper's heuristic "recall k' > k, re-rank, hope" with a
-  bound, so there is no recall_k knob: the recall is exact by construction.
+  threshold passes the filter: the low-precision pass loses no neighbor and the result equals
+  the fp32 search. This replaces the KNN softmax paper's heuristic "recall k' > k, re-rank,
+  hope" with a bound, so there is no recall_k knob: the recall is exact by construction.
 
 Each query's own row is forced first in its list (even against exact duplicates) with its true
 score; keys with the query's id are skipped in the stream. Lists shorter than k (fewer than k
@@ -59,7 +59,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def resolve_low_precision(low_precision: bool | None, device: torch.device) -> bool:
     """``None`` means auto: fp16 scoring on CUDA (fast TensorCore matmul), fp32 elsewhere
-    (fp16/bf16 matmul on CPU runs about 100x slower than fp32)."""
+    (fp16/bf16 matmul on CPU is far slower than fp32)."""
     if low_precision is None:
         return device.type == "cuda"
     return low_precision
@@ -73,9 +73,9 @@ def normalize_rows(rows: Tensor, device: torch.device) -> Tensor:
 class ScoreBuffer:
     """Work memory shared by the accumulators of one pass, which run one at a time: the score
     block and the queue of filtered candidates. Both are grow-only and reused, so the matmul
-    writes into memory that is already mapped (a fresh 64 MB buffer per block costs more than
+    writes into memory that is already mapped (a fresh buffer per block costs more than
     the matmul), and a long build does not interleave short-lived and kept allocations, which
-    fragmented glibc's heap to 4x the live memory at 200k rows."""
+    fragment glibc's heap to several times the live memory."""
 
     def __init__(self) -> None:
         self._flat: Tensor | None = None
@@ -211,7 +211,7 @@ class TopKAccumulator:
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(ids (q, k) int64, scores (q, k) float32): the query itself first with its true
-        score, then the neighbours by descending exact fp32 score; -1 / -inf padding."""
+        score, then the neighbors by descending exact fp32 score; -1 / -inf padding."""
         self_scores = (self._query_rows * self._query_rows).sum(dim=1, keepdim=True)
         scores, order = self._scores.sort(dim=1, descending=True)
         ids = self._ids.gather(1, order)
@@ -524,11 +524,11 @@ def knn(
     ids: Tensor | None = None,
     progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Exact k nearest neighbours of every row among all rows, by cosine similarity.
+    """Exact k nearest neighbors of every row among all rows, by cosine similarity.
 
     Args:
         rows: (N, d) float (any float dtype).
-        k: neighbours per row, the row itself first (k >= 1).
+        k: neighbors per row, the row itself first (k >= 1).
         block_size: query and key block rows; work memory is O(block_size**2) scores plus the
             running lists, never O(N**2).
         device: where to search; None picks CUDA when available.

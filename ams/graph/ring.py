@@ -3,7 +3,7 @@
 Each builder owns some home shards (``assign_shards``). For a home shard it takes that shard's
 rows as queries, cut into query blocks, and streams every shard's rows past them in ring order
 starting at its own shard (``ring_order``), so concurrent builders read different shards at
-any moment and W is never gathered in one place (seed 000 §3.2.2, figure 3b).
+any moment and W is never gathered in one place (KNN softmax's ring schedule, docs/references.md).
 
 Every query row needs every key, so the cost of a build is dominated by how often the shards
 are streamed: one full pass over all shards per pass. A pass therefore carries as many query
@@ -88,7 +88,7 @@ def build_shard_neighbors(
         progress: show a tqdm bar over query blocks.
 
     Returns:
-        ids (n,) int64 of the home shard's rows in scan order, neighbours (n, k) int64,
+        ids (n,) int64 of the home shard's rows in scan order, neighbors (n, k) int64,
         scores (n, k) float32 (padding -1 / -inf when fewer than k rows exist).
     """
     home_ids, home_rows = _collect(scan(home_shard))
@@ -158,7 +158,7 @@ def refresh_neighbors(
         k, query_block_rows, key_block_rows, device, low_precision: see
             ``build_shard_neighbors``.
 
-    Returns neighbours (m, k) int64 and scores (m, k) float32, equal to those rows of a full
+    Returns neighbors (m, k) int64 and scores (m, k) float32, equal to those rows of a full
     build.
     """
     query_blocks = list(split_blocks(query_ids, query_rows, query_block_rows))
@@ -193,7 +193,7 @@ class _BlockStore:
         return self.root / f"shard{self.home_shard:05d}-block{block:07d}.pt"
 
     def load(self, block: int, query_ids: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The stored (neighbours, scores) of ``block`` if it exists and matches."""
+        """The stored (neighbors, scores) of ``block`` if it exists and matches."""
         path = self._path(block)
         if not path.exists():
             return None

@@ -1,18 +1,19 @@
-"""Active-class selection for one training step (seed 000 §3.2.1, algorithm 1; seed 001 PartialFC).
+"""Active-class selection for one training step (KNN softmax's selection algorithm;
+PartialFC's sampling; docs/references.md).
 
 Both samplers share one signature so a head can swap them:
-``(labels, neighbours, budget, generator, num_classes) -> (active, remapped_labels)``.
+``(labels, neighbors, budget, generator, num_classes) -> (active, remapped_labels)``.
 
 * ``active``: (A,) int64 class ids, sorted ascending, unique; the rows the step pulls.
 * ``remapped_labels``: (B,) int64 with ``active[remapped_labels] == labels``: the target
   column of each sample in the (B, A) logits.
 
-Neighbour lists come dense: (B, k) int64 in rank order, -1 padding a short list (a CSR lookup
+Neighbor lists come dense: (B, k) int64 in rank order, -1 padding a short list (a CSR lookup
 result becomes this with ``ams.graph.csr.csr_to_dense``).
 
 Selection runs on CPU (the prefetch thread), on CPU tensors. The sorts inside go through numpy:
-torch's multi-threaded CPU sort of a few 100k int64 took ~25x longer than numpy's here (184 ms
-vs 7 ms) whenever the cores were shared, and B=256 x k=1200 is 300k ids per step.
+torch's multi-threaded CPU sort of a few 100k int64 is many times slower than numpy's whenever
+the cores are shared, and B=256 x k=1200 is 300k ids per step.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Selection:
     active: (A,) int64 class ids, sorted ascending, unique.
     target: (B,) int64 with ``active[target] == labels``.
     log_weight: (A,) float32, log of 1 / (probability that the class was drawn): 0 for the
-        labels and neighbours (taken for sure), ``log(pool / drawn)`` for the classes drawn
+        labels and neighbors (taken for sure), ``log(pool / drawn)`` for the classes drawn
         uniformly from the ``pool`` classes left over. Added to the logits, it turns the
         softmax over the active classes into an unbiased estimate of the full softmax's
         partition function (the "logQ" correction of sampled softmax).
@@ -51,16 +52,16 @@ class Selection:
 
 def select_active(
     labels: Tensor,
-    neighbours: Tensor | None,
+    neighbors: Tensor | None,
     budget: int,
     generator: torch.Generator,
     num_classes: int,
     random_share: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """KNN-softmax active classes: labels, then neighbours by rank, then uniform random fill.
+    """KNN-softmax active classes: labels, then neighbors by rank, then uniform random fill.
 
-    Priority order: every label; then rank-1 neighbours of all labels, then rank-2, ...
-    (column by column of ``neighbours``); duplicates count once, at their first place. A is
+    Priority order: every label; then rank-1 neighbors of all labels, then rank-2, ...
+    (column by column of ``neighbors``); duplicates count once, at their first place. A is
     ``budget`` (capped at ``num_classes``), but never fewer than the distinct labels, which
     are all kept. Of the A - labels negative slots, ``random_share`` (rounded) go to uniformly
     random classes and the rest to the order's next classes; distinct uniformly random
@@ -68,7 +69,7 @@ def select_active(
 
     Args:
         labels: (B,) int64 in 0..num_classes-1.
-        neighbours: (B, k) int64 rank-ordered lists of the labels' classes, -1 padding, or
+        neighbors: (B, k) int64 rank-ordered lists of the labels' classes, -1 padding, or
             None (labels + random fill only).
         budget: target number of active classes A.
         generator: source of the random fill (CPU generator).
@@ -79,13 +80,13 @@ def select_active(
     Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64); ``select_weighted``
     returns the same with each class's sampling weight.
     """
-    selection = select_weighted(labels, neighbours, budget, generator, num_classes, random_share)
+    selection = select_weighted(labels, neighbors, budget, generator, num_classes, random_share)
     return selection.active, selection.target
 
 
 def select_weighted(
     labels: Tensor,
-    neighbours: Tensor | None,
+    neighbors: Tensor | None,
     budget: int,
     generator: torch.Generator,
     num_classes: int,
@@ -95,14 +96,14 @@ def select_weighted(
     _check_ids("labels", labels, 1, num_classes)
     if not 0.0 <= random_share <= 1.0:
         raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
-    if neighbours is None:
+    if neighbors is None:
         order = labels
     else:
-        _check_ids("neighbours", neighbours, 2, num_classes, allow_padding=True)
-        if neighbours.shape[0] != labels.shape[0]:
-            raise ValueError(f"neighbours has {neighbours.shape[0]} lists for "
+        _check_ids("neighbors", neighbors, 2, num_classes, allow_padding=True)
+        if neighbors.shape[0] != labels.shape[0]:
+            raise ValueError(f"neighbors has {neighbors.shape[0]} lists for "
                              f"{labels.shape[0]} labels")
-        ranked = neighbours.T.reshape(-1)  # rank 0 of all lists, then rank 1, ...
+        ranked = neighbors.T.reshape(-1)  # rank 0 of all lists, then rank 1, ...
         order = torch.cat([labels, ranked[ranked >= 0]])
     ranked_unique = _unique_in_order(order.numpy())
     num_labels = np.unique(labels.numpy()).size  # the labels lead the order
@@ -122,13 +123,13 @@ def select_weighted(
 
 def select_partial(
     labels: Tensor,
-    neighbours: Tensor | None,
+    neighbors: Tensor | None,
     budget: int,
     generator: torch.Generator,
     num_classes: int,
 ) -> tuple[Tensor, Tensor]:
     """PartialFC active classes: every label plus distinct uniformly random other classes up
-    to ``budget``. ``neighbours`` is ignored (present so heads can swap samplers). Same
+    to ``budget``. ``neighbors`` is ignored (present so heads can swap samplers). Same
     returns as ``select_active``."""
     return select_active(labels, None, budget, generator, num_classes)
 

@@ -43,7 +43,7 @@ CHECK_SIZE = 32
 SAMPLE_PER_DESIGN = 120
 MIN_SAMPLE = 30
 # Nearest-mean accuracy below this means the design does not draw the script's code points
-# (measured: real designs 0.23-1.0, handwriting-like Un Pilgi lowest; Han drawn as Hangul ~0.01).
+# (docs/data.md gives the scores real designs reach).
 MIN_AGREEMENT = 0.15
 # Mean correlation of sampled glyphs above this means two designs share outlines.
 NEAR_COPY_CORRELATION = 0.9

@@ -119,7 +119,7 @@ def encode_png(image: np.ndarray) -> bytes:
     if image.dtype != np.uint8:
         raise DatasetError(f"image dtype must be uint8, got {image.dtype}")
     buf = io.BytesIO()
-    # compress_level 1: glyph images are small; level 6 costs ~3x the time for a few % smaller.
+    # compress_level 1: glyph images are small; higher levels cost much more time for little size.
     Image.fromarray(image).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
