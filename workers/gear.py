@@ -25,6 +25,8 @@ gradients, and the fast gear keeps the weights it has.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
@@ -318,3 +320,38 @@ class Gear:
         return {"fast_fwd_per_sample": round(c.fast_forwards / per, 4),
                 "slow_fwd_per_sample": round(c.slow_forwards / per, 4),
                 "backbone_version": self.version}
+
+
+def run_slow_worker(slow: SlowGear, source: GradientSource, weights: WeightChannel,
+                    group: SlowGearGroup, *, lr_at_step: Callable[[int], float],
+                    publish_every: int, should_stop: Callable[[], bool], max_steps: int = 0,
+                    idle_exit_s: float = 0.0, block_ms: int = 500) -> int:
+    """The loop of an ``xcls gear slow`` process: read ready means from ``source``, step the
+    backbone at ``lr_at_step(steps)``, publish its weights every ``publish_every`` steps
+    (rank 0) and once more at the end. Stops after ``max_steps`` backbone steps (0: never),
+    after ``idle_exit_s`` seconds without a gradient (0: never), or once ``should_stop()``.
+    Every rank of ``group`` runs it; returns the backbone steps taken."""
+    steps, published, last_work = 0, slow.version, time.monotonic()
+    while not (max_steps and steps >= max_steps):
+        batch = source.read(slow.max_items, block_ms)
+        if len(batch):
+            last_work = time.monotonic()
+        busy = not idle_exit_s or time.monotonic() - last_work <= idle_exit_s
+        # One vote per round keeps the ranks in step: all apply, all stop, or none.
+        total, stopping, anyone_busy = group.agree(len(batch), should_stop(), busy)
+        before = slow.version
+        if total:
+            slow.apply(batch, lr_at_step(steps))  # alone, only rejected ids take no step
+            if len(batch):
+                # Rejected ids are acked too: re-delivering them would only reject them again.
+                source.ack(batch)
+        if slow.version != before:
+            steps += 1
+            if group.rank == 0 and steps % publish_every == 0 and \
+                    weights.publish(slow.backbone, slow.version):
+                published = slow.version
+        if stopping or not anyone_busy:
+            break
+    if group.rank == 0 and slow.version != published:
+        weights.publish(slow.backbone, slow.version)
+    return steps

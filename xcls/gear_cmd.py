@@ -21,12 +21,11 @@ import argparse
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcls.config import ConfigError, ExperimentConfig, load_config
-from xcls.run import build_backbone_and_optimizer, redis_client, worker_placement
+from xcls.run import build_slow_worker, worker_placement
 
 if TYPE_CHECKING:  # the command line imports torch only when a command runs
     import torch
@@ -76,47 +75,23 @@ def run_slow(args: argparse.Namespace) -> int:
                               "gear.backend=redis")
         rank, world, device = worker_placement(cfg)
         with process_group(world, device):
-            return _slow_loop(cfg, args, device, rank, world)
+            return _slow_loop(cfg, args, (rank, world, device))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.device,
-               rank: int, world: int) -> int:
-    import torch
-
-    from bridge import RedisGradientConsumer, WeightChannel, WeightStore, weights_digest
-    from workers.data.errors import DatasetError
-    from workers.data.lmdb_dataset import LmdbImageDataset
-    from workers.gear import SlowGear, SlowGearGroup
+def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
+               placement: tuple[int, int, torch.device]) -> int:
+    from bridge import weights_digest
+    from workers.gear import run_slow_worker
     from workers.schedule import lr_at
 
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    try:
-        train_set = LmdbImageDataset(cfg.data.train)
-    except DatasetError as e:
-        raise ConfigError(f"data.train: {e}") from None
-    # The trainers' initial backbone, should none be published yet.
-    backbone, optimizer = build_backbone_and_optimizer(cfg, train_set.metadata, device)
-    backbone.train()
-    client = redis_client(cfg.gear.redis_url)
-    weights: WeightChannel = WeightStore(client, cfg.gear.prefix)
-    group = SlowGearGroup(rank, world)
-    # Take over where a previous slow worker stopped (its optimizer momentum is not kept);
-    # rank 0's copy is everyone's, should the ranks have read different publications.
-    start = weights.load_into(backbone, -1)
-    version = group.from_rank0(start if start is not None else 0)
-    group.broadcast_state(backbone)
-    name = f"{args.consumer}-{rank}" if args.consumer and world > 1 else args.consumer
-    consumer = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix, consumer=name,
-                                     min_idle_ms=args.min_idle_ms)
-    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version,
-                    group if world > 1 else None)
+    rank, world, _ = placement
+    worker = build_slow_worker(cfg, placement, consumer=args.consumer,
+                               min_idle_ms=args.min_idle_ms)
     log.info("slow_gear_started prefix=%s version=%d consumer=%s rank=%d world=%d",
-             cfg.gear.prefix, version, consumer.consumer, rank, world)
-
+             cfg.gear.prefix, worker.slow.version, worker.consumer.consumer, rank, world)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -125,37 +100,19 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace, device: torch.de
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    steps, published, last_work = 0, version, time.monotonic()
-    while not (args.max_steps and steps >= args.max_steps):
+    steps = run_slow_worker(
+        worker.slow, worker.consumer, worker.weights, worker.group,
         # No cosine decay: this worker does not know how long the trainers will run.
-        lr = lr_at(steps, cfg.optim.lr, cfg.optim.warmup_steps, 0, "constant")
-        batch = consumer.read(slow.max_items, args.block_ms)
-        if len(batch):
-            last_work = time.monotonic()
-        busy = not args.idle_exit or time.monotonic() - last_work <= args.idle_exit
-        # One vote per round keeps the ranks in step: all apply, all stop, or none.
-        total, stopping, anyone_busy = group.agree(len(batch), stop, busy)
-        before = slow.version
-        if total:
-            slow.apply(batch, lr)  # alone, a batch of only rejected ids takes no step
-            if len(batch):
-                # Rejected ids are acked too: re-delivering them would only reject them again.
-                consumer.ack(batch)
-        if slow.version != before:
-            steps += 1
-            if rank == 0 and steps % cfg.gear.publish_every == 0 and \
-                    weights.publish(backbone, slow.version):
-                published = slow.version
-        if stopping or not anyone_busy:
-            break
-    if rank == 0 and slow.version != published:
-        weights.publish(backbone, slow.version)
-    c = slow.counts
+        lr_at_step=lambda step: lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, 0,
+                                      "constant"),
+        publish_every=cfg.gear.publish_every, should_stop=lambda: stop,
+        max_steps=args.max_steps, idle_exit_s=args.idle_exit, block_ms=args.block_ms)
+    slow, c = worker.slow, worker.slow.counts
     # One write with its newline: the ranks share one pipe, and print's separate write of
     # the "\n" let two ranks' lines run together.
     sys.stdout.write(f"slow gear rank {rank}/{world}: {steps} backbone steps, "
                      f"{c.slow_forwards} means applied, {c.rejected} rejected, "
-                     f"{consumer.metrics.corrupt} malformed, version {slow.version}, "
-                     f"weights {weights_digest(backbone)}\n")
+                     f"{worker.consumer.metrics.corrupt} malformed, version {slow.version}, "
+                     f"weights {weights_digest(slow.backbone)}\n")
     sys.stdout.flush()
     return 0

@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a 
     from torch.utils.data import Dataset
 
     from ams.client import ShardedClient
-    from bridge import FeatureCache
+    from bridge import FeatureCache, RedisGradientConsumer, WeightStore
     from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageDataset
-    from workers.gear import Gear
+    from workers.gear import Gear, SlowGear, SlowGearGroup
     from workers.trainer import Trainer
 
 
@@ -244,3 +244,52 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
     backbone = getattr(model, "module", model)
     slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
     return Gear(model, cache, accumulator, device, slow=(slow, source))
+
+
+@dataclass
+class SlowWorker:
+    """An ``xcls gear slow`` process's parts, built from a config."""
+
+    slow: SlowGear
+    consumer: RedisGradientConsumer
+    weights: WeightStore
+    group: SlowGearGroup
+
+
+def build_slow_worker(cfg: ExperimentConfig, placement: tuple[int, int, torch.device], *,
+                      consumer: str | None, min_idle_ms: int) -> SlowWorker:
+    """The slow gear of ``cfg``'s job for the worker at ``placement``: the backbone and
+    optimizer, started from the newest published weights (rank 0's, on every rank), and the
+    Redis consumer it reads ready means from (``consumer``: its name in the group, '-RANK'
+    appended when several ranks run)."""
+    import torch
+
+    from bridge import RedisGradientConsumer, WeightStore
+    from workers.data.errors import DatasetError
+    from workers.data.lmdb_dataset import LmdbImageDataset
+    from workers.gear import SlowGear, SlowGearGroup
+
+    rank, world, device = placement
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        train_set = LmdbImageDataset(cfg.data.train)
+    except DatasetError as e:
+        raise ConfigError(f"data.train: {e}") from None
+    # The trainers' initial backbone, should none be published yet.
+    backbone, optimizer = build_backbone_and_optimizer(cfg, train_set.metadata, device)
+    backbone.train()
+    client = redis_client(cfg.gear.redis_url)
+    weights = WeightStore(client, cfg.gear.prefix)
+    group = SlowGearGroup(rank, world)
+    # Take over where a previous slow worker stopped (its optimizer momentum is not kept);
+    # rank 0's copy is everyone's, should the ranks have read different publications.
+    start = weights.load_into(backbone, -1)
+    version = group.from_rank0(start if start is not None else 0)
+    group.broadcast_state(backbone)
+    name = f"{consumer}-{rank}" if consumer and world > 1 else consumer
+    reader = RedisGradientConsumer(client, cfg.model.dim, cfg.gear.prefix, consumer=name,
+                                   min_idle_ms=min_idle_ms)
+    slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version,
+                    group if world > 1 else None)
+    return SlowWorker(slow, reader, weights, group)
