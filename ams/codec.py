@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ams.api import shard_pb2 as pb
-from ams.errors import InvalidArgument
+from ams.errors import InvalidArgument, shorten
 from ams.store import TableSpec
 
 _TO_WIRE: dict[torch.dtype, int] = {
@@ -71,14 +71,16 @@ def decode(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
         raise InvalidArgument(f"{field}: dtype {got} where {dtype} is required")
     shape = list(msg.shape)
     if ndim is not None and len(shape) != ndim:
-        raise InvalidArgument(f"{field}: shape {shape} has {len(shape)} dims, {ndim} required")
+        raise InvalidArgument(
+            f"{field}: shape {shorten(shape)} has {len(shape)} dims, {ndim} required")
     if any(s < 0 for s in shape):
-        raise InvalidArgument(f"{field}: negative dimension in shape {shape}")
+        raise InvalidArgument(f"{field}: negative dimension in shape {shorten(shape)}")
     itemsize = torch.empty((), dtype=got).element_size()
     expected = math.prod(shape) * itemsize
     if len(msg.data) != expected:
         raise InvalidArgument(
-            f"{field}: {len(msg.data)} bytes where shape {shape} of {got} needs {expected}")
+            f"{field}: {len(msg.data)} bytes where shape {shorten(shape)} of {got} needs "
+            f"{expected}")
     if expected == 0:
         return torch.empty(shape, dtype=got)
     with warnings.catch_warnings():

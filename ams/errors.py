@@ -4,6 +4,19 @@ the client maps a status back to the same class, so local and remote callers cat
 
 from __future__ import annotations
 
+# How much of a caller's value an error message quotes: a request may carry a name megabytes
+# long, and an error echoes it into logs and replies.
+ECHO_CHARS = 80
+
+
+def shorten(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to its first ``limit`` characters plus
+    "…(N chars)" when longer."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…({len(text)} chars)"
+
 
 class AmsError(Exception):
     """Base class. ``code`` is a ``grpc.StatusCode`` member name."""
@@ -68,8 +81,16 @@ class SnapshotError(AmsError):
     code = "FAILED_PRECONDITION"
 
 
+class ShardRestarted(AmsError):
+    """A shard is not the process this client first talked to (it restarted, so its state
+    may be another step's), or the client was invalidated: the call was refused before it
+    touched state. Every shard and worker must roll back to one checkpoint's step."""
+
+    code = "ABORTED"
+
+
 ERRORS_BY_CODE: dict[str, type[AmsError]] = {
     cls.code: cls
     for cls in (InvalidArgument, IdOutOfRange, TableNotFound, TableExists, FailedPrecondition,
-                RequestTooLarge, Unauthenticated, Unavailable)
+                RequestTooLarge, Unauthenticated, Unavailable, ShardRestarted)
 }

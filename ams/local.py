@@ -6,22 +6,33 @@ path as the cluster, with each call going straight to the store.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ams import snapshot
-from ams.errors import FailedPrecondition
+from ams.errors import FailedPrecondition, InvalidArgument, shorten
 from ams.store import ShardStore, TableSpec
+
+log = logging.getLogger(__name__)
 
 
 class LocalShard:
-    """Shard ``shard_id`` of ``num_shards`` held in this process."""
+    """Shard ``shard_id`` of ``num_shards`` held in this process. ``data_dir``: where its
+    snapshots go; ``keep_snapshots``: after each snapshot, keep only this many newest
+    complete steps of it (``ams.snapshot.prune_snapshots``; 0 keeps all)."""
 
-    def __init__(self, shard_id: int, num_shards: int, data_dir: Path | None = None) -> None:
+    def __init__(self, shard_id: int, num_shards: int, data_dir: Path | None = None,
+                 keep_snapshots: int = 3) -> None:
+        if isinstance(keep_snapshots, bool) or not isinstance(keep_snapshots, int) \
+                or keep_snapshots < 0:
+            raise InvalidArgument(
+                f"keep_snapshots={shorten(keep_snapshots)} must be an integer >= 0")
         self.store = ShardStore(shard_id, num_shards)
         self.data_dir = data_dir
+        self.keep_snapshots = keep_snapshots
         self.last_snapshot_step = -1
 
     def create_table(self, spec: TableSpec) -> bool:
@@ -37,16 +48,20 @@ class LocalShard:
              client_id: str, sequence: int, decay_clock: float | None) -> bool:
         return self.store.push(table, ids, grads, lr, client_id, sequence, decay_clock)
 
-    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def scan(self, table: str, block_rows: int | None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.store.scan(table, block_rows)
 
     def snapshot(self, step: int) -> str:
         path = snapshot.write_snapshot(self.store, self._data_dir(), step)
         self.last_snapshot_step = step
+        snapshot.prune_after_snapshot(self.data_dir, self.store.shard_id, self.store.num_shards,
+                                      self.keep_snapshots, step)
         return str(path)
 
     def restore(self, step: int | None) -> tuple[int, str]:
         got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        self.last_snapshot_step = got
         return got, str(path)
 
     def stats(self) -> dict:

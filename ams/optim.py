@@ -14,6 +14,7 @@ applied; with momentum 0 the rows then equal dense ``torch.optim.SGD`` on the wh
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,31 @@ def catch_up_factors(row_clock: torch.Tensor, clock: float) -> torch.Tensor:
     return torch.exp((row_clock - clock).clamp(max=0.0))
 
 
+@dataclass(frozen=True)
+class RowUpdate:
+    """The new values of the pushed rows, computed but not yet written to the table.
+
+    positions: int64 (m,) unique local positions; rows: (m, dim) in the table's row dtype;
+    state: (m, dim) in the state dtype, or None when there is no momentum (nothing to write).
+    """
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+    state: torch.Tensor | None
+
+    def first_non_finite(self) -> tuple[str, int] | None:
+        """("rows" or "state", index into ``positions``) of the first non-finite value, as
+        stored (after rounding to the table's dtypes: float16 overflows at 65504), or None
+        when every value is finite."""
+        for what, values in (("rows", self.rows), ("state", self.state)):
+            if values is None or values.numel() == 0:
+                continue
+            bad = ~torch.isfinite(values).all(dim=1)
+            if bool(bad.any()):
+                return what, int(bad.nonzero()[0, 0])
+        return None
+
+
 class SparseMomentumSGD:
     """Momentum SGD with L2 weight decay on a subset of rows, equal to ``torch.optim.SGD``
     (dampening 0, no Nesterov) restricted to those rows:
@@ -38,15 +64,19 @@ class SparseMomentumSGD:
 
     With momentum 0 there is no v: the state tensor has no columns and is left alone.
     Low-precision rows and state are widened to float32 for the arithmetic and rounded once.
+
+    A step is split in two so that a caller can refuse it before anything changes:
+    ``compute`` returns the new values (``RowUpdate``) and ``commit`` writes them.
     """
 
     def __init__(self, momentum: float, weight_decay: float) -> None:
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
 
-    def apply(self, rows: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
-              grads: torch.Tensor, lr: float, catch_up: torch.Tensor | None = None) -> None:
-        """Update in place.
+    def compute(self, rows: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+                grads: torch.Tensor, lr: float, catch_up: torch.Tensor | None = None
+                ) -> RowUpdate:
+        """The rows and state after one step; ``rows`` and ``state`` are only read.
 
         rows: (n_local, dim) rows of the shard; state: (n_local, dim) momentum, or
         (n_local, 0) when momentum is 0; positions: int64 (m,) unique local positions;
@@ -60,9 +90,17 @@ class SparseMomentumSGD:
         g = grads.to(torch.float32)
         if self.weight_decay:
             g = g + self.weight_decay * w
+        new_state = None
         if self.momentum:
             v = state.index_select(0, positions).to(torch.float32)
             g = v.mul_(self.momentum).add_(g)
-            state.index_copy_(0, positions, g.to(state.dtype))
+            new_state = g.to(state.dtype)
         w.sub_(lr * g)
-        rows.index_copy_(0, positions, w.to(rows.dtype))
+        return RowUpdate(positions, w.to(rows.dtype), new_state)
+
+    @staticmethod
+    def commit(rows: torch.Tensor, state: torch.Tensor, update: RowUpdate) -> None:
+        """Write ``update`` (from ``compute`` on these tensors) into ``rows`` and ``state``."""
+        if update.state is not None:
+            state.index_copy_(0, update.positions, update.state)
+        rows.index_copy_(0, update.positions, update.rows)

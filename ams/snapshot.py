@@ -1,14 +1,21 @@
-"""LMDB snapshots of a shard's tables (rows, momentum, decay clocks, neighbor lists).
+"""LMDB snapshots of a shard's tables (rows, momentum, decay clocks, neighbor lists and the
+push dedupe state).
 
 Layout under a data dir shared by the shards of a cluster::
 
-    DATA/snapshots/step-000000000100/shard-00000-of-00002/{data.mdb, manifest.json}
+    DATA/snapshots/step-000000000100/shard-00000-of-00002/
+        data.mdb          the tensors, as LMDB values
+        manifest.json     format version, step, table specs, owned id rule, the size and
+                          SHA-256 of every data file, and a SHA-256 over every stored value
+        manifest.sha256   the SHA-256 of manifest.json (``sha256sum -c`` reads it)
 
 A piece is written under a temporary name, fsynced, and renamed into place, so a piece either
-exists whole or not at all. ``manifest.json`` holds the format version, step, table specs,
-owned id rule and a SHA-256 over every stored value; restore checks it while loading and falls
-back to an older step when a piece is missing, partial or corrupt. A snapshot of S shards
-restores into any S' shards: each restoring shard reads the rows it owns from every piece.
+exists whole or not at all. Restore checks, in this order and before it installs anything: the
+manifest's checksum, the manifest's fields, every data file's size and checksum (before LMDB
+maps the file: a truncated file would kill the process with SIGBUS), then every value as it
+loads. A step with a missing, partial or corrupt piece is skipped for an older one. A snapshot
+of S shards restores into any S' shards: each restoring shard reads the rows it owns from every
+piece. ``prune_snapshots`` removes old steps and leftovers of interrupted writes.
 """
 
 from __future__ import annotations
@@ -23,29 +30,48 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Collection
 from pathlib import Path
 
 import lmdb
 import torch
 
 from ams import sharding
-from ams.dtypes import DTYPE_NAMES, ROW_DTYPES
-from ams.errors import SnapshotError
+from ams.dtypes import ROW_DTYPES
+from ams.errors import AmsError, SnapshotError, shorten
 from ams.graph.csr import NeighborTable
-from ams.store import ShardStore, TableSpec
+from ams.store import (
+    MAX_CLIENT_ID,
+    PUSH_DEDUPE_CLIENTS,
+    PUSH_DEDUPE_WINDOW,
+    PushDedupe,
+    ShardStore,
+    TableCopy,
+    TableSpec,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: each table carries its weight-decay clocks
+FORMAT_VERSION = 3  # 3: checksummed manifest and files, push dedupe state
 CHUNK_BYTES = 4 << 20  # values this size keep LMDB's per-value page overhead negligible
-_STEP_RE = re.compile(r"^step-(\d{12})$")
+MANIFEST = "manifest.json"
+MANIFEST_SUM = "manifest.sha256"
+DATA_FILE = "data.mdb"
+# Step numbers are zero-padded to 12 digits so that names sort; larger steps grow wider.
+_STEP_RE = re.compile(r"^step-(\d{12,})$")
 _PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
-_DTYPES = {**ROW_DTYPES, "int64": torch.int64, "float64": torch.float64}
-_NAMES = {**DTYPE_NAMES, torch.int64: "int64", torch.float64: "float64"}
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_DTYPES = {**ROW_DTYPES, "int64": torch.int64, "float64": torch.float64, "uint8": torch.uint8}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+# The JSON of a full dedupe state: every client id, and every sequence as up to 20 digits.
+_DEDUPE_BYTES = PUSH_DEDUPE_CLIENTS * (PUSH_DEDUPE_WINDOW * 22 + 6 * MAX_CLIENT_ID + 16)
 # py-lmdb refuses a second open of one path in a process: in-process shards restoring in
 # parallel (the embedded AMS) all read the same pieces, so they take turns.
 _READ_LOCK = threading.Lock()
+# One writer or pruner at a time per piece identity (data dir, shard, shard count) in this
+# process, so a pruner never takes a write in progress for the leftover of a dead one.
+_PIECE_LOCKS: dict[tuple[str, int, int], threading.Lock] = {}
+_PIECE_LOCKS_GUARD = threading.Lock()
 
 
 def step_dir(data_dir: Path, step: int) -> Path:
@@ -56,12 +82,24 @@ def piece_name(shard_id: int, num_shards: int) -> str:
     return f"shard-{shard_id:05d}-of-{num_shards:05d}"
 
 
+def _piece_lock(data_dir: Path, shard_id: int, num_shards: int) -> threading.Lock:
+    key = (str(Path(data_dir).resolve()), shard_id, num_shards)
+    with _PIECE_LOCKS_GUARD:
+        return _PIECE_LOCKS.setdefault(key, threading.Lock())
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---- writing ----------------------------------------------------------------------------
@@ -82,93 +120,227 @@ def _put_tensor(txn: lmdb.Transaction, key: str, tensor: torch.Tensor, digest: h
     return {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "chunks": chunks}
 
 
+def _put_table(txn: lmdb.Transaction, copy: TableCopy, digest: hashlib._Hash) -> dict:
+    """Store one table's copy; return its manifest entry."""
+    name = copy.spec.name
+    dedupe = json.dumps(copy.dedupe, separators=(",", ":")).encode()
+    entry: dict = {
+        "spec": copy.spec.describe(),
+        "owned_rows": copy.rows.shape[0],
+        "id_rule": "id % num_shards == shard_id, local position id // num_shards",
+        "rows": _put_tensor(txn, f"{name}/rows", copy.rows, digest),
+        "state": _put_tensor(txn, f"{name}/state", copy.state, digest),
+        "row_clock": _put_tensor(txn, f"{name}/row_clock", copy.row_clock, digest),
+        "push_dedupe": _put_tensor(txn, f"{name}/push_dedupe",
+                                   torch.frombuffer(bytearray(dedupe), dtype=torch.uint8),
+                                   digest),
+        "decay_clock": copy.clock,
+        "graph": None,
+    }
+    if copy.graph is not None:
+        offsets, neighbors, version, step, k = copy.graph
+        entry["graph"] = {
+            "version": version, "step": step, "k": k,
+            "offsets": _put_tensor(txn, f"{name}/graph_offsets", offsets, digest),
+            "neighbors": _put_tensor(txn, f"{name}/graph_neighbors", neighbors, digest),
+        }
+    return entry
+
+
+def _map_size(store: ShardStore) -> int:
+    """LMDB's map size for a piece of ``store``, which LMDB needs up front (its 10 MiB default
+    would fail on any real table). An upper bound with room for a graph that grows while the
+    piece is written; the file itself only grows as far as the data."""
+    payload = sum(t.rows.nbytes + t.state.nbytes + t.row_clock.nbytes
+                  + (t.graph.nbytes() if t.graph else 0) + _DEDUPE_BYTES
+                  for t in list(store.tables.values()))
+    return int(payload * 1.25) + (64 << 20)
+
+
 def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
     """Write this shard's piece of snapshot ``step``; return the piece's directory.
 
-    Each table is copied under its lock, so the piece is a consistent cut of every table.
+    Each table is copied at one instant under its lock (``ShardStore.copy_table``: rows,
+    state, clocks, graph and push dedupe state agree) and written after the lock is released,
+    so pushes and pulls wait only for a memory copy. Holds one table's copy at a time.
     """
-    if step < 0:
-        raise SnapshotError(f"step={step} must be >= 0")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SnapshotError(f"step={shorten(step)} must be an integer >= 0")
     final = step_dir(data_dir, step) / piece_name(store.shard_id, store.num_shards)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tables = list(store.tables.values())
-    payload = sum(t.rows.numel() * t.rows.element_size() + t.state.numel() * t.state.element_size()
-                  + t.row_clock.numel() * 8 + (t.graph.nbytes() if t.graph else 0)
-                  for t in tables)
-    # LMDB needs its map size up front; its 10 MiB default would fail on any real table.
-    map_size = int(payload * 1.1) + (64 << 20)
+    with _piece_lock(data_dir, store.shard_id, store.num_shards):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            manifest = _write_data(store, tmp, step)
+            _seal(tmp, manifest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # a snapshot of the same step again: replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(final.parent)
+    log.info("snapshot_written step=%d path=%s bytes=%d", step, final,
+             manifest["files"][DATA_FILE]["size"])
+    return final
+
+
+def _write_data(store: ShardStore, tmp: Path, step: int) -> dict:
+    """Write every table into a new LMDB at ``tmp``; return the manifest without files."""
     digest = hashlib.sha256()
     manifest: dict = {
         "format_version": FORMAT_VERSION, "step": step, "shard_id": store.shard_id,
         "num_shards": store.num_shards, "created": time.time(), "tables": {},
     }
-    env = lmdb.open(str(tmp), map_size=map_size, subdir=True, metasync=True, sync=True)
+    env = lmdb.open(str(tmp), map_size=_map_size(store), subdir=True, metasync=True,
+                    sync=True)
     try:
         with env.begin(write=True) as txn:
-            for t in tables:
-                with t.lock:
-                    entry: dict = {
-                        "spec": t.spec.describe(),
-                        "owned_rows": t.rows.shape[0],
-                        "id_rule": "id % num_shards == shard_id, local position id // num_shards",
-                        "rows": _put_tensor(txn, f"{t.spec.name}/rows", t.rows, digest),
-                        "state": _put_tensor(txn, f"{t.spec.name}/state", t.state, digest),
-                        "row_clock": _put_tensor(txn, f"{t.spec.name}/row_clock", t.row_clock,
-                                                 digest),
-                        "decay_clock": t.clock,
-                        "graph": None,
-                    }
-                    if t.graph is not None:
-                        entry["graph"] = {
-                            "version": t.graph.version, "step": t.graph.step, "k": t.graph.k,
-                            "offsets": _put_tensor(txn, f"{t.spec.name}/graph_offsets",
-                                                   t.graph.offsets, digest),
-                            "neighbors": _put_tensor(txn, f"{t.spec.name}/graph_neighbors",
-                                                     t.graph.neighbors, digest),
-                        }
-                manifest["tables"][t.spec.name] = entry
+            for name in sorted(store.tables):
+                manifest["tables"][name] = _put_table(txn, store.copy_table(name), digest)
         env.sync(True)
     finally:
         env.close()
     manifest["checksum"] = "sha256:" + digest.hexdigest()
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _seal(tmp: Path, manifest: dict) -> None:
+    """Record the data file's size and checksum in the manifest, write the manifest and its
+    own checksum, and fsync the piece."""
+    # Readers open the LMDB without its lock file; dropping it leaves one data file to check.
+    (tmp / "lock.mdb").unlink(missing_ok=True)
+    data = tmp / DATA_FILE
+    manifest["files"] = {DATA_FILE: {"size": data.stat().st_size,
+                                     "sha256": _file_digest(data)}}
+    text = json.dumps(manifest, indent=1).encode()
+    (tmp / MANIFEST).write_bytes(text)
+    (tmp / MANIFEST_SUM).write_text(f"{hashlib.sha256(text).hexdigest()}  {MANIFEST}\n")
     for f in tmp.iterdir():
         _fsync_path(f)
     _fsync_path(tmp)
-    if final.exists():  # a snapshot of the same step again: replace it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_path(final.parent)
-    log.info("snapshot_written step=%d path=%s bytes=%d", step, final, payload)
-    return final
+
+
+# ---- checking a piece -------------------------------------------------------------------
+
+
+def load_manifest(path: Path) -> dict:
+    """The manifest of the piece at ``path``, checked against ``manifest.sha256`` first and
+    then field by field; ``SnapshotError`` when it is missing, damaged or malformed."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+        recorded = (path / MANIFEST_SUM).read_text().split()
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"{path}: manifest unreadable ({e}); the piece is incomplete") from e
+    if not recorded or recorded[0] != hashlib.sha256(raw).hexdigest():
+        raise SnapshotError(f"{path}: manifest unreadable: its SHA-256 does not match "
+                            f"{MANIFEST_SUM} (edited or damaged)")
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise SnapshotError(f"{path}: manifest unreadable ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise SnapshotError(f"{path}: format_version {shorten(version)}, this build reads "
+                            f"{FORMAT_VERSION}")
+    try:
+        _check_manifest(manifest)
+    except (KeyError, TypeError, ValueError, AmsError) as e:
+        raise SnapshotError(f"{path}: malformed manifest ({type(e).__name__}: "
+                            f"{shorten(str(e))})") from e
+    return manifest
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_manifest(m: dict) -> None:
+    """Every field restore reads is present, typed and consistent; ValueError (or KeyError,
+    TypeError, InvalidArgument from the spec) otherwise."""
+    for key in ("step", "shard_id", "num_shards"):
+        _require(_is_int(m[key]) and m[key] >= 0, f"{key} {shorten(m[key])}")
+    _require(m["shard_id"] < m["num_shards"], "shard_id must be < num_shards")
+    _require(isinstance(m["checksum"], str), "checksum")
+    files = m["files"]
+    _require(isinstance(files, dict) and DATA_FILE in files, f"files must list {DATA_FILE}")
+    for name, f in files.items():
+        _require(name in (DATA_FILE,), f"file {shorten(name)} is not part of a piece")
+        _require(_is_int(f["size"]) and f["size"] >= 0, f"{name}: size")
+        _require(isinstance(f["sha256"], str) and bool(_SHA256_RE.match(f["sha256"])),
+                 f"{name}: sha256")
+    _require(isinstance(m["tables"], dict), "tables")
+    stored = 0
+    for name, entry in m["tables"].items():
+        stored += _check_table_entry(name, entry, m["shard_id"], m["num_shards"])
+    _require(stored <= files[DATA_FILE]["size"],
+             f"the tables need {stored} bytes, more than {DATA_FILE} holds")
+
+
+def _check_table_entry(name: str, entry: dict, shard_id: int, num_shards: int) -> int:
+    """Check one table's manifest entry; return the bytes its tensors take."""
+    spec = TableSpec.from_description(entry["spec"])
+    _require(spec.name == name, f"table {shorten(name)} holds the spec of {shorten(spec.name)}")
+    owned = sharding.owned_count(spec.num_rows, shard_id, num_shards)
+    _require(entry["owned_rows"] == owned, f"table {shorten(name)}: owned_rows")
+    clock = entry["decay_clock"]
+    _require(isinstance(clock, (int, float)) and not isinstance(clock, bool)
+             and math.isfinite(clock) and clock >= 0, f"table {shorten(name)}: decay_clock "
+             f"{shorten(clock)}")
+    nbytes = (_check_desc(entry["rows"], spec.dtype, [owned, spec.dim])
+              + _check_desc(entry["state"], spec.state_dtype, [owned, spec.state_width])
+              + _check_desc(entry["row_clock"], torch.float64, [owned])
+              + _check_desc(entry["push_dedupe"], torch.uint8, None))
+    graph = entry["graph"]
+    if graph is not None:
+        for key in ("version", "step", "k"):
+            _require(_is_int(graph[key]) and graph[key] >= 0, f"graph {key}")
+        nbytes += _check_desc(graph["offsets"], torch.int64, [owned + 1])
+        nbytes += _check_desc(graph["neighbors"], torch.int64, None)
+    return nbytes
+
+
+def _check_desc(desc: dict, dtype: torch.dtype, shape: list[int] | None) -> int:
+    """A tensor description holds ``dtype``, ``shape`` (None: any 1-D shape) and the number
+    of chunks that size takes; returns its bytes."""
+    _require(desc["dtype"] == _NAMES[dtype], f"dtype {shorten(desc['dtype'])}, "
+             f"need {_NAMES[dtype]}")
+    got = desc["shape"]
+    _require(isinstance(got, list) and all(_is_int(s) and s >= 0 for s in got),
+             f"shape {shorten(got)}")
+    _require(got == shape if shape is not None else len(got) == 1,
+             f"shape {shorten(got)}, need {shape if shape is not None else '1-D'}")
+    nbytes = math.prod(got) * torch.empty((), dtype=dtype).element_size()
+    _require(desc["chunks"] == -(-nbytes // CHUNK_BYTES), f"chunks {shorten(desc['chunks'])}")
+    return nbytes
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    """Every data file of the piece has the size and SHA-256 its (checked) manifest records;
+    ``SnapshotError`` otherwise. Run before LMDB maps a file."""
+    for name, want in manifest["files"].items():
+        try:
+            size = (path / name).stat().st_size
+        except OSError as e:
+            raise SnapshotError(f"{path}: {name} is missing ({e.strerror})") from e
+        if size != want["size"]:
+            raise SnapshotError(f"{path}: {name} has {size} bytes where the manifest records "
+                                f"{want['size']} (truncated or damaged)")
+        if _file_digest(path / name) != want["sha256"]:
+            raise SnapshotError(f"{path}: {name} checksum mismatch, the data is corrupt")
 
 
 # ---- reading ----------------------------------------------------------------------------
 
 
-@dataclass
-class Piece:
-    """One shard's piece of a snapshot, opened for reading and verified while it is read."""
-
-    path: Path
-    manifest: dict
-    env: lmdb.Environment
-
-    @property
-    def shard_id(self) -> int:
-        return self.manifest["shard_id"]
-
-    @property
-    def num_shards(self) -> int:
-        return self.manifest["num_shards"]
-
-
 def _get_tensor(txn: lmdb.Transaction, key: str, desc: dict, digest: hashlib._Hash,
                 where: Path) -> torch.Tensor:
-    dtype = _DTYPES.get(desc.get("dtype"))
-    if dtype is None:
-        raise SnapshotError(f"{where}: {key} has unknown dtype {desc.get('dtype')!r}")
+    dtype = _DTYPES[desc["dtype"]]
     shape = [int(s) for s in desc["shape"]]
     buf = bytearray()
     for i in range(int(desc["chunks"])):
@@ -177,10 +349,7 @@ def _get_tensor(txn: lmdb.Transaction, key: str, desc: dict, digest: hashlib._Ha
             raise SnapshotError(f"{where}: value {key}/{i:06d} is missing (partial snapshot)")
         digest.update(value)
         buf += value
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = itemsize
-    for s in shape:
-        expected *= s
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(buf) != expected:
         raise SnapshotError(f"{where}: {key} has {len(buf)} bytes, shape {shape} needs {expected}")
     if expected == 0:
@@ -191,17 +360,14 @@ def _get_tensor(txn: lmdb.Transaction, key: str, desc: dict, digest: hashlib._Ha
 
 
 def read_piece(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """Load one piece whole and verify it:
-    (manifest, {table: {rows, state, row_clock, [graph_*]}})."""
-    manifest_path = path / "manifest.json"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"{path}: manifest unreadable ({e}); the piece is incomplete") from e
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError(
-            f"{path}: format_version {manifest.get('format_version')!r}, this build reads "
-            f"{FORMAT_VERSION}")
+    """Load one piece whole and verify it: (manifest, {table: {rows, state, row_clock,
+    push_dedupe (uint8 JSON bytes), [graph_offsets, graph_neighbors]}})."""
+    manifest = load_manifest(path)
+    expected = (f"step-{manifest['step']:012d}",
+                piece_name(manifest["shard_id"], manifest["num_shards"]))
+    if (path.parent.name, path.name) != expected:
+        raise SnapshotError(f"{path}: the manifest describes {'/'.join(expected)}")
+    verify_files(path, manifest)
     with _READ_LOCK:
         return manifest, _read_tensors(path, manifest)
 
@@ -216,27 +382,18 @@ def _read_tensors(path: Path, manifest: dict) -> dict[str, dict[str, torch.Tenso
     try:
         with env.begin() as txn:
             for name, entry in manifest["tables"].items():
-                got = {
-                    "rows": _get_tensor(txn, f"{name}/rows", entry["rows"], digest, path),
-                    "state": _get_tensor(txn, f"{name}/state", entry["state"], digest, path),
-                    "row_clock": _get_tensor(txn, f"{name}/row_clock", entry["row_clock"],
-                                             digest, path),
-                }
-                clock = float(entry["decay_clock"])  # read again by _assemble
-                if not math.isfinite(clock) or clock < 0:
-                    raise ValueError(f"table {name!r}: decay_clock {entry['decay_clock']!r}")
-                if entry.get("graph"):
-                    g = entry["graph"]
-                    got["graph_offsets"] = _get_tensor(
-                        txn, f"{name}/graph_offsets", g["offsets"], digest, path)
-                    got["graph_neighbors"] = _get_tensor(
-                        txn, f"{name}/graph_neighbors", g["neighbors"], digest, path)
+                got = {key: _get_tensor(txn, f"{name}/{key}", entry[key], digest, path)
+                       for key in ("rows", "state", "row_clock", "push_dedupe")}
+                if entry["graph"] is not None:
+                    for key in ("offsets", "neighbors"):
+                        got[f"graph_{key}"] = _get_tensor(
+                            txn, f"{name}/graph_{key}", entry["graph"][key], digest, path)
                 tensors[name] = got
-    except (KeyError, TypeError, ValueError, lmdb.Error) as e:
+    except lmdb.Error as e:
         raise SnapshotError(f"{path}: malformed snapshot ({type(e).__name__}: {e})") from e
     finally:
         env.close()
-    if "sha256:" + digest.hexdigest() != manifest.get("checksum"):
+    if "sha256:" + digest.hexdigest() != manifest["checksum"]:
         raise SnapshotError(f"{path}: checksum mismatch, the data is corrupt")
     return tensors
 
@@ -246,7 +403,8 @@ def list_steps(data_dir: Path) -> list[int]:
     root = Path(data_dir) / "snapshots"
     if not root.is_dir():
         return []
-    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name))]
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name))
+             and p.name == f"step-{int(m.group(1)):012d}"]
     return sorted(steps, reverse=True)
 
 
@@ -270,8 +428,11 @@ def _pieces_of(step_path: Path) -> list[Path]:
 def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> tuple[int, Path]:
     """Replace the store's tables with its part of a snapshot; return (step, path).
 
-    ``step=None``: the newest complete snapshot; a partial or corrupt one is reported and
-    skipped. Raises ``SnapshotError`` when no usable snapshot exists.
+    Every piece of the step is verified before any table is replaced, so a damaged snapshot
+    leaves the live tables as they were. The push dedupe state is replaced with the tables'
+    (a retry of a push the restored rows lack applies again). ``step=None``: the newest
+    complete snapshot; a partial or corrupt one is logged and skipped for an older one.
+    Raises ``SnapshotError`` when no usable snapshot exists.
     """
     candidates = list_steps(data_dir) if step is None else [step]
     if not candidates:
@@ -282,64 +443,173 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
         try:
             tables = _assemble(store, _pieces_of(path))
         except SnapshotError as e:
-            log.warning("snapshot_skipped step=%d reason=%r", s, str(e))
+            fallback = "; trying an older step" if step is None and s != candidates[-1] else ""
+            log.warning("snapshot_skipped step=%d reason=%r%s", s, str(e), fallback)
             problems.append(str(e))
             continue
-        for spec, rows, state, row_clock, clock, graph in tables:
-            store.install_table(spec, rows, state, row_clock, clock, graph)
+        for spec, rows, state, row_clock, clock, graph, dedupe in tables:
+            store.install_table(spec, rows, state, row_clock, clock, graph, dedupe)
         log.info("snapshot_restored step=%d path=%s tables=%d", s, path, len(tables))
         return s, path
     raise SnapshotError("no usable snapshot: " + "; ".join(problems))
 
 
-def _assemble(store: ShardStore, pieces: list[Path]) -> list[tuple[
-        TableSpec, torch.Tensor, torch.Tensor, torch.Tensor, float, NeighborTable | None]]:
-    """This shard's rows, state, decay clocks and graph of every table, gathered from all
-    pieces. The table's clock is the newest of the pieces' clocks."""
-    me, count = store.shard_id, store.num_shards
+RestoredTable = tuple[TableSpec, torch.Tensor, torch.Tensor, torch.Tensor, float,
+                      NeighborTable | None, PushDedupe]
+
+
+def _assemble(store: ShardStore, pieces: list[Path]) -> list[RestoredTable]:
+    """This shard's rows, state, decay clocks, graph and push dedupe state of every table,
+    gathered from all pieces. The table's clock is the newest of the pieces' clocks."""
     out: dict[str, dict] = {}
     for path in pieces:
         manifest, tensors = read_piece(path)
-        old_shard, old_count = manifest["shard_id"], manifest["num_shards"]
-        for name, entry in manifest["tables"].items():
-            spec = TableSpec.from_description(entry["spec"])
-            n_new = sharding.owned_count(spec.num_rows, me, count)
-            acc = out.setdefault(name, {
-                "spec": spec,
-                "rows": torch.empty((n_new, spec.dim), dtype=spec.dtype),
-                "state": torch.empty((n_new, spec.state_width), dtype=spec.state_dtype),
-                "row_clock": torch.empty(n_new, dtype=torch.float64), "clock": 0.0,
-                "filled": torch.zeros(n_new, dtype=torch.bool),
-                "graph_parts": [], "graph_meta": entry.get("graph"),
-            })
-            if acc["spec"] != spec:
-                raise SnapshotError(f"{path}: table {name!r} spec differs between pieces")
-            old_ids = sharding.owned_ids(spec.num_rows, old_shard, old_count)
-            if tensors[name]["rows"].shape[0] != old_ids.numel():
-                raise SnapshotError(f"{path}: table {name!r} has the wrong number of rows")
-            mine = sharding.shard_of(old_ids, count) == me
-            new_pos = sharding.local_index(old_ids[mine], count)
-            acc["rows"][new_pos] = tensors[name]["rows"][mine]
-            acc["state"][new_pos] = tensors[name]["state"][mine]
-            acc["row_clock"][new_pos] = tensors[name]["row_clock"][mine]
-            acc["clock"] = max(acc["clock"], float(entry["decay_clock"]))
-            acc["filled"][new_pos] = True
-            if "graph_offsets" in tensors[name]:
-                old_graph = NeighborTable.from_csr(
-                    torch.arange(old_ids.numel()), tensors[name]["graph_offsets"],
-                    tensors[name]["graph_neighbors"], old_ids.numel())
-                offsets, nbrs = old_graph.lookup(torch.nonzero(mine).reshape(-1))
-                acc["graph_parts"].append((new_pos, offsets, nbrs))
+        try:
+            _gather_piece(store, manifest, tensors, out)
+        except SnapshotError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AmsError) as e:
+            raise SnapshotError(f"{path}: malformed snapshot ({type(e).__name__}: "
+                                f"{shorten(str(e))})") from e
     result = []
     for name, acc in out.items():
         if not bool(acc["filled"].all()):
-            raise SnapshotError(f"table {name!r}: the pieces do not cover every row")
+            raise SnapshotError(f"table {shorten(name)}: the pieces do not cover every row")
         graph = None
         meta = acc["graph_meta"]
         if meta and acc["graph_parts"]:
             graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0])
             graph.version, graph.step = meta["version"], meta["step"]
         result.append((acc["spec"], acc["rows"], acc["state"], acc["row_clock"], acc["clock"],
-                       graph))
+                       graph, acc["dedupe"]))
     return result
 
+
+def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -> None:
+    """Copy the rows of one piece that ``store`` owns into the accumulators ``out``."""
+    me, count = store.shard_id, store.num_shards
+    old_shard, old_count = manifest["shard_id"], manifest["num_shards"]
+    for name, entry in manifest["tables"].items():
+        spec = TableSpec.from_description(entry["spec"])
+        n_new = sharding.owned_count(spec.num_rows, me, count)
+        acc = out.setdefault(name, {
+            "spec": spec,
+            "rows": torch.empty((n_new, spec.dim), dtype=spec.dtype),
+            "state": torch.empty((n_new, spec.state_width), dtype=spec.state_dtype),
+            "row_clock": torch.empty(n_new, dtype=torch.float64), "clock": 0.0,
+            "filled": torch.zeros(n_new, dtype=torch.bool),
+            "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
+        })
+        if acc["spec"] != spec:
+            raise SnapshotError(f"table {shorten(name)}: spec differs between pieces")
+        got = tensors[name]
+        old_ids = sharding.owned_ids(spec.num_rows, old_shard, old_count)
+        mine = sharding.shard_of(old_ids, count) == me
+        new_pos = sharding.local_index(old_ids[mine], count)
+        acc["rows"][new_pos] = got["rows"][mine]
+        acc["state"][new_pos] = got["state"][mine]
+        acc["row_clock"][new_pos] = got["row_clock"][mine]
+        acc["clock"] = max(acc["clock"], float(entry["decay_clock"]))
+        acc["filled"][new_pos] = True
+        if bool(mine.any()):  # a piece's pushes matter where its rows do
+            acc["dedupe"].merge(_dedupe_of(got["push_dedupe"]))
+        if "graph_offsets" in got:
+            old_graph = NeighborTable.from_csr(
+                torch.arange(old_ids.numel()), got["graph_offsets"], got["graph_neighbors"],
+                old_ids.numel())
+            offsets, nbrs = old_graph.lookup(torch.nonzero(mine).reshape(-1))
+            acc["graph_parts"].append((new_pos, offsets, nbrs))
+
+
+def _dedupe_of(raw: torch.Tensor) -> PushDedupe:
+    """The push dedupe state from its stored JSON bytes (uint8 (m,))."""
+    return PushDedupe.from_json(json.loads(bytes(raw.numpy())) if raw.numel() else [])
+
+
+# ---- pruning ----------------------------------------------------------------------------
+
+
+def prune_snapshots(data_dir: Path, shard_id: int, num_shards: int, keep: int, *,
+                    protect: Collection[int] = ()) -> list[Path]:
+    """Remove this shard's share of old snapshots; return the paths removed.
+
+    Keeps the ``keep`` newest complete steps (every piece present, every manifest intact)
+    and every step newer than the newest complete one (other shards may still be writing
+    it), and any step in ``protect``. From every older step, complete or not, it removes the
+    pieces this shard answers for (``shard-i-of-M`` with i mod ``num_shards`` ==
+    ``shard_id``, so pieces of an earlier shard count go too), then the step directory once
+    it is empty. It also removes this shard's ``.tmp-`` directories left by interrupted
+    writes. ``keep=0`` keeps every step. With no complete step at all nothing is removed.
+    """
+    if not _is_int(keep) or keep < 0:
+        raise ValueError(f"keep={shorten(keep)} must be an integer >= 0")
+    root = Path(data_dir) / "snapshots"
+    if not root.is_dir():
+        return []
+    with _piece_lock(data_dir, shard_id, num_shards):
+        removed = _remove_leftover_writes(root, piece_name(shard_id, num_shards))
+        if keep == 0:
+            return removed
+        steps = list_steps(data_dir)
+        complete = [s for s in steps if _is_complete(step_dir(data_dir, s))]
+        if not complete:  # every step may still be in progress
+            return removed
+        oldest_kept = complete[min(keep, len(complete)) - 1]
+        for s in steps:
+            if s < oldest_kept and s not in protect:
+                removed += _remove_pieces(step_dir(data_dir, s), shard_id, num_shards)
+    if removed:
+        log.info("snapshots_pruned shard=%d/%d removed=%d keep=%d", shard_id, num_shards,
+                 len(removed), keep)
+    return removed
+
+
+def prune_after_snapshot(data_dir: Path, shard_id: int, num_shards: int, keep: int,
+                         written: int) -> None:
+    """``prune_snapshots`` right after this shard wrote step ``written`` (``keep=0``: keep
+    all); a failure to remove old pieces is logged, the snapshot just written stands."""
+    if not keep:
+        return
+    try:
+        prune_snapshots(data_dir, shard_id, num_shards, keep, protect=(written,))
+    except OSError as e:
+        log.warning("snapshot_prune_failed shard=%d/%d error=%r", shard_id, num_shards, str(e))
+
+
+def _is_complete(step_path: Path) -> bool:
+    try:
+        for piece in _pieces_of(step_path):
+            load_manifest(piece)
+    except SnapshotError:
+        return False
+    return True
+
+
+def _remove_leftover_writes(root: Path, piece: str) -> list[Path]:
+    """This piece's ``.tmp-`` directories in every step: no write of ours is in progress
+    while the caller holds the piece lock, so each is the leftover of an interrupted one."""
+    removed = []
+    for step_path in root.iterdir():
+        if not _STEP_RE.match(step_path.name) or not step_path.is_dir():
+            continue
+        for tmp in step_path.glob(f".tmp-{piece}-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _remove_pieces(step_path: Path, shard_id: int, num_shards: int) -> list[Path]:
+    """Remove the pieces of an old step this shard answers for, and the step directory once
+    nothing is left in it."""
+    removed = []
+    for p in step_path.iterdir():
+        m = _PIECE_RE.match(p.name)
+        if m and int(m.group(1)) % num_shards == shard_id:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    try:
+        step_path.rmdir()
+        removed.append(step_path)
+    except OSError:
+        pass  # other shards' pieces (or their leftovers) are still in it
+    return removed

@@ -1,4 +1,4 @@
-"""Limits both ends of a gRPC channel agree on."""
+"""Limits both ends of a gRPC channel agree on. No gRPC import, so the store checks them too."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ from __future__ import annotations
 # the client splits requests so that one message stays under REQUEST_BYTES.
 MAX_MESSAGE_BYTES = 256 << 20
 REQUEST_BYTES = 32 << 20
+# Tensor bytes one reply may carry; the rest of MAX_MESSAGE_BYTES is left to the framing
+# (field tags, shapes). A shard checks this before it builds a reply, not after.
+MAX_REPLY_PAYLOAD_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# Call metadata: the shard process (incarnation) a reply comes from, and the one a caller
+# expects; a shard refuses a call that expects another with ABORTED (ams.server).
+INCARNATION_KEY = "xcls-incarnation"
+EXPECT_INCARNATION_KEY = "xcls-expect-incarnation"

@@ -1,7 +1,9 @@
-"""LMDB snapshots: exact round trip, resharding, refusal of partial/corrupt pieces."""
+"""LMDB snapshots: exact round trip, resharding, refusal of partial/corrupt pieces and
+manifests, the push dedupe state, pruning."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -18,9 +20,10 @@ from ams.store import ShardStore
 N, D = 103, 6
 
 
-def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9):
+def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9, keep_snapshots=3):
     """A table after three clocked pushes (weight decay 0.05, so the decay clocks matter)."""
-    client = ams.connect(local_shards=num_shards, data_dir=data_dir)
+    client = ams.connect(local_shards=num_shards, data_dir=data_dir,
+                         keep_snapshots=keep_snapshots)
     client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1, momentum=momentum,
                         weight_decay=0.05)
     g = torch.Generator().manual_seed(0)
@@ -29,6 +32,13 @@ def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9):
         client.push("fc", ids, torch.randn(40, D, generator=g), lr=0.1,
                     decay_clock=-step * math.log1p(-0.1 * 0.05))
     return client
+
+
+def flip_byte(path, where):
+    """Invert the byte at fraction ``where`` of the file."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def full_state(client):
@@ -78,14 +88,7 @@ def test_latest_skips_corrupt_and_partial(tmp_path):
     client.snapshot(step=3)
     # step 3: one piece missing (a shard died before writing); step 2: a flipped byte
     shutil.rmtree(snapshot.step_dir(tmp_path, 3) / snapshot.piece_name(1, 2))
-    piece = snapshot.step_dir(tmp_path, 2) / snapshot.piece_name(0, 2)
-    env = lmdb.open(str(piece), map_size=1 << 30)
-    with env.begin(write=True) as txn:
-        key = b"fc/rows/000000"
-        value = bytearray(txn.get(key))
-        value[5] ^= 0xFF
-        txn.put(key, bytes(value))
-    env.close()
+    flip_byte(snapshot.step_dir(tmp_path, 2) / snapshot.piece_name(0, 2) / "data.mdb", 0.5)
     # a temporary directory from a writer killed mid-write is ignored
     (snapshot.step_dir(tmp_path, 4) / ".tmp-shard-00000-of-00002-dead").mkdir(parents=True)
 
@@ -111,22 +114,309 @@ def test_manifest_describes_the_piece(tmp_path):
     assert manifest["checksum"].startswith("sha256:")
 
 
-@pytest.mark.parametrize("clock", ["soon", -1.0, None])
-def test_hostile_decay_clock_in_manifest_is_refused(tmp_path, clock):
-    trained_client(tmp_path, 1).snapshot(step=1)
-    path = snapshot.step_dir(tmp_path, 1) / snapshot.piece_name(0, 1) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["tables"]["fc"]["decay_clock"] = clock
-    path.write_text(json.dumps(manifest))
-    with pytest.raises(SnapshotError, match="malformed snapshot"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path)
-
-
 def test_garbage_manifest_is_refused(tmp_path):
     trained_client(tmp_path, 1).snapshot(step=1)
     (snapshot.step_dir(tmp_path, 1) / snapshot.piece_name(0, 1) / "manifest.json").write_text("{")
     with pytest.raises(SnapshotError, match="manifest unreadable"):
         snapshot.restore_into(ShardStore(0, 1), tmp_path)
+
+
+def two_steps(data_dir, num_shards=1):
+    """Snapshots 1 and 2 of a trained table (keeping all); the full state at step 1."""
+    client = trained_client(data_dir, num_shards, keep_snapshots=0)
+    client.snapshot(step=1)
+    good = full_state(client)
+    client.push("fc", torch.tensor([1, 2]), torch.ones(2, D), lr=1.0)
+    client.snapshot(step=2)
+    return good
+
+
+def piece_dir(data_dir, step, shard=0, num_shards=1):
+    return snapshot.step_dir(data_dir, step) / snapshot.piece_name(shard, num_shards)
+
+
+def edit_manifest(piece, change, reseal):
+    """Apply ``change`` to the piece's manifest; ``reseal``: write its matching checksum too,
+    as a writer with a bug would, so only the field checks stand in the way."""
+    manifest = json.loads((piece / "manifest.json").read_text())
+    change(manifest)
+    text = json.dumps(manifest, indent=1).encode()
+    (piece / "manifest.json").write_bytes(text)
+    if reseal:
+        (piece / "manifest.sha256").write_text(
+            f"{hashlib.sha256(text).hexdigest()}  manifest.json\n")
+
+
+def restores_step_1(data_dir, good):
+    fresh = ams.connect(local_shards=1, data_dir=data_dir)
+    assert fresh.restore() == 1
+    for a, b in zip(good, full_state(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
+def _table(m):
+    return m["tables"]["fc"]
+
+
+# Edits a valid manifest survives but for its checksum: the values are plausible.
+PLAUSIBLE_EDITS = {
+    "decay_clock": lambda m: _table(m).update(decay_clock=0.5),
+    "weight_decay": lambda m: _table(m)["spec"].update(weight_decay=0.0),
+    "momentum": lambda m: _table(m)["spec"].update(momentum=0.5),
+}
+# Edits that make a manifest wrong however it is checksummed.
+MALFORMED_EDITS = {
+    "dim": lambda m: _table(m)["spec"].update(dim=D + 1),
+    "table_renamed": lambda m: m.update(tables={"other": _table(m)}),
+    "tables_not_a_dict": lambda m: m.update(tables=[]),
+    "spec_extra_key": lambda m: _table(m)["spec"].update(bogus=1),
+    "spec_dtype": lambda m: _table(m)["spec"].update(dtype="int8"),
+    "decay_clock_text": lambda m: _table(m).update(decay_clock="soon"),
+    "decay_clock_negative": lambda m: _table(m).update(decay_clock=-1.0),
+    "decay_clock_null": lambda m: _table(m).update(decay_clock=None),
+    "rows_shape": lambda m: _table(m)["rows"].update(shape=[1, D]),
+    "rows_chunks": lambda m: _table(m)["rows"].update(chunks=10**9),
+    "num_rows_huge": lambda m: _table(m)["spec"].update(num_rows=2**61),
+    "file_outside_piece": lambda m: m.update(files={"../../x": m["files"]["data.mdb"]}),
+    "file_size": lambda m: m["files"]["data.mdb"].update(size=-1),
+    "no_checksum": lambda m: m.pop("checksum"),
+    "shard_id": lambda m: m.update(shard_id=5),
+    "step": lambda m: m.update(step="1"),
+    "format_version": lambda m: m.update(format_version=2),
+    "graph_garbage": lambda m: _table(m).update(graph={"version": 1}),
+}
+
+
+@pytest.mark.parametrize("edit", [*PLAUSIBLE_EDITS, *MALFORMED_EDITS])
+def test_edited_manifest_falls_back_to_previous_step(tmp_path, edit):
+    good = two_steps(tmp_path)
+    edit_manifest(piece_dir(tmp_path, 2), {**PLAUSIBLE_EDITS, **MALFORMED_EDITS}[edit],
+                  reseal=False)
+    with pytest.raises(SnapshotError, match="manifest unreadable: its SHA-256 does not match"):
+        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+    restores_step_1(tmp_path, good)
+
+
+@pytest.mark.parametrize("edit", MALFORMED_EDITS)
+def test_malformed_manifest_with_valid_checksum_is_refused(tmp_path, edit):
+    good = two_steps(tmp_path)
+    edit_manifest(piece_dir(tmp_path, 2), MALFORMED_EDITS[edit], reseal=True)
+    with pytest.raises(SnapshotError, match="malformed manifest|format_version"):
+        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+    restores_step_1(tmp_path, good)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.7, 0.999])
+def test_flipped_byte_in_manifest_falls_back(tmp_path, where):
+    good = two_steps(tmp_path)
+    flip_byte(piece_dir(tmp_path, 2) / "manifest.json", where)
+    restores_step_1(tmp_path, good)
+
+
+@pytest.mark.parametrize("damage", ["manifest.sha256 missing", "manifest.sha256 garbage",
+                                    "manifest.json missing", "data.mdb missing"])
+def test_missing_piece_files_fall_back(tmp_path, damage):
+    good = two_steps(tmp_path)
+    name, what = damage.split()
+    path = piece_dir(tmp_path, 2) / name
+    if what == "missing":
+        path.unlink()
+    else:
+        path.write_text("not a checksum")
+    restores_step_1(tmp_path, good)
+
+
+def test_truncated_data_file_is_found_before_lmdb_opens_it(tmp_path):
+    two_steps(tmp_path)
+    piece = piece_dir(tmp_path, 2)
+    data = piece / "data.mdb"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(SnapshotError, match="truncated or damaged"):
+        snapshot.verify_files(piece, snapshot.load_manifest(piece))
+
+
+def test_changed_value_behind_forged_file_checksums_is_caught(tmp_path):
+    good = two_steps(tmp_path)
+    piece = piece_dir(tmp_path, 2)
+    env = lmdb.open(str(piece), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(b"fc/rows/000000"))
+        value[5] ^= 0xFF
+        txn.put(b"fc/rows/000000", bytes(value))
+    env.close()
+    data = (piece / "data.mdb").read_bytes()
+    edit_manifest(piece, lambda m: m["files"].update(
+        {"data.mdb": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}),
+        reseal=True)
+    with pytest.raises(SnapshotError, match="checksum mismatch"):
+        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+    restores_step_1(tmp_path, good)
+
+
+def test_damaged_snapshot_leaves_live_tables_alone(tmp_path):
+    two_steps(tmp_path, num_shards=2)
+    flip_byte(piece_dir(tmp_path, 2, 1, 2) / "data.mdb", 0.5)
+    live = trained_client(tmp_path / "other", 2)
+    live.push("fc", torch.tensor([5]), torch.ones(1, D), lr=0.3)
+    for shard in live.shards:
+        shard.data_dir = tmp_path
+    before = full_state(live)
+    with pytest.raises(SnapshotError, match="checksum mismatch"):
+        live.restore(step=2)
+    for a, b in zip(before, full_state(live), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_wide_step_numbers_sort_numerically(tmp_path):
+    client = trained_client(tmp_path, 1, keep_snapshots=0)
+    big = 10**12 + 5
+    for step in (999, big, 10**13):
+        client.snapshot(step=step)
+    assert snapshot.list_steps(tmp_path) == [10**13, big, 999]
+    assert (tmp_path / "snapshots" / "step-000000000999").is_dir()  # 12 digits at least
+    fresh = ams.connect(local_shards=1, data_dir=tmp_path)
+    assert fresh.restore() == 10**13
+    assert fresh.stats()[0]["last_snapshot_step"] == 10**13
+    shutil.rmtree(snapshot.step_dir(tmp_path, 10**13))
+    assert fresh.restore() == big
+
+
+def test_last_snapshot_step_reads_the_restored_step(tmp_path):
+    trained_client(tmp_path, 2).snapshot(step=7)
+    fresh = ams.connect(local_shards=2, data_dir=tmp_path)
+    assert [s["last_snapshot_step"] for s in fresh.stats()] == [-1, -1]
+    assert fresh.restore() == 7
+    assert [s["last_snapshot_step"] for s in fresh.stats()] == [7, 7]
+
+
+# ---- push dedupe state --------------------------------------------------------------------
+
+
+def plain_sgd_client(data_dir, num_shards):
+    """No momentum, no weight decay: one push of g at lr moves a row by exactly -lr * g."""
+    client = ams.connect(local_shards=num_shards, data_dir=data_dir)
+    client.create_table("fc", num_rows=N, dim=D, seed=1, momentum=0.0, weight_decay=0.0)
+    return client
+
+
+def test_dedupe_state_survives_snapshot_and_restore(tmp_path):
+    client = plain_sgd_client(tmp_path, 2)
+    ids, grads = torch.tensor([1, 3]), torch.full((2, D), 0.5)
+    start = client.pull("fc", ids).double()
+    assert client.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    client.snapshot(step=1)
+    once = start - 0.1 * 0.5  # float64 reference of the push applied once
+    fresh = plain_sgd_client(tmp_path, 2)
+    assert fresh.restore() == 1
+    assert not fresh.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    torch.testing.assert_close(fresh.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
+    assert fresh.shards[1].push("fc", ids, grads, 0.1, "worker-a", 42, None)  # a new one applies
+
+
+def test_dedupe_state_follows_rows_into_another_shard_count(tmp_path):
+    client = plain_sgd_client(tmp_path, 2)
+    ids, grads = torch.tensor([1, 3]), torch.full((2, D), 0.5)
+    once = client.pull("fc", ids).double() - 0.1 * 0.5
+    assert client.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    client.snapshot(step=1)
+    three = plain_sgd_client(tmp_path, 3)
+    assert three.restore() == 1
+    # id 3 now lives on shard 0 of 3, id 1 on shard 1: both remember the push
+    assert not three.shards[0].push("fc", ids[1:], grads[1:], 0.1, "worker-a", 41, None)
+    assert not three.shards[1].push("fc", ids[:1], grads[:1], 0.1, "worker-a", 41, None)
+    torch.testing.assert_close(three.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
+
+
+def test_live_restore_replaces_the_dedupe_state(tmp_path):
+    client = plain_sgd_client(tmp_path, 1)
+    ids, grads = torch.tensor([4]), torch.full((1, D), 0.25)
+    once = client.pull("fc", ids).double() - 0.2 * 0.25
+    client.snapshot(step=1)
+    assert client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)
+    assert client.restore() == 1  # the restored rows lack push 9 ...
+    assert client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)  # ... so it applies
+    torch.testing.assert_close(client.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
+    assert not client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)
+
+
+def test_snapshot_writes_outside_the_table_lock(tmp_path, monkeypatch):
+    client = trained_client(tmp_path, 1)
+    table = client.shards[0].store.table("fc")
+    lock_free = []
+    put = snapshot._put_tensor
+
+    def put_and_check(txn, key, tensor, digest):
+        if table.lock.acquire(blocking=False):  # a push or pull could run now
+            table.lock.release()
+            lock_free.append(True)
+        else:
+            lock_free.append(False)
+        return put(txn, key, tensor, digest)
+
+    monkeypatch.setattr(snapshot, "_put_tensor", put_and_check)
+    client.snapshot(step=1)
+    assert lock_free and all(lock_free)
+
+
+# ---- pruning ----------------------------------------------------------------------------
+
+
+def steps_with_piece(data_dir, shard, num_shards):
+    return sorted(s for s in snapshot.list_steps(data_dir)
+                  if (piece_dir(data_dir, s, shard, num_shards)).is_dir())
+
+
+def test_prune_keeps_newest_complete_steps_and_steps_in_progress(tmp_path):
+    three = trained_client(tmp_path, 3, keep_snapshots=0)
+    three.snapshot(step=0)  # an earlier shard count
+    client = trained_client(tmp_path, 2, keep_snapshots=0)
+    for step in range(1, 6):
+        client.snapshot(step=step)
+    client.shards[0].snapshot(6)  # step 6: shard 1 is still writing
+    leftovers = [snapshot.step_dir(tmp_path, s) / f".tmp-{snapshot.piece_name(i, 2)}-dead"
+                 for s, i in ((3, 0), (6, 0), (6, 1))]
+    for d in leftovers:
+        d.mkdir()
+
+    snapshot.prune_snapshots(tmp_path, 0, 2, keep=2)
+    assert steps_with_piece(tmp_path, 0, 2) == [4, 5, 6]
+    assert steps_with_piece(tmp_path, 1, 2) == [1, 2, 3, 4, 5]  # not shard 0's to remove
+    assert not (piece_dir(tmp_path, 0, 0, 3).exists() or piece_dir(tmp_path, 0, 2, 3).exists())
+    assert piece_dir(tmp_path, 0, 1, 3).exists()
+    assert [d.exists() for d in leftovers] == [False, False, True]
+
+    snapshot.prune_snapshots(tmp_path, 1, 2, keep=2)
+    assert steps_with_piece(tmp_path, 1, 2) == [4, 5]
+    assert snapshot.list_steps(tmp_path) == [6, 5, 4]  # emptied step directories are gone
+    assert not leftovers[2].exists()
+    fresh = ams.connect(local_shards=2, data_dir=tmp_path)
+    assert fresh.restore() == 5
+
+
+def test_prune_keeps_everything_with_keep_zero_or_no_complete_step(tmp_path):
+    client = trained_client(tmp_path, 2, keep_snapshots=0)
+    for step in range(1, 5):
+        client.shards[0].snapshot(step)  # shard 1 never wrote: no step is complete
+    snapshot.prune_snapshots(tmp_path, 0, 2, keep=1)
+    assert steps_with_piece(tmp_path, 0, 2) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        client.shards[1].snapshot(step)
+    snapshot.prune_snapshots(tmp_path, 0, 2, keep=0)
+    assert steps_with_piece(tmp_path, 0, 2) == [1, 2, 3, 4]
+    snapshot.prune_snapshots(tmp_path, 0, 2, keep=1, protect=(2,))
+    assert steps_with_piece(tmp_path, 0, 2) == [2, 4]
+
+
+def test_local_shards_prune_after_each_snapshot(tmp_path):
+    client = trained_client(tmp_path, 2, keep_snapshots=2)
+    for step in range(1, 6):
+        client.snapshot(step=step)
+    assert snapshot.list_steps(tmp_path) == [5, 4]
+    default = trained_client(tmp_path / "default", 1)
+    for step in range(1, 6):
+        default.snapshot(step=step)
+    assert snapshot.list_steps(tmp_path / "default") == [5, 4, 3]
 
 
 def test_large_table_beyond_lmdb_default_map_size(tmp_path):

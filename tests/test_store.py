@@ -296,3 +296,139 @@ def test_client_sends_big_graphs_in_chunks(monkeypatch):
     lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
     client.set_neighbors("fc", torch.arange(N), lists, version=1, step=0, replace_all=True)
     assert torch.equal(client.neighbors("fc", torch.arange(N)), lists)
+
+
+# ---- pushes whose result is not finite ----------------------------------------------------
+
+NON_FINITE_PUSHES = [  # (row and state dtype, ids, gradient value per id, lr)
+    ("float32", [4], 3e38, 10.0),
+    ("float32", [4, 4], 3e38, 1.0),  # each gradient is finite, their sum is not
+    ("float16", [4], 7e5, 0.1),  # float16 overflows at 65504
+    ("bfloat16", [4], 3e38, 10.0),
+]
+
+
+@pytest.mark.parametrize("dtype,ids,value,lr", NON_FINITE_PUSHES)
+def test_push_with_non_finite_result_is_refused_whole(dtype, ids, value, lr):
+    store = make_store(dtype=dtype, state_dtype=dtype)
+    store.push("fc", torch.tensor([4, 9]), torch.ones(2, D), 0.1, "c", 1, decay_clock=0.0)
+    before = snapshot_state(store)
+    counters = store.stats()["tables"]["fc"]
+    bad_ids = torch.tensor([*ids, 7])  # a harmless row in the same push changes neither
+    grads = torch.cat([torch.full((len(ids), D), value), torch.full((1, D), 0.01)])
+    with pytest.raises(errors.InvalidArgument, match="non-finite") as info:
+        store.push("fc", bad_ids, grads, lr, "c", 2, decay_clock=0.01)
+    assert "class 4" in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot_state(store), strict=True))
+    assert store.stats()["tables"]["fc"] == counters
+    # the refused sequence is not remembered: the corrected push under it applies
+    w, v = store.pull("fc", torch.arange(N)).double(), store.table("fc").state.double()
+    good = torch.full((len(ids), D), 0.01)
+    assert store.push("fc", torch.tensor(ids), good, 0.1, "c", 2)
+    reference_sgd_step(w, v, torch.tensor(ids), good, 0.1, 0.9, 5e-4)
+    tol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    torch.testing.assert_close(store.pull("fc", torch.arange(N)).double(), w, rtol=tol,
+                               atol=tol)
+    assert torch.isfinite(store.table("fc").rows.float()).all()
+
+
+# ---- reply sizes, table sizes, long values -------------------------------------------------
+
+
+def refuse_to_gather(monkeypatch):
+    """Make any row gather fail: a refused request must not build its reply first."""
+    from ams import rowcopy
+
+    def gather(rows, index):
+        raise AssertionError("the reply was being built")
+
+    monkeypatch.setattr(rowcopy, "gather", gather)
+
+
+def test_pull_over_the_message_limit_is_refused_before_the_reply_is_built(monkeypatch):
+    store = make_store(dim=128, momentum=0.0)
+    refuse_to_gather(monkeypatch)
+    ids = torch.zeros(600_000, dtype=torch.int64)  # 600k x 128 x 4 bytes: 307 MB of rows
+    with pytest.raises(errors.RequestTooLarge, match="split the request") as info:
+        store.pull("fc", ids)
+    assert str(600_000 * 128 * 4) in str(info.value)
+
+
+def test_scan_blocks_and_neighbor_lists_fit_the_reply_limit(monkeypatch):
+    store = make_store()
+    store.max_reply_bytes = 5 * (D * 4 + 8)  # five rows and their ids
+    with pytest.raises(errors.RequestTooLarge, match="block_rows"):
+        next(store.scan("fc", block_rows=6))
+    blocks = list(store.scan("fc"))  # the default block size fits
+    assert max(ids.numel() for ids, _ in blocks) == 5
+    assert torch.equal(torch.cat([ids for ids, _ in blocks]), torch.arange(N))
+    lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
+    store.set_neighbors("fc", torch.arange(N), torch.arange(0, 2 * N + 1, 2),
+                        lists.reshape(-1), version=1, step=0, replace_all=True)
+    store.max_reply_bytes = 8 * (1 + 3 * 3)  # offsets and lists of three rows
+    assert store.neighbors("fc", torch.arange(3))[1].numel() == 6
+    with pytest.raises(errors.RequestTooLarge, match="split the request"):
+        store.neighbors("fc", torch.arange(4))
+
+
+@pytest.mark.parametrize("memory", ["known", "unknown"])
+def test_table_too_large_for_memory_is_a_typed_error(monkeypatch, memory):
+    import ams.store
+
+    if memory == "unknown":  # then the allocation itself fails, and is reported
+        monkeypatch.setattr(ams.store, "_physical_memory_bytes", lambda: None)
+    store = make_store()
+    needed = 2**61 * (4 * 4 + 8)  # float32 rows of 4 and a float64 decay clock per row
+    with pytest.raises(errors.RequestTooLarge, match=f"needs {needed} bytes"):
+        store.create_table(TableSpec(name="huge", num_rows=2**61, dim=4, momentum=0.0))
+    assert list(store.tables) == ["fc"]
+
+
+def test_shorten_cuts_long_values():
+    assert errors.shorten("abc") == "'abc'"
+    long = errors.shorten("x" * 1000)
+    assert long.startswith("'xxx") and long.endswith("…(1002 chars)")
+    assert len(long) == errors.ECHO_CHARS + len("…(1002 chars)")
+
+
+def test_error_messages_quote_long_values_briefly():
+    store = make_store()
+    huge = "x" * 1_000_000
+    calls = [
+        lambda: store.pull(huge, torch.tensor([1])),
+        lambda: store.push(huge, torch.tensor([1]), torch.ones(1, D), 0.1),
+        lambda: store.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, huge, 1),
+        lambda: TableSpec(name=huge, num_rows=10, dim=4),
+        lambda: store.neighbors(huge, torch.tensor([1])),
+    ]
+    for call in calls:
+        with pytest.raises(errors.AmsError) as info:
+            call()
+        assert "(1000002 chars)" in str(info.value)
+        assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("client_id,sequence", [("c" * 129, 1), (7, 1), ("c", -1),
+                                                ("c", 2**64), ("c", 1.5)])
+def test_bad_client_id_or_sequence_is_refused(client_id, sequence):
+    store = make_store()
+    before = snapshot_state(store)
+    with pytest.raises(errors.InvalidArgument, match="client_id|sequence"):
+        store.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, client_id, sequence)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot_state(store), strict=True))
+    assert store.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, "c" * 128, 2**64 - 1)
+
+
+def test_dedupe_memory_is_bounded_per_client_and_in_clients():
+    from ams.store import PUSH_DEDUPE_CLIENTS, PUSH_DEDUPE_WINDOW, PushDedupe
+
+    dedupe = PushDedupe()
+    for c in range(PUSH_DEDUPE_CLIENTS):
+        dedupe.add(f"c{c}", 1)
+    dedupe.add("c0", 2)  # c0 pushed most recently now; c1 is the least recent
+    dedupe.add("new", 1)
+    assert ("c0", 1) in dedupe and ("new", 1) in dedupe and ("c1", 1) not in dedupe
+    for s in range(PUSH_DEDUPE_WINDOW + 1):
+        dedupe.add("w", s)
+    assert ("w", 0) not in dedupe and ("w", 1) in dedupe and ("w", PUSH_DEDUPE_WINDOW) in dedupe
+    assert PushDedupe.from_json(dedupe.to_json()).to_json() == dedupe.to_json()

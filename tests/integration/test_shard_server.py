@@ -121,6 +121,22 @@ BAD_REQUESTS = [
      grpc.StatusCode.OUT_OF_RANGE, str(N + 2)),
     ("Neighbors", pb.NeighborsRequest(table="zz", ids=_ids([0])),
      grpc.StatusCode.NOT_FOUND, "zz"),
+    # finite gradients whose update overflows float32 (momentum 0.9 table)
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1, value=3e38), lr=10.0),
+     grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([2, 2]), grads=_grads(2, value=3e38), lr=1.0),
+     grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="huge", num_rows=2**61, dim=4,
+                                                            dtype=pb.FLOAT32)),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "huge"),
+    ("Pull", pb.PullRequest(table="x" * 1_000_000, ids=_ids([0])), grpc.StatusCode.NOT_FOUND,
+     "(1000002 chars)"),
+    ("Pull", pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[1] * 100_000,
+                                                      data=bytes(8))),
+     grpc.StatusCode.INVALID_ARGUMENT, "(300000 chars)"),
+    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
+                            client_id="c" * 129, sequence=1),
+     grpc.StatusCode.INVALID_ARGUMENT, "client_id"),
 ]
 
 
@@ -133,6 +149,7 @@ def test_bad_input_gets_status_and_changes_nothing(raw_stub, method, request_msg
         getattr(stub, method)(request_msg, timeout=10)
     assert info.value.code() == code, info.value.details()
     assert needle in info.value.details()
+    assert len(info.value.details()) < 1000  # long values are quoted briefly
     assert torch.equal(client.pull("fc", torch.arange(N)), before)
     # still serving
     assert stub.Stats(pb.StatsRequest(), timeout=10).num_shards == 2
@@ -162,6 +179,34 @@ def test_retried_push_is_applied_once(raw_stub):
     after = client.pull("retry", torch.tensor([0, 2]))
     assert not torch.equal(after, before)
     assert torch.equal(after, once.pull("fc", torch.tensor([0, 2])))
+
+
+def test_refused_non_finite_push_is_not_remembered(raw_stub):
+    stub, client = raw_stub
+    client.create_table("overflow", num_rows=N, dim=D, seed=4, momentum=0.0,
+                        weight_decay=0.0)
+    start = client.pull("overflow", torch.tensor([4])).double()
+    request = pb.PushRequest(table="overflow", ids=_ids([4]), grads=_grads(1, value=3e38),
+                             lr=10.0, client_id="worker-9", sequence=5)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert torch.equal(client.pull("overflow", torch.tensor([4])).double(), start)
+    request.grads.CopyFrom(_grads(1, value=0.5))  # the corrected retry, same sequence
+    assert stub.Push(request, timeout=10).applied
+    torch.testing.assert_close(client.pull("overflow", torch.tensor([4])).double(),
+                               start - 10.0 * 0.5, rtol=0, atol=1e-6)
+
+
+def test_pull_reply_over_message_limit_is_refused_before_it_is_built(raw_stub):
+    stub, client = raw_stub
+    client.create_table("wide", num_rows=10, dim=512, momentum=0.0)
+    ids = torch.zeros(300_000, dtype=torch.int64)  # 300k x 512 x 4 bytes: 614 MB of rows
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Pull(pb.PullRequest(table="wide", ids=codec.encode(ids)), timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "split the request" in info.value.details()
+    assert stub.Stats(pb.StatsRequest(), timeout=10).num_shards == 2  # still serving
 
 
 def test_oversized_message_is_resource_exhausted(raw_stub):
@@ -246,6 +291,8 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
      "cannot read"),
     (["--shard-id", "x", "--num-shards", "1"], "invalid int value"),
     (["--num-shards", "1"], "required"),
+    (["--shard-id", "0", "--num-shards", "1", "--require-auth"], "--require-auth"),
+    (["--shard-id", "0", "--num-shards", "1", "--keep-snapshots", "-1"], "--keep-snapshots"),
 ])
 def test_cli_rejects_bad_arguments(args, needle):
     out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", *args],
