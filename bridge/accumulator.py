@@ -86,13 +86,22 @@ class MemoryGradientAccumulator:
     many means it has emitted. Thread-safe: the fast gear may ``add`` from one thread while the
     slow gear blocks in ``read`` on another. ``ack`` only counts: a process that dies loses its
     queue with everything else, so there is nothing to re-deliver.
+
+    ``max_samples`` bounds the samples with an open window (about ``dim * 4`` bytes each;
+    None: no bound): gradients of further samples are dropped and counted in
+    ``metrics.dropped``. A bounded accumulator forgets a sample once its window closes, so its
+    next mean counts ``seq`` from 0 again (harmless here: ``ack`` does not de-duplicate). The
+    queue of ready means is the reader's to drain.
     """
 
-    def __init__(self, dim: int, m: int) -> None:
+    def __init__(self, dim: int, m: int, max_samples: int | None = None) -> None:
         if dim <= 0 or m <= 0:
             raise ValueError(f"dim and m must be positive, got dim={dim} m={m}")
+        if max_samples is not None and max_samples <= 0:
+            raise ValueError(f"max_samples must be positive or None, got {max_samples}")
         self.dim = dim
         self.m = m
+        self.max_samples = max_samples
         self.metrics = AccumulatorMetrics()
         # sample id -> [sum (dim,) float32, count, newest version, means emitted]
         self._state: dict[int, list] = {}
@@ -109,10 +118,15 @@ class MemoryGradientAccumulator:
         """Add dL/dX ``grads`` (n, dim) of samples ``ids`` (n,) computed on features of backbone
         ``version``. Returns how many means became ready."""
         uniq, sums, counts = combine_by_id(ids, grads, self.dim)
-        emitted = 0
+        emitted = refused = 0
         with self._cond:
             for i, total, count in zip(uniq.tolist(), sums, counts.tolist(), strict=True):
-                state = self._state.setdefault(i, [np.zeros(self.dim, np.float32), 0, version, 0])
+                state = self._state.get(i)
+                if state is None:
+                    if self.max_samples is not None and len(self._state) >= self.max_samples:
+                        refused += count
+                        continue
+                    state = self._state[i] = [np.zeros(self.dim, np.float32), 0, version, 0]
                 state[0] = (state[0] + total).astype(np.float32)
                 state[1] += count
                 state[2] = max(state[2], version)
@@ -120,11 +134,26 @@ class MemoryGradientAccumulator:
                     self._ready.append((i, state[0] / np.float32(state[1]), state[2], state[3]))
                     state[0], state[1], state[3] = np.zeros(self.dim, np.float32), 0, state[3] + 1
                     emitted += 1
+                    if self.max_samples is not None:
+                        del self._state[i]
             if emitted:
                 self._cond.notify_all()
-        self.metrics.added += int(counts.sum())
+        self.metrics.added += int(counts.sum()) - refused
+        self.metrics.dropped += refused
         self.metrics.emitted += emitted
         return emitted
+
+    def take_partial_sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Remove every sample's state and return its open window: (ids (s,) int64, sums
+        (s, dim) float64, counts (s,) int64 >= 1, newest versions (s,) int64), only samples
+        whose count is above 0. Queued means stay queued."""
+        with self._cond:
+            items = sorted((i, s) for i, s in self._state.items() if s[1] > 0)
+            self._state = {}
+        sums = np.stack([s[0] for _, s in items]) if items else np.zeros((0, self.dim))
+        return (np.array([i for i, _ in items], dtype=np.int64), sums.astype(np.float64),
+                np.array([s[1] for _, s in items], dtype=np.int64),
+                np.array([s[2] for _, s in items], dtype=np.int64))
 
     def read(self, max_items: int = 256, block_ms: int = 0) -> GradientBatch:
         """Up to ``max_items`` ready means, waiting up to ``block_ms`` if none is ready."""
@@ -150,23 +179,29 @@ class MemoryGradientAccumulator:
         return len(batch)
 
     def checkpoint_state(self) -> dict:
-        """Partial sums and queued means, for a checkpoint that must resume exactly:
+        """Partial sums and queued means, for a checkpoint that must resume exactly, as tensors
+        (a checkpoint loads with ``torch.load(weights_only=True)``, which refuses numpy arrays):
         ``ids`` (s,) int64, ``sums`` (s, dim) float32, ``counts``/``versions``/``seqs`` (s,)
         int64, and ``ready``: the queued means in order as (ids, means, versions, seqs)."""
         with self._cond:
             items = sorted(self._state.items())
             ready = list(self._ready)
-        dim = self.dim
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        def rows(values: list[np.ndarray]) -> torch.Tensor:
+            stacked = np.stack(values) if values else np.zeros((0, self.dim), np.float32)
+            return torch.from_numpy(stacked)
+
         return {
-            "ids": np.array([i for i, _ in items], dtype=np.int64),
-            "sums": np.stack([s[0] for _, s in items]) if items else np.zeros((0, dim), np.float32),
-            "counts": np.array([s[1] for _, s in items], dtype=np.int64),
-            "versions": np.array([s[2] for _, s in items], dtype=np.int64),
-            "seqs": np.array([s[3] for _, s in items], dtype=np.int64),
-            "ready": (np.array([r[0] for r in ready], dtype=np.int64),
-                      np.stack([r[1] for r in ready]) if ready else np.zeros((0, dim), np.float32),
-                      np.array([r[2] for r in ready], dtype=np.int64),
-                      np.array([r[3] for r in ready], dtype=np.int64)),
+            "ids": ints([i for i, _ in items]),
+            "sums": rows([s[0] for _, s in items]),
+            "counts": ints([s[1] for _, s in items]),
+            "versions": ints([s[2] for _, s in items]),
+            "seqs": ints([s[3] for _, s in items]),
+            "ready": (ints([r[0] for r in ready]), rows([r[1] for r in ready]),
+                      ints([r[2] for r in ready]), ints([r[3] for r in ready])),
         }
 
     def restore_checkpoint_state(self, state: dict | None, version: int) -> None:

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from bridge.cache import FeatureCacheBase
 from bridge.codec import entry_nbytes
@@ -75,13 +76,14 @@ class MemoryFeatureCache(FeatureCacheBase):
 
     def checkpoint_state(self) -> dict:
         """Every entry in LRU order (least recent first): ``ids`` (n,) int64 and ``entries``
-        (n, entry bytes) uint8, the raw encoded entries, so a restore is exact."""
+        (n, entry bytes) uint8 tensors, the raw encoded entries, so a restore is exact (tensors,
+        not numpy arrays: a checkpoint loads with ``torch.load(weights_only=True)``)."""
         with self._lock:
             ids = np.fromiter(self._entries.keys(), dtype=np.int64, count=len(self._entries))
             raw = b"".join(self._entries.values())
         width = entry_nbytes(self.dim, self.dtype)
-        return {"ids": ids,
-                "entries": np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), width).copy()}
+        entries = np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), width).copy()
+        return {"ids": torch.from_numpy(ids), "entries": torch.from_numpy(entries)}
 
     def restore_checkpoint_state(self, state: dict | None, version: int) -> None:
         """Replace the contents with what :meth:`checkpoint_state` returned (same dim and
@@ -90,7 +92,7 @@ class MemoryFeatureCache(FeatureCacheBase):
         if state is None:
             super().restore_checkpoint_state(state, version)
             return
-        ids, raw = np.asarray(state["ids"], dtype=np.int64), state["entries"]
+        ids, raw = np.asarray(state["ids"], dtype=np.int64), np.asarray(state["entries"])
         width = entry_nbytes(self.dim, self.dtype)
         if raw.ndim != 2 or raw.shape != (len(ids), width) or raw.dtype != np.uint8:
             raise ValueError(f"cache entries must be uint8 ({len(ids)}, {width}) for dim "

@@ -1,4 +1,4 @@
-"""Counters of the caches and the gradient accumulators (plain ints, read them any time)."""
+"""Counters of the caches and the gradient accumulators (plain numbers, read them any time)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,11 @@ class AccumulatorMetrics:
     means returned by ``read``; ``applied``: means acked; ``duplicates``: entries skipped because
     their (sample id, version, seq) was already applied; ``corrupt``: records or stream entries
     rejected; ``claimed``: entries taken over from a dead consumer; ``dropped``: gradients lost
-    because the backend could not be reached; ``bytes``: gradient payload bytes moved.
+    (the backend could not be reached and no fallback had room, or other workers kept touching
+    the same samples); ``bytes``: gradient payload bytes moved. ``outages``: times the backend
+    stopped answering; ``outage_s``: seconds of the outages that ended; ``fallback``: gradients
+    handed to the in-process fallback while the backend was down
+    (:class:`bridge.redis_accumulator.RedisGradientAccumulator`).
     """
 
     added: int = 0
@@ -52,6 +56,9 @@ class AccumulatorMetrics:
     claimed: int = 0
     dropped: int = 0
     bytes: int = 0
+    outages: int = 0
+    outage_s: float = 0.0
+    fallback: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -12,8 +12,8 @@ import time
 
 
 class RateLimitedLog:
-    """``warn(event, **fields)`` logs ``event key=value ... suppressed=N`` at most once per
-    ``interval_s`` seconds per event name."""
+    """``warn(event, **fields)`` (or ``info``) logs ``event key=value ... suppressed=N`` at most
+    once per ``interval_s`` seconds per event name."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
         self._logger = logger
@@ -23,6 +23,12 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def warn(self, event: str, **fields: object) -> None:
+        self.log(logging.WARNING, event, **fields)
+
+    def info(self, event: str, **fields: object) -> None:
+        self.log(logging.INFO, event, **fields)
+
+    def log(self, level: int, event: str, **fields: object) -> None:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(event)
@@ -32,4 +38,4 @@ class RateLimitedLog:
             self._last[event] = now
             suppressed = self._suppressed.pop(event, 0)
         kv = " ".join(f"{k}={v}" for k, v in fields.items())
-        self._logger.warning("%s %s suppressed=%d", event, kv, suppressed)
+        self._logger.log(level, "%s %s suppressed=%d", event, kv, suppressed)

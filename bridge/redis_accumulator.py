@@ -18,8 +18,10 @@ backward step but before ``ack`` is the one case that applies a mean twice; an a
 atomic with the model step would need the key in the checkpoint.
 
 Malformed stream entries are acked into the dead-letter stream ``{prefix}:grads:dead`` with the
-error text and never returned. Redis down: ``add`` drops the gradients, ``read`` returns an empty
-batch (after waiting ``block_ms``), both log a rate-limited warning; nothing raises.
+error text and never returned. Redis down: ``add`` hands the gradients to its in-process
+fallback when it has one (an in-process slow gear drains it, so the backbone keeps training) and
+drops them otherwise; ``read`` returns an empty batch (after waiting ``block_ms``); both log
+rate-limited warnings and count the outage; nothing raises.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ import numpy as np
 import redis
 import torch
 
-from bridge.accumulator import EntryHandle, GradientBatch, apply_key, combine_by_id, empty_batch
+from bridge.accumulator import (
+    EntryHandle,
+    GradientBatch,
+    MemoryGradientAccumulator,
+    apply_key,
+    combine_by_id,
+    empty_batch,
+)
 from bridge.codec import (
     AccumRecord,
     GradEntry,
@@ -48,6 +57,9 @@ from bridge.ratelimit import RateLimitedLog
 from bridge.redis_util import RedisGuard, glob_escape
 
 log = logging.getLogger(__name__)
+
+# Samples with an open window the fallback holds during an outage (about dim * 4 bytes each).
+DEFAULT_FALLBACK_SAMPLES = 65_536
 
 
 def stream_key(prefix: str) -> bytes:
@@ -78,11 +90,22 @@ class RedisGradientAccumulator:
         stream_maxlen: approximate cap on the stream (XADD MAXLEN ~) should every slow worker be
             gone; entries trimmed unread are lost.
         max_attempts: optimistic retries when another worker touched the same samples.
+        fallback_samples: while Redis cannot be reached, gradients go to ``self.fallback``, an
+            in-process :class:`~bridge.accumulator.MemoryGradientAccumulator` with the same
+            ``m`` holding at most this many open windows, whose ready means an in-process slow
+            gear reads; 0: no fallback, gradients are dropped (a fast gear whose slow gear runs
+            elsewhere has nothing here to apply them with). When Redis answers again, the open
+            windows move to Redis, so no sample's window is lost.
+
+    The fallback is an accumulator of the kind the in-process slow gear already reads, so the
+    backbone keeps training at the same ``m`` with no new code path in the gear; applying each
+    gradient at once instead would change what a backbone step averages during an outage.
     """
 
     def __init__(self, client: redis.Redis, dim: int, m: int, prefix: str,
                  record_ttl_s: int = 86_400, stream_maxlen: int = 1_000_000,
-                 max_attempts: int = 8, retry_after_s: float = 1.0) -> None:
+                 max_attempts: int = 8, retry_after_s: float = 1.0,
+                 fallback_samples: int = 0) -> None:
         if dim <= 0 or m <= 0:
             raise ValueError(f"dim and m must be positive, got dim={dim} m={m}")
         self.client = client
@@ -96,6 +119,8 @@ class RedisGradientAccumulator:
         self.metrics = AccumulatorMetrics()
         self.guard = RedisGuard(f"grad_accumulator:{prefix}", retry_after_s)
         self._warn = RateLimitedLog(log)
+        self.fallback = MemoryGradientAccumulator(dim, m, fallback_samples) \
+            if fallback_samples else None
 
     def record_key(self, sample_id: int) -> bytes:
         return f"{self.prefix}:acc:{sample_id}".encode()
@@ -125,7 +150,9 @@ class RedisGradientAccumulator:
         ``version`` unused: nothing of it can be rolled back to a checkpoint.
 
         Raises BridgeError if Redis cannot be reached: starting on a discarded run's state is
-        worse than not starting."""
+        worse than not starting. The fallback starts empty too."""
+        if self.fallback is not None:
+            self.fallback.restore_checkpoint_state(None, version)
         try:
             self.discard_all()
         except redis.RedisError as e:
@@ -135,42 +162,99 @@ class RedisGradientAccumulator:
     def add(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
             version: int) -> int:
         """Add dL/dX ``grads`` (n, dim) float of samples ``ids`` (n,) int64 computed on features
-        of backbone ``version``. Returns how many means were queued (0 when dropped)."""
+        of backbone ``version``. Returns how many means were queued, in Redis or, while it is
+        down, in the fallback (0 when dropped)."""
         uniq, sums, counts = combine_by_id(ids, grads, self.dim)
         n = int(counts.sum())
         if uniq.shape[0] == 0:
             return 0
         if not self.guard.usable():
-            self.metrics.dropped += n
-            return 0
-        keys = [self.record_key(i) for i in uniq.tolist()]
+            return self._to_fallback(ids, grads, version, n)
         try:
-            for _ in range(self.max_attempts):
-                try:
-                    emitted = self._try_add(keys, uniq, sums, counts, int(version))
-                except redis.WatchError:
-                    continue
-                self.guard.ok()
-                self.metrics.added += n
-                self.metrics.emitted += emitted
-                return emitted
+            emitted = self._add_with_retries(uniq, sums, counts,
+                                             np.full(uniq.shape, int(version), np.int64))
         except redis.RedisError as e:
-            self.guard.failed("add", e)
+            self._failed("add", e)
+            return self._to_fallback(ids, grads, version, n)
+        if emitted is None:
+            self._warn.warn("grad_add_dropped", reason="contention", attempts=self.max_attempts,
+                            n=n)
             self.metrics.dropped += n
             return 0
-        self._warn.warn("grad_add_dropped", reason="contention", attempts=self.max_attempts, n=n)
-        self.metrics.dropped += n
-        return 0
+        self.metrics.added += n
+        self.metrics.emitted += emitted
+        return emitted + self._answered()
+
+    def _add_with_retries(self, uniq: np.ndarray, sums: np.ndarray, counts: np.ndarray,
+                          versions: np.ndarray) -> int | None:
+        """Fold per-sample sums into Redis; the means queued, or None when other workers kept
+        touching the same samples for ``max_attempts`` tries. Raises redis.RedisError."""
+        keys = [self.record_key(i) for i in uniq.tolist()]
+        for _ in range(self.max_attempts):
+            try:
+                return self._try_add(keys, uniq, sums, counts, versions)
+            except redis.WatchError:
+                continue
+        return None
+
+    def _failed(self, op: str, err: Exception) -> None:
+        if self.guard.failed(op, err):
+            self.metrics.outages += 1
+
+    def _answered(self) -> int:
+        """Redis answered: if that ends an outage, count its length and move the fallback's
+        open windows to Redis. Returns the means that move queued."""
+        seconds = self.guard.ok()
+        if seconds is None:
+            return 0
+        self.metrics.outage_s += seconds
+        return self._move_fallback_windows() if self.fallback is not None else 0
+
+    def _to_fallback(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
+                     version: int, n: int) -> int:
+        if self.fallback is None:
+            self.metrics.dropped += n
+            self._warn.warn("grad_dropped", who=self.guard.name, reason="redis_down", n=n,
+                            dropped=self.metrics.dropped, down_s=f"{self.guard.down_for():.1f}")
+            return 0
+        refused_before = self.fallback.metrics.dropped
+        emitted = self.fallback.add(ids, grads, version)
+        refused = self.fallback.metrics.dropped - refused_before
+        self.metrics.fallback += n - refused
+        self.metrics.dropped += refused
+        self._warn.warn("grad_fallback", who=self.guard.name, n=n, fallback=self.metrics.fallback,
+                        dropped=self.metrics.dropped, down_s=f"{self.guard.down_for():.1f}")
+        return emitted
+
+    def _move_fallback_windows(self) -> int:
+        ids, sums, counts, versions = self.fallback.take_partial_sums()
+        n = int(counts.sum())
+        if not n:
+            return 0
+        try:
+            emitted = self._add_with_retries(ids, sums, counts, versions)
+        except redis.RedisError as e:
+            self._failed("add", e)
+            emitted = None
+        if emitted is None:
+            self.metrics.dropped += n
+            self._warn.warn("grad_fallback_windows_dropped", who=self.guard.name, n=n)
+            return 0
+        self.metrics.emitted += emitted
+        log.info("grad_fallback_windows_moved who=%s samples=%d grads=%d emitted=%d",
+                 self.guard.name, ids.shape[0], n, emitted)
+        return emitted
 
     def _try_add(self, keys: list[bytes], uniq: np.ndarray, sums: np.ndarray,
-                 counts: np.ndarray, version: int) -> int:
+                 counts: np.ndarray, versions: np.ndarray) -> int:
         with self.client.pipeline(transaction=True) as pipe:
             pipe.watch(*keys)
             olds = pipe.mget(keys)
             pipe.multi()
             emitted = 0
-            for key, i, total, count, old in zip(keys, uniq.tolist(), sums, counts.tolist(), olds,
-                                                 strict=True):
+            for key, i, total, count, version, old in zip(
+                    keys, uniq.tolist(), sums, counts.tolist(), versions.tolist(), olds,
+                    strict=True):
                 rec = self._decode(key, old)
                 total = rec.sum.astype(np.float64) + total
                 count += rec.count

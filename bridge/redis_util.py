@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 def make_client(host: str = "127.0.0.1", port: int = 6379, db: int = 0,
-                password: str | None = None, socket_timeout_s: float = 0.5) -> redis.Redis:
-    """A bytes-in/bytes-out client with short timeouts and a single immediate retry."""
+                password: str | None = None, socket_timeout_s: float = 0.5,
+                username: str | None = None) -> redis.Redis:
+    """A bytes-in/bytes-out client with short timeouts and a single immediate retry
+    (``username``: a Redis ACL user; None is the default user)."""
     return redis.Redis(
-        host=host, port=port, db=db, password=password,
+        host=host, port=port, db=db, username=username, password=password,
         socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 1), decode_responses=False,
     )
@@ -33,28 +35,46 @@ def make_client(host: str = "127.0.0.1", port: int = 6379, db: int = 0,
 
 class RedisGuard:
     """Circuit breaker around one client: ``usable()`` is False for ``retry_after_s`` after
-    ``failed()``; ``ok()`` closes it again and logs the recovery."""
+    ``failed()``; ``ok()`` closes it again.
+
+    An outage runs from the first failed call to the next successful one: :meth:`failed` says
+    whether it began one, :meth:`ok` how long the one it ended lasted; both are logged
+    (rate-limited), the end with its length.
+    """
 
     def __init__(self, name: str, retry_after_s: float = 1.0) -> None:
         self.name = name
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
-        self._down = False
-        self._warn = RateLimitedLog(log)
+        self._down_since: float | None = None
+        self._log = RateLimitedLog(log)
 
     def usable(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def failed(self, op: str, err: Exception) -> None:
-        self._down = True
-        self._down_until = time.monotonic() + self.retry_after_s
-        self._warn.warn("redis_unavailable", who=self.name, op=op,
-                        error=type(err).__name__, retry_after_s=self.retry_after_s)
+    def failed(self, op: str, err: Exception) -> bool:
+        """Record a failed call; True when it began an outage."""
+        now = time.monotonic()
+        began = self._down_since is None
+        if began:
+            self._down_since = now
+        self._down_until = now + self.retry_after_s
+        self._log.warn("redis_unavailable", who=self.name, op=op,
+                       error=type(err).__name__, retry_after_s=self.retry_after_s)
+        return began
 
-    def ok(self) -> None:
-        if self._down:
-            self._down = False
-            log.info("redis_recovered who=%s", self.name)
+    def ok(self) -> float | None:
+        """Record a successful call; the seconds the outage it ended lasted, or None."""
+        if self._down_since is None:
+            return None
+        seconds = time.monotonic() - self._down_since
+        self._down_since = None
+        self._log.info("redis_recovered", who=self.name, outage_s=f"{seconds:.1f}")
+        return seconds
+
+    def down_for(self) -> float:
+        """Seconds the outage under way has lasted (0.0 while Redis answers)."""
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
 
 
 def glob_escape(name: str) -> bytes:

@@ -208,13 +208,55 @@ def test_redis_down_drops_and_recovers(own_redis):
     own_redis.kill()
     assert acc.add(np.array([2]), np.ones((1, DIM)), 0) == 0
     assert len(consumer.read(block_ms=50)) == 0
-    assert acc.metrics.dropped == 1
+    assert acc.metrics.dropped == 1 and acc.metrics.fallback == 0  # no fallback: dropped
+    assert acc.metrics.outages == 1
     own_redis.start()
     time.sleep(0.25)
     assert acc.add(np.array([3]), np.ones((1, DIM)), 0) == 1
     assert consumer.read().ids.tolist() == [3]
     # Blocking longer than the 0.3 s socket timeout is read in slices, not taken for a failure.
     assert len(consumer.read(block_ms=700)) == 0 and consumer.guard.usable()
+
+
+def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redis):
+    client = own_redis.client(socket_timeout_s=0.3)
+    # retry at once: every add tries Redis, so where each gradient goes does not hang on time
+    acc = RedisGradientAccumulator(client, DIM, 2, "acc_fb", retry_after_s=0.0,
+                                   fallback_samples=3)
+    consumer = RedisGradientConsumer(client, DIM, "acc_fb", consumer="c", retry_after_s=0.0)
+    rng = np.random.default_rng(7)
+    g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
+         for name in ("5a", "5b", "6a", "6b", "7a", "7b", "8a", "9a")}
+    own_redis.kill()
+    assert acc.add(np.array([5]), g["5a"], 0) == 0
+    assert acc.add(np.array([5]), g["5b"], 1) == 1  # m=2 reached in the fallback
+    for i in (6, 7, 8, 9):  # 5 closed its window; 6, 7, 8 fill the 3 open windows, 9 finds none
+        assert acc.add(np.array([i]), g[f"{i}a"], 2) == 0
+    assert len(consumer.read()) == 0
+    ready = acc.fallback.read()
+    assert ready.ids.tolist() == [5]
+    np.testing.assert_allclose(ready.grads.numpy(), (g["5a"].astype(np.float64) + g["5b"]) / 2,
+                               rtol=1e-6)
+    acc.fallback.ack(ready)
+    assert (acc.metrics.fallback, acc.metrics.dropped, acc.metrics.outages) == (5, 1, 1)
+
+    own_redis.start()
+    assert acc.add(np.array([6]), g["6b"], 3) == 1  # with the fallback's window of 6: m reached
+    assert acc.metrics.outages == 1 and acc.metrics.outage_s > 0
+    assert acc.fallback.pending() == 0 and len(acc.fallback.read()) == 0
+    batch = consumer.read()
+    assert batch.ids.tolist() == [6]
+    np.testing.assert_allclose(batch.grads.numpy(), (g["6a"].astype(np.float64) + g["6b"]) / 2,
+                               rtol=1e-6)
+    for i in (7, 8):  # the other open windows went to Redis as they were
+        rec = decode_record(client.get(acc.record_key(i)), DIM)
+        assert rec.count == 1
+        np.testing.assert_array_equal(rec.sum, g[f"{i}a"][0])
+    assert client.get(acc.record_key(9)) is None
+    acc.add(np.array([7]), g["7b"], 4)
+    np.testing.assert_allclose(consumer.read().grads.numpy(),
+                               (g["7a"].astype(np.float64) + g["7b"]) / 2, rtol=1e-6)
+    assert acc.metrics.fallback == 5  # nothing more went to the fallback once Redis was back
 
 
 def test_memory_checkpoint_state_holds_what_was_added_and_resumes_exactly():

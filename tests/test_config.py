@@ -131,3 +131,23 @@ def test_cli_config_print_and_errors(tmp_path):
     out = subprocess.run([sys.executable, "-m", "xcls", "train", str(write(tmp_path, ""))],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "data.train" in out.stderr
+
+
+@pytest.mark.parametrize("url,written,secret", [
+    ("redis://:s3cret-Zq81@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0", "s3cret-Zq81"),
+    ("redis://alice:Pw-9x7@cache.example:6380", "redis://alice:***@cache.example:6380",
+     "Pw-9x7"),
+    ("redis://:p%40ss%3Aw0rd@h:1/2", "redis://:***@h:1/2", "p%40ss%3Aw0rd"),
+])
+def test_written_config_hides_url_passwords(tmp_path, url, written, secret):
+    cfg = load_config(None, [f"gear.redis_url={url}"])
+    assert cfg.gear.redis_url == url  # the run itself keeps the password
+    text = to_toml(cfg)
+    assert secret not in text and "p@ss:w0rd" not in text
+    assert tomllib.loads(text)["gear"]["redis_url"] == written
+    assert load_config(write(tmp_path, text)).gear.redis_url == written
+
+
+def test_written_config_keeps_urls_without_password(tmp_path):
+    cfg = load_config(None, ["gear.redis_url=redis://alice@127.0.0.1:6379/3"])
+    assert tomllib.loads(to_toml(cfg))["gear"]["redis_url"] == "redis://alice@127.0.0.1:6379/3"

@@ -118,43 +118,79 @@ def redis_sets(server, prefix: str) -> dict[str, object]:
             "gear.redis_url": f"redis://{server.host}:{server.port}/0"}
 
 
-def test_redis_outage_mid_run_degrades_and_recovers(glyphs_small, tmp_path, own_redis):
-    steps = 40
-    run, _ = build(glyphs_small, tmp_path / "run", **{
+def parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """Largest change of any backbone parameter between two copies."""
+    return max(float((after[k] - before[k]).abs().max()) for k in before)
+
+
+def redis_calls(server, command: str) -> int:
+    """How often ``server`` ran ``command`` since it started, by its own statistics."""
+    import redis
+
+    with redis.Redis(host=server.host, port=server.port) as client:
+        return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_redis_outage_mid_run_keeps_the_backbone_training(glyphs_small, tmp_path, own_redis,
+                                                          caplog):
+    steps, kill_at, restart_at = 40, 8, 20
+    run, backbone_rows = build(glyphs_small, tmp_path / "run", **{
         "gear.ttl": 1e6, "gear.m": 1, "train.max_steps": steps, "data.test": "",
         **redis_sets(own_redis, "outage")})
     gear = run.trainer.gear
-    slow, consumer = gear.slow
-    # Retry a dead Redis after 50 ms instead of 1 s, so recovery shows within a short run.
-    for guard in (gear.cache.guard, gear.accumulator.guard, consumer.guard):
-        guard.retry_after_s = 0.05
-    marks: dict[str, tuple[int, int, int]] = {}
+    acc = gear.accumulator
+    # Every call tries Redis (no back-off), so which steps see it down is fixed by the test.
+    for guard in (gear.cache.guard, acc.guard, gear.slow[1].guard):
+        guard.retry_after_s = 0.0
+    marks: dict[str, dict] = {}
     fast_features = gear.features
     calls = [0]
 
+    def mark(name: str) -> None:
+        marks[name] = {"params": parameters(run.backbone), "grad_rows": backbone_rows["grad"],
+                       "hits": gear.cache.metrics.hits,
+                       "unavailable": gear.cache.metrics.unavailable,
+                       "fallback": acc.metrics.fallback, "added": acc.metrics.added}
+
     def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
-        if calls[0] == 8:
-            marks["kill"] = (slow.version, gear.cache.metrics.hits,
-                             gear.cache.metrics.unavailable)
+        if calls[0] == kill_at:
+            mark("kill")
             own_redis.kill()
-        elif calls[0] == 20:
-            marks["restart"] = (slow.version, gear.cache.metrics.hits,
-                                gear.cache.metrics.unavailable)
+        elif calls[0] == 14:
+            mark("mid")
+        elif calls[0] == restart_at:
+            mark("restart")
             own_redis.start()
         return fast_features(ids, images)
 
     gear.features = features
-    result = run.trainer.train()
+    with caplog.at_level("INFO", logger="bridge"):
+        result = run.trainer.train()
     assert result.steps == steps
     assert all(np.isfinite(row["loss"]) for row in result.history)
-    # down: every lookup a miss, gradients dropped, the backbone left alone
-    assert gear.cache.metrics.unavailable - marks["kill"][2] >= 64
-    assert gear.accumulator.metrics.dropped > 0
-    assert marks["restart"][0] == marks["kill"][0]
-    # back: the slow gear trains again and the (restarted, empty) cache fills and hits again
-    assert slow.version >= marks["restart"][0] + 10
-    assert gear.cache.metrics.hits > marks["restart"][1]
+    down, back = restart_at - kill_at, steps - restart_at + 1  # steps are calls 1..steps
+    # down: lookups are misses, and the backbone still trains on every step's gradients
+    assert marks["restart"]["unavailable"] - marks["kill"]["unavailable"] >= 64
+    assert moved(marks["kill"]["params"], marks["mid"]["params"]) > 0
+    assert moved(marks["mid"]["params"], marks["restart"]["params"]) > 0
+    assert marks["restart"]["grad_rows"] - marks["kill"]["grad_rows"] == down * 64
+    assert marks["restart"]["fallback"] == down * 64 and acc.metrics.dropped == 0
+    # back: every later gradient went to Redis, as the restarted server counts them
+    assert acc.metrics.fallback == down * 64
+    assert acc.metrics.added - marks["restart"]["added"] == back * 64
+    assert redis_calls(own_redis, "xadd") == back * 64  # m=1: one mean each
+    assert backbone_rows["grad"] == steps * 64  # the slow gear applied every one of them
+    assert gear.cache.metrics.hits > marks["restart"]["hits"]
+    assert acc.metrics.outages == 1 and acc.metrics.outage_s > 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("grad_fallback who=grad_accumulator:outage") for m in messages)
+    assert any(m.startswith("redis_recovered who=grad_accumulator:outage outage_s=")
+               for m in messages)
 
 
 def test_garbage_in_cache_and_stream_is_rejected(glyphs_small, tmp_path, redis_server):

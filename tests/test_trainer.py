@@ -153,7 +153,7 @@ def final_state(out: Path, step: int):
     from ams.snapshot import read_piece, step_dir
 
     shared = torch.load(out / "checkpoints" / f"step-{step:012d}" / "worker.pt",
-                        weights_only=False)
+                        weights_only=True)
     pieces = sorted(step_dir(out / "ams", step).iterdir())
     rows = [read_piece(p)[1]["fc"] for p in pieces]
     return shared["backbone"], rows

@@ -6,20 +6,31 @@ what is private to rank R (the selection generator and the batches it had alread
 which makes a resumed run continue bit-identically with the same worker count, and is ignored
 when the count changes. A directory is written under a temporary name and renamed, so a
 checkpoint exists whole or not at all; the AMS snapshot of the same step completes the cut.
+
+Both files hold plain containers (dicts, lists, tuples) of tensors, ints, floats, strings, bools
+and None, and are read with ``torch.load(weights_only=True)``: opening a checkpoint never runs
+code that a crafted file carries, whoever wrote it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be loaded: unreadable, truncated, not a torch file, or
+    holding objects other than tensors and plain containers (refused, never constructed)."""
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -72,13 +83,40 @@ def latest_step(out_dir: Path) -> int | None:
 
 
 def load(out_dir: Path, step: int, rank: int) -> tuple[dict, dict | None]:
-    """(shared state, this rank's state or None when that file is absent)."""
+    """(shared state, this rank's state or None when that file is absent); CheckpointError
+    naming the file when one cannot be loaded (:func:`read_state`)."""
     d = checkpoint_dir(out_dir, step)
-    shared = torch.load(d / "worker.pt", map_location="cpu", weights_only=False)
+    shared = read_state(d / "worker.pt")
     rank_path = d / f"rank-{rank:05d}.pt"
-    private = torch.load(rank_path, map_location="cpu", weights_only=False) \
-        if rank_path.exists() else None
+    private = read_state(rank_path) if rank_path.exists() else None
     return shared, private
+
+
+def read_state(path: Path) -> dict:
+    """One checkpoint file's dict, loaded without running anything it carries.
+
+    Raises CheckpointError naming ``path`` when the file cannot be read, is truncated or not a
+    torch file, holds objects other than tensors and plain containers, or is not a dict.
+    """
+    try:
+        with warnings.catch_warnings():
+            # torch warns about pickle protocols it did not write; the error below says more
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read it ({e.strerror})") from None
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint {path}: refused, it holds objects other than tensors and plain "
+            "containers (a checkpoint of another version, or a crafted file); nothing in it "
+            "was run") from None
+    except Exception as e:  # torch.load raises many types on truncated or foreign files
+        raise CheckpointError(f"checkpoint {path}: not a readable checkpoint, truncated or "
+                              f"corrupt ({type(e).__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: holds a {type(state).__name__}, expected a "
+                              "dict")
+    return state
 
 
 def prune(out_dir: Path, keep: int = 2) -> None:

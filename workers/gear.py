@@ -18,8 +18,10 @@ it:
 With separate slow processes the weights travel through a :class:`bridge.protocols.WeightChannel`:
 the slow worker publishes every few backbone steps and fast workers reload the newest every few
 steps. This module knows only those protocols; which backend stands behind them is the run
-assembly's choice. A backend outage never stops training: the bridge answers misses / drops
-gradients, and the fast gear keeps the weights it has.
+assembly's choice. A backend outage never stops training: the cache answers misses; with the
+slow gear in this process the accumulator hands the gradients to an in-process fallback that
+the slow gear drains too (``fallback``), so the backbone keeps training; with an external slow
+gear they are dropped and the fast gear keeps the weights it has.
 """
 
 from __future__ import annotations
@@ -204,18 +206,23 @@ class Gear:
     backbone: the network (possibly DDP-wrapped; the fast gear only runs it without grad);
     cache: None means ttl 0, never reuse a feature; accumulator: where dL/dX goes.
     Exactly one of ``slow`` (the slow gear and the source it reads the accumulator's means from)
-    and ``weights`` is given.
+    and ``weights`` is given. ``fallback``: with ``slow``, a second source the slow gear drains
+    after the first, where the accumulator queues means while its backend is down.
     """
 
     def __init__(self, backbone: nn.Module, cache: FeatureCache | None,
                  accumulator: GradientSink, device: torch.device, *,
                  slow: tuple[SlowGear, GradientSource] | None = None,
-                 weights: WeightChannel | None = None, sync_every: int = 10) -> None:
+                 weights: WeightChannel | None = None, sync_every: int = 10,
+                 fallback: GradientSource | None = None) -> None:
         if (slow is None) == (weights is None):
             raise ValueError("give exactly one of slow (in-process) and weights (external)")
+        if fallback is not None and slow is None:
+            raise ValueError("a fallback source needs the slow gear in this process")
         self.backbone, self.cache, self.accumulator = backbone, cache, accumulator
         self.device = device
         self.slow, self.weights, self.sync_every = slow, weights, sync_every
+        self.fallback = fallback
         # In one process the fast and slow gear share one tally, so it tells all the work.
         self.counts = slow[0].counts if slow else GearCounts()
         self._version = 0
@@ -303,6 +310,8 @@ class Gear:
         if self.slow is not None:
             gear, source = self.slow
             gear.drain(source, lr)
+            if self.fallback is not None:
+                gear.drain(self.fallback, lr)
         elif self._steps % self.sync_every == 0:
             self.sync()
 

@@ -72,6 +72,17 @@ class ActiveBatch:
     rows: torch.Tensor
     log_weight: torch.Tensor
 
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """The four tensors by field name: what a checkpoint holds of a prepared batch (plain
+        tensors, so it loads with ``torch.load(weights_only=True)``)."""
+        return {"active_ids": self.active_ids, "target": self.target, "rows": self.rows,
+                "log_weight": self.log_weight}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, torch.Tensor]) -> ActiveBatch:
+        """The batch :meth:`to_dict` described."""
+        return cls(state["active_ids"], state["target"], state["rows"], state["log_weight"])
+
 
 @dataclass(frozen=True)
 class HeadStep:

@@ -8,7 +8,7 @@ An export directory holds everything needed to classify without the AMS:
     rows.npy             (num_classes, dim) class rows (float16 or float32; memory-mapped):
                          the trained rows, or the training features' class means
     classes.json         class id -> name (e.g. "U+4E00")
-    config.toml          the experiment config it was trained with
+    config.toml          the experiment config it was trained with, secrets redacted
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
                  config_toml: str, row_source: str = "trained") -> Path:
     """Write an export directory (see the module docstring) from a trained backbone and the
     class rows streamed as (ids, rows) blocks; ``row_source`` (one of ``ROW_SOURCES``) says
-    what the rows are and is recorded in export.json."""
+    what the rows are and is recorded in export.json. ``config_toml`` is written as given: the
+    caller redacts its secrets (``xcls.config.to_toml`` does), an export being shared."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
