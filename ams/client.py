@@ -9,6 +9,7 @@ cluster run the same code.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -27,10 +28,17 @@ from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dtypes import parse_row_dtype
-from ams.errors import ERRORS_BY_CODE, AmsError, InvalidArgument, TableNotFound, Unavailable
+from ams.errors import (
+    ERRORS_BY_CODE,
+    AmsError,
+    InvalidArgument,
+    ShardRestarted,
+    TableNotFound,
+    Unavailable,
+)
 from ams.graph.csr import csr_to_dense
 from ams.store import TableSpec
-from ams.wire import GRPC_OPTIONS, REQUEST_BYTES
+from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +53,8 @@ class ShardBackend(Protocol):
     def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
              client_id: str, sequence: int, decay_clock: float | None) -> bool: ...
-    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def scan(self, table: str, block_rows: int | None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
     def snapshot(self, step: int) -> str: ...
     def restore(self, step: int | None) -> tuple[int, str]: ...
     def stats(self) -> dict: ...
@@ -66,6 +75,11 @@ class RemoteShard:
 
     Pushes are idempotent too: they carry (client id, sequence) and the shard applies each
     sequence once, so a retried push after a lost reply is safe.
+
+    Once ``incarnation`` is known (``connect`` learns it at first contact, ``learn_incarnation``
+    again), every call expects that process of the shard (metadata ``xcls-expect-incarnation``):
+    a restarted shard refuses it untouched, and a reply from another incarnation is not
+    accepted; both raise ShardRestarted.
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
@@ -73,6 +87,7 @@ class RemoteShard:
         self.address = address
         self.timeout = timeout
         self.retries = retries
+        self.incarnation: str | None = None  # the process this client expects; None: any
         options = GRPC_OPTIONS
         if tls_ca is not None:
             self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
@@ -82,13 +97,26 @@ class RemoteShard:
         self.stub = pb_grpc.ShardStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
+    def _call_metadata(self, expect: bool) -> tuple[tuple[str, str], ...]:
+        if expect and self.incarnation:
+            return (*self.metadata, (EXPECT_INCARNATION_KEY, self.incarnation))
+        return self.metadata
+
+    def _check_incarnation(self, call: grpc.Call, method: str) -> None:
+        """ShardRestarted when the reply comes from a process other than the expected one."""
+        got = dict(call.trailing_metadata() or ()).get(INCARNATION_KEY)
+        if self.incarnation and got and got != self.incarnation:
+            raise ShardRestarted(f"shard {self.address} {method}: the reply comes from "
+                                 f"incarnation {got}, this client expected {self.incarnation}")
+
     def _call(self, name: str, request: object, *, retry: bool = True,
-              timeout: float | None = None) -> object:
+              timeout: float | None = None, expect: bool = True) -> object:
         method = getattr(self.stub, name)
         attempts = self.retries + 1 if retry else 1
         for attempt in range(attempts):
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                reply, call = method.with_call(request, timeout=timeout or self.timeout,
+                                               metadata=self._call_metadata(expect))
             except grpc.RpcError as e:
                 if e.code() in _RETRYABLE and attempt + 1 < attempts:
                     delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
@@ -97,7 +125,16 @@ class RemoteShard:
                     time.sleep(delay)
                     continue
                 raise _to_ams_error(e, self.address, name) from None
+            if expect:
+                self._check_incarnation(call, name)
+            return reply
         raise AssertionError("unreachable")
+
+    def learn_incarnation(self) -> str:
+        """Ask the shard which process serves it now, and expect that one from here on."""
+        reply = self._call("Stats", pb.StatsRequest(), expect=False)
+        self.incarnation = reply.incarnation or None
+        return reply.incarnation
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -127,15 +164,17 @@ class RemoteShard:
         codec.encode(grads, request.grads)
         return self._call("Push", request).applied
 
-    def scan(self, table: str, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        stream = self.stub.Scan(pb.ScanRequest(table=table, block_rows=block_rows),
-                                metadata=self.metadata)
+    def scan(self, table: str, block_rows: int | None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        stream = self.stub.Scan(pb.ScanRequest(table=table, block_rows=block_rows or 0),
+                                metadata=self._call_metadata(expect=True))
         try:
             for block in stream:
                 yield (codec.decode(block.ids, "ids", dtype=torch.int64, ndim=1),
                        codec.decode(block.rows, "rows", ndim=2))
         except grpc.RpcError as e:
             raise _to_ams_error(e, self.address, "Scan") from None
+        self._check_incarnation(stream, "Scan")
 
     def snapshot(self, step: int) -> str:
         return self._call("Snapshot", pb.SnapshotRequest(step=step), timeout=3600).path
@@ -158,7 +197,7 @@ class RemoteShard:
             }
         return {"address": self.address, "shard_id": reply.shard_id,
                 "num_shards": reply.num_shards, "last_snapshot_step": reply.last_snapshot_step,
-                "tables": tables}
+                "incarnation": reply.incarnation, "tables": tables}
 
     def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         request = pb.NeighborsRequest(table=table)
@@ -203,10 +242,34 @@ def check_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids.to(device="cpu", dtype=torch.int64)
 
 
+def _fenced(method: Callable[..., T]) -> Callable[..., T]:
+    """A ``ShardedClient`` call that touches rows, graphs or snapshots: refused while the
+    client is invalidated, and one that meets a restarted shard invalidates the client (the
+    shards no longer hold one step of the model, so no call may go on as if they did)."""
+
+    @functools.wraps(method)
+    def fenced(self: ShardedClient, *args: object, **kwargs: object) -> T:
+        self._raise_if_invalid()
+        try:
+            return method(self, *args, **kwargs)
+        except ShardRestarted as e:
+            self.invalidate(str(e))
+            raise
+
+    return fenced
+
+
 class ShardedClient:
     """The AMS client API over ``shards[i]`` = shard i of ``len(shards)``.
 
     Thread-safe: the trainer's prefetch thread pulls while the main thread pushes.
+
+    Restarts: each remote shard's incarnation is learned at ``connect``; once a call meets a
+    restarted shard, or ``invalidate`` is called, every row, graph and snapshot call raises
+    ShardRestarted until ``relearn_incarnations``, which follows a coordinated rollback::
+
+        client.relearn_incarnations()   # accept the shards' processes as they are now
+        client.restore(step)            # then put all of them at one checkpoint's step
     """
 
     def __init__(self, shards: Sequence[ShardBackend]) -> None:
@@ -218,6 +281,9 @@ class ShardedClient:
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         self._specs: dict[str, TableSpec] = {}
+        self._invalid_lock = threading.Lock()
+        self._invalid_reason: str | None = None
+        self._invalidations = 0  # lets relearn_incarnations keep an invalidate made during it
         self._pool = ThreadPoolExecutor(max_workers=self.num_shards,
                                         thread_name_prefix="ams-fanout") \
             if self.num_shards > 1 else None
@@ -230,6 +296,20 @@ class ShardedClient:
             return [work(0)]
         futures = [self._pool.submit(work, s) for s in range(self.num_shards)]
         return [f.result() for f in futures]
+
+    def _raise_if_invalid(self) -> None:
+        reason = self._invalid_reason
+        if reason is not None:
+            raise ShardRestarted(reason)
+
+    def _fenced_blocks(self, blocks: Iterator[T]) -> Iterator[T]:
+        """``blocks``, fenced like a ``_fenced`` call."""
+        self._raise_if_invalid()
+        try:
+            yield from blocks
+        except ShardRestarted as e:
+            self.invalidate(str(e))
+            raise
 
     def _next_sequence(self) -> int:
         with self._sequence_lock:
@@ -251,6 +331,7 @@ class ShardedClient:
 
     # ---- tables -----------------------------------------------------------------------
 
+    @_fenced
     def create_table(self, name: str, num_rows: int, dim: int, dtype: str = "float32",
                      state_dtype: str | None = None, momentum: float = 0.9,
                      weight_decay: float = 5e-4, seed: int = 0, init_std: float = 0.01) -> bool:
@@ -269,6 +350,7 @@ class ShardedClient:
 
     # ---- rows -------------------------------------------------------------------------
 
+    @_fenced
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` in request order. ids: int (n,), repeats allowed -> (n, dim) in the
         table's dtype (CPU)."""
@@ -289,6 +371,7 @@ class ShardedClient:
         self._fan_out(work)
         return rowcopy.gather(out, inverse)
 
+    @_fenced
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
              decay_clock: float | None = None) -> None:
         """Apply ``grads`` to the rows of ``ids`` with sparse momentum SGD on the shards.
@@ -323,19 +406,21 @@ class ShardedClient:
 
         self._fan_out(work)
 
-    def scan(self, name: str, block_rows: int = 65536
+    def scan(self, name: str, block_rows: int | None = None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """All rows of a table as blocks (ids int64 (b,), rows (b, dim)), shard by shard."""
-        for shard in self.shards:
-            yield from shard.scan(name, block_rows)
+        """All rows of a table as blocks (ids int64 (b,), rows (b, dim)), shard by shard;
+        ``block_rows`` None: the most rows a reply holds, up to 65536."""
+        return self._fenced_blocks(block for shard in self.shards
+                                   for block in shard.scan(name, block_rows))
 
-    def scan_shard(self, name: str, shard: int, block_rows: int = 65536
+    def scan_shard(self, name: str, shard: int, block_rows: int | None = None
                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The blocks of one shard (ids ascending)."""
-        return self.shards[shard].scan(name, block_rows)
+        return self._fenced_blocks(self.shards[shard].scan(name, block_rows))
 
     # ---- neighbor lists ----------------------------------------------------------------
 
+    @_fenced
     def neighbors(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Neighbor ids of each class in rank order, the class itself first.
 
@@ -360,6 +445,7 @@ class ShardedClient:
                 out[parts[s]] = csr_to_dense(reply[0], reply[1], width)
         return out[inverse]
 
+    @_fenced
     def set_neighbors(self, name: str, ids: torch.Tensor, neighbors: torch.Tensor, *,
                       version: int, step: int, replace_all: bool) -> None:
         """Write neighbor lists back to the shards that own the classes.
@@ -386,10 +472,12 @@ class ShardedClient:
 
     # ---- snapshots and stats ------------------------------------------------------------
 
+    @_fenced
     def snapshot(self, step: int) -> list[str]:
         """Every shard writes its piece of snapshot ``step``; returns the pieces' paths."""
         return self._fan_out(lambda s: self.shards[s].snapshot(step))
 
+    @_fenced
     def restore(self, step: int | None = None) -> int:
         """Every shard loads its part of snapshot ``step`` (None: newest complete one)."""
         got = self._fan_out(lambda s: self.shards[s].restore(step))
@@ -402,6 +490,35 @@ class ShardedClient:
     def stats(self) -> list[dict]:
         """One dict per shard: shard id, tables with sizes, counters and graph version."""
         return self._fan_out(lambda s: self.shards[s].stats())
+
+    # ---- incarnations -------------------------------------------------------------------
+
+    def invalidate(self, reason: str) -> None:
+        """From now on every row, graph and snapshot call raises ShardRestarted(``reason``),
+        until ``relearn_incarnations``. Thread-safe: a watcher thread that learns that a shard
+        restarted calls it; the first reason stays."""
+        with self._invalid_lock:
+            self._invalidations += 1
+            if self._invalid_reason is None:
+                self._invalid_reason = reason
+                log.warning("client_invalidated reason=%s", reason)
+
+    def relearn_incarnations(self) -> None:
+        """Expect every shard's current process from now on and lift ``invalidate`` (unless it
+        was called again meanwhile). Call it just before ``restore`` puts the shards back at
+        one checkpoint's step, never to carry on past a restart."""
+        with self._invalid_lock:
+            seen = self._invalidations
+        self._fan_out(self._learn_incarnation)
+        with self._invalid_lock:
+            if self._invalidations == seen:
+                self._invalid_reason = None
+        self._specs.clear()
+
+    def _learn_incarnation(self, s: int) -> None:
+        shard = self.shards[s]
+        if isinstance(shard, RemoteShard):  # an in-process shard cannot restart on its own
+            shard.learn_incarnation()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -419,9 +536,11 @@ class ShardedClient:
 def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int | None = None,
             data_dir: str | Path | None = None, token: str | None = None,
             tls_ca: bytes | None = None, timeout: float = 60.0,
-            ready_timeout: float = 30.0) -> ShardedClient:
+            ready_timeout: float = 30.0, keep_snapshots: int = 3) -> ShardedClient:
     """Connect to an AMS: gRPC shards at ``addresses`` (shard i at ``addresses[i]``), or
-    ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots)."""
+    ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots,
+    of which they keep the ``keep_snapshots`` newest complete steps, 0: all; remote shards
+    prune by their own ``--keep-snapshots``)."""
     if (addresses is None) == (local_shards is None):
         raise InvalidArgument("give either addresses=[...] or local_shards=N")
     if local_shards is not None:
@@ -430,7 +549,8 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
         if not isinstance(local_shards, int) or local_shards < 1:
             raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
         root = Path(data_dir) if data_dir is not None else None
-        return ShardedClient([LocalShard(s, local_shards, root) for s in range(local_shards)])
+        return ShardedClient([LocalShard(s, local_shards, root, keep_snapshots)
+                              for s in range(local_shards)])
     if isinstance(addresses, str):
         addresses = [a for a in addresses.split(",") if a]
     if not addresses:
@@ -451,4 +571,7 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
                 f"addresses[{i}]={addresses[i]} is shard {info['shard_id']} of "
                 f"{info['num_shards']}, expected shard {i} of {len(shards)}: list the shards in "
                 "order, all of them")
+    for shard, info in zip(shards, layout, strict=True):
+        # first contact: from now on every call expects this process of the shard
+        shard.incarnation = info["incarnation"] or None
     return client

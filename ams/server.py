@@ -6,10 +6,10 @@ store's message, and the store is untouched.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,52 +23,43 @@ from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import AmsError, FailedPrecondition
+from ams.metrics import instrument_store
+from ams.rpc import rpc_method
 from ams.store import ShardStore
-from ams.wire import GRPC_OPTIONS
+from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "xcls.ams.Shard"
 
 
-def _rpc(method: Callable) -> Callable:
-    """Turn AmsError into its gRPC status; anything else into INTERNAL (and a log line)."""
-
-    @functools.wraps(method)
-    def wrapper(self: ShardServicer, request: object, context: grpc.ServicerContext) -> object:
-        try:
-            return method(self, request, context)
-        except AmsError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        except Exception as e:
-            log.exception("rpc_failed method=%s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-
-    return wrapper
-
-
 class ShardServicer(pb_grpc.ShardServicer):
-    """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused)."""
+    """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused);
+    ``keep_snapshots``: newest complete steps kept after each snapshot (0: all);
+    ``restored_step``: the snapshot step the store was restored from before serving (-1:
+    none), what Stats reports until the next snapshot or restore."""
 
-    def __init__(self, store: ShardStore, data_dir: Path | None = None) -> None:
+    def __init__(self, store: ShardStore, data_dir: Path | None = None,
+                 keep_snapshots: int = 0, restored_step: int = -1) -> None:
         self.store = store
         self.data_dir = data_dir
-        self.last_snapshot_step = -1
+        self.keep_snapshots = keep_snapshots
+        self.last_snapshot_step = restored_step
 
-    @_rpc
+    @rpc_method
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext
                     ) -> pb.CreateTableReply:
         spec = codec.spec_from_wire(request.spec)
         return pb.CreateTableReply(created=self.store.create_table(spec))
 
-    @_rpc
+    @rpc_method
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
         ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
         reply = pb.PullReply()
         codec.encode(self.store.pull(request.table, ids), reply.rows)
         return reply
 
-    @_rpc
+    @rpc_method
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
         grads = codec.decode(request.grads, "grads", ndim=2)
@@ -80,7 +71,7 @@ class ShardServicer(pb_grpc.ShardServicer):
     def Scan(self, request: pb.ScanRequest, context: grpc.ServicerContext
              ) -> Iterator[pb.ScanBlock]:
         try:
-            block_rows = request.block_rows or 65536
+            block_rows = request.block_rows or None  # None: the store's default, which fits
             for ids, rows in self.store.scan(request.table, block_rows):
                 block = pb.ScanBlock()
                 codec.encode(ids, block.ids)
@@ -89,21 +80,24 @@ class ShardServicer(pb_grpc.ShardServicer):
         except AmsError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
-    @_rpc
+    @rpc_method
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext
                  ) -> pb.SnapshotReply:
         path = snapshot.write_snapshot(self.store, self._data_dir(), request.step)
         self.last_snapshot_step = request.step
+        snapshot.prune_after_snapshot(self.data_dir, self.store.shard_id,
+                                      self.store.num_shards, self.keep_snapshots, request.step)
         return pb.SnapshotReply(path=str(path), step=request.step)
 
-    @_rpc
+    @rpc_method
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext
                 ) -> pb.RestoreReply:
         step = None if request.step < 0 else request.step
         got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        self.last_snapshot_step = got
         return pb.RestoreReply(step=got, path=str(path))
 
-    @_rpc
+    @rpc_method
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         stats = self.store.stats()
         reply = pb.StatsReply(shard_id=stats["shard_id"], num_shards=stats["num_shards"],
@@ -117,7 +111,7 @@ class ShardServicer(pb_grpc.ShardServicer):
                 graph_k=t["graph_k"])
         return reply
 
-    @_rpc
+    @rpc_method
     def Neighbors(self, request: pb.NeighborsRequest, context: grpc.ServicerContext
                   ) -> pb.NeighborsReply:
         ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
@@ -127,7 +121,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         codec.encode(neighbors, reply.neighbors)
         return reply
 
-    @_rpc
+    @rpc_method
     def SetNeighbors(self, request: pb.SetNeighborsRequest, context: grpc.ServicerContext
                      ) -> pb.SetNeighborsReply:
         version = self.store.set_neighbors(
@@ -143,6 +137,76 @@ class ShardServicer(pb_grpc.ShardServicer):
             raise FailedPrecondition("this shard was started without --data-dir; "
                                      "snapshots are off")
         return self.data_dir
+
+
+def _is_health_check(handler_call_details: grpc.HandlerCallDetails) -> bool:
+    return handler_call_details.method.startswith("/grpc.health.v1.Health/")
+
+
+def _metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    for k, value in metadata or ():
+        if k == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+def _with_behavior(handler: grpc.RpcMethodHandler,
+                   wrap: Callable[[Callable], Callable]) -> grpc.RpcMethodHandler:
+    """``handler`` with its behavior replaced by ``wrap(behavior)`` (the shard's calls are
+    unary or server-streaming)."""
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=wrap(handler.unary_unary))
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=wrap(handler.unary_stream))
+    return handler
+
+
+class IncarnationInterceptor(grpc.ServerInterceptor):
+    """Ties every call to one process of the shard.
+
+    Each reply carries ``incarnation`` (trailing metadata ``xcls-incarnation``, and the
+    ``incarnation`` field of a StatsReply). A call whose ``xcls-expect-incarnation`` metadata
+    names another incarnation is refused with ABORTED before the servicer runs: its client
+    learned an earlier process of this shard, whose state this one need not have (a restart
+    comes back empty or at a snapshot), so a push from it must not be applied. Calls without
+    the key (first contact, tools) and health checks pass.
+    """
+
+    def __init__(self, incarnation: str, shard_id: int, num_shards: int) -> None:
+        self.incarnation = incarnation
+        self._where = f"shard {shard_id} of {num_shards}"
+        self._trailer = ((INCARNATION_KEY, incarnation),)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
+        handler = continuation(handler_call_details)
+        if handler is None or _is_health_check(handler_call_details):
+            return handler
+        expected = _metadata_value(handler_call_details.invocation_metadata,
+                                   EXPECT_INCARNATION_KEY)
+        if expected is not None and expected != self.incarnation:
+            return _with_behavior(handler, lambda _behavior: self._refusal(expected))
+        return _with_behavior(handler, self._stamped)
+
+    def _stamped(self, behavior: Callable) -> Callable:
+        def stamped(request: object, context: grpc.ServicerContext) -> object:
+            context.set_trailing_metadata(self._trailer)
+            reply = behavior(request, context)
+            if isinstance(reply, pb.StatsReply):
+                reply.incarnation = self.incarnation
+            return reply
+
+        return stamped
+
+    def _refusal(self, expected: str) -> Callable:
+        message = (f"{self._where} restarted: it is incarnation {self.incarnation}, the caller "
+                   f"expected {expected}; nothing was changed (roll back to a checkpoint, then "
+                   "relearn the incarnations)")
+
+        def refuse(request: object, context: grpc.ServicerContext) -> None:
+            context.set_trailing_metadata(self._trailer)
+            context.abort(grpc.StatusCode.ABORTED, message)
+
+        return refuse
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -176,6 +240,8 @@ class RunningServer:
     port: int
     servicer: ShardServicer
     health: health.HealthServicer
+    incarnation: str
+    """This start of the shard (uuid4 hex); see ``IncarnationInterceptor``."""
 
     def stop(self, grace: float = 30.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -185,13 +251,20 @@ class RunningServer:
 def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                   data_dir: Path | None = None, token: str | None = None,
                   tls_cert: bytes | None = None, tls_key: bytes | None = None,
-                  max_workers: int = 16) -> RunningServer:
-    """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``)."""
+                  max_workers: int = 16, keep_snapshots: int = 0,
+                  restored_step: int = -1) -> RunningServer:
+    """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``).
+    ``keep_snapshots``, ``restored_step``: see ``ShardServicer``.
+    Every start is a new incarnation (``RunningServer.incarnation``)."""
     keep_large_buffers()
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    incarnation = uuid.uuid4().hex
+    # auth first: an unauthenticated caller learns nothing, not even the incarnation
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
+    interceptors.append(IncarnationInterceptor(incarnation, store.shard_id, store.num_shards))
+    interceptors.insert(0, instrument_store(store))  # first: it sees every refusal
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=GRPC_OPTIONS)
-    servicer = ShardServicer(store, data_dir)
+    servicer = ShardServicer(store, data_dir, keep_snapshots, restored_step)
     pb_grpc.add_ShardServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -205,4 +278,5 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, servicer, health_servicer)
+    log.info("incarnation shard=%d incarnation=%s", store.shard_id, incarnation)
+    return RunningServer(server, bound, servicer, health_servicer, incarnation)

@@ -1,4 +1,5 @@
-"""Regenerate the gRPC stubs in ams/api/ from proto/ams/api/*.proto.
+"""Regenerate the gRPC stubs in ams/api/ from proto/ams/api/*.proto (every one there: the
+shard's ``shard.proto`` and the scheduler's ``scheduler.proto``).
 
 The only writer of ams/api/*_pb2*.py and *.pyi. Usage: python scripts/gen_proto.py [--out DIR]
 (--out lets the staleness test generate into a temporary folder and compare).

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 PURE = ["ams.store", "ams.optim", "ams.sharding", "ams.rowinit", "ams.snapshot", "ams.graph",
-        "workers.losses"]
+        "ams.lease", "workers.losses"]
 
 
 @pytest.mark.parametrize("module", PURE)

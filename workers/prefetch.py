@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ class PreparedBatch:
 
     batch: Batch
     active: ActiveBatch
+    # seconds this thread spent on it by phase ("data": waiting for the loader, "prepare":
+    # select + pull), observed when its step ends (workers.metrics)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 _END = object()
@@ -59,17 +63,22 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
+            mark = time.perf_counter()
             for u, batch in enumerate(self._batches, start=self._prepared):
+                loaded = time.perf_counter()
                 with self._cond:
                     self._cond.wait_for(
                         lambda u=u: self._stop or self._steps_done >= u - self.depth)
                     if self._stop:
                         return
+                started = time.perf_counter()
                 active = self._restored.pop(0) if self._restored else self._prepare(batch[2])
+                seconds = {"data": loaded - mark, "prepare": time.perf_counter() - started}
                 with self._cond:
                     self._prepared = u + 1
                     self._cond.notify_all()
-                self._put(PreparedBatch(batch, active))
+                self._put(PreparedBatch(batch, active, seconds))
+                mark = time.perf_counter()
         except BaseException as e:  # handed to the trainer thread
             self._error = e
         finally:

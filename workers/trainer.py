@@ -39,7 +39,8 @@ from workers import checkpoint
 from workers.batch_plan import Batch, BatchPlan
 from workers.evaluation import Evaluator
 from workers.gear import Gear
-from workers.heads import ClassifierHead, HeadStep
+from workers.heads import ActiveBatch, ClassifierHead, HeadStep
+from workers.metrics import StepClock, record_resume, watch_gear
 from workers.predict import images_to_input
 from workers.prefetch import Prefetcher, PreparedBatch
 from workers.row_update import RowUpdater
@@ -137,6 +138,7 @@ class Trainer:
         self.build_graph = build_graph
         self.rank, self.world = rank, world
         self.gear = gear
+        watch_gear(gear)  # its cache and accumulator counters, read at scrape time
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
         total = self.plan.steps_per_epoch * options.epochs
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
@@ -163,7 +165,7 @@ class Trainer:
     def train(self) -> TrainResult:
         # resume from the newest checkpoint; a graph before the first knn step
         Path(self.options.out_dir).mkdir(parents=True, exist_ok=True)
-        self.try_resume()
+        fresh = not self.try_resume()
         resumed = self._resumed or {}
         if self.gear is not None:
             self.gear.begin(resumed.get("gear"))
@@ -171,7 +173,13 @@ class Trainer:
             self._rebuild_graph()
         result = TrainResult(steps=self.step, last_loss=math.nan)
         if self.step >= self.total_steps:
+            # finished already, or rolled back to the last checkpoint before its evaluation
+            self._evaluate(result)
             return result
+        if fresh:
+            # a step every rank and shard can roll back to before the first periodic
+            # checkpoint: the snapshot of step 0 holds the initial rows (and first graph)
+            self.save_checkpoint()
 
         # batches from the saved position, prepared one step ahead by the prefetch thread
         epoch_of: dict[int, int] = {}
@@ -222,6 +230,7 @@ class Trainer:
         return result
 
     def _step(self, prepared: PreparedBatch) -> HeadStep:
+        clock = StepClock(prepared.seconds)  # data and prepare: timed by the prefetch thread
         ids, images, _ = prepared.batch
         lr = self._lr(self.step)
         if self.gear is not None:
@@ -231,10 +240,14 @@ class Trainer:
             images = images_to_input(images.to(self.device, non_blocking=True))
             with torch.autocast(self.device.type, enabled=self._amp):
                 features = self.backbone(images)
+        clock.lap("backbone")
         # the pull for step+depth must see exactly the state before this push
         self._prefetcher.wait_prepared(self.step)
+        clock.lap("wait")
         out = self.head.forward_backward(features, prepared.active)
+        clock.lap("head")
         self.rows.update(self.step, prepared.active.active_ids, out.row_grad)
+        clock.lap("push")
         if self.gear is not None:
             # the slow gear steps the backbone from accumulated dL/dX
             self.gear.backward(ids, out.feature_grad, lr)
@@ -243,6 +256,8 @@ class Trainer:
                 group["lr"] = lr
             step_backbone(features, out.feature_grad, self.optimizer, self._scaler)
             self.optimizer.zero_grad(set_to_none=True)
+        clock.lap("backbone")
+        clock.record(self.step + 1, out.loss)
         return out
 
     def _lr(self, step: int) -> float:
@@ -293,12 +308,17 @@ class Trainer:
             self._rebuild_graph()
         if due(self.options.checkpoint_every) or last:
             self.save_checkpoint()
-        if self.rank == 0 and self.test_set is not None and (due(self.options.eval_every)
-                                                             or last):
-            result.eval = {"step": self.step, **self.evaluator.evaluate()}
-            self.run_log.record("eval", dict(result.eval))
-            log.info("eval step=%d top1=%.4f top5=%.4f samples=%d", self.step,
-                     result.eval["top1"], result.eval["top5"], result.eval["samples"])
+        if due(self.options.eval_every) or last:
+            self._evaluate(result)
+
+    def _evaluate(self, result: TrainResult) -> None:
+        """Rank 0 evaluates on the test split (if any) and records it in eval.csv."""
+        if self.rank != 0 or self.test_set is None:
+            return
+        result.eval = {"step": self.step, **self.evaluator.evaluate()}
+        self.run_log.record("eval", dict(result.eval))
+        log.info("eval step=%d top1=%.4f top5=%.4f samples=%d", self.step,
+                 result.eval["top1"], result.eval["top5"], result.eval["samples"])
 
     def _rebuild_graph(self) -> None:
         """Rebuild the neighbor graph and record (OUT/graph.csv) how stale the old one was:
@@ -333,7 +353,9 @@ class Trainer:
         private part first)."""
         out = Path(self.options.out_dir)
         checkpoint.save_rank(out, self.step, self.rank, {
-            "prepared": self._prefetcher.pending() if self._prefetcher else [],
+            # plain tensors only: checkpoints are read with torch.load(weights_only=True)
+            "prepared": [a.to_dict() for a in self._prefetcher.pending()]
+            if self._prefetcher else [],
             "selector_rng": self.head.sampler_state(),
             "world": self.world,
             "gear": self.gear.state_dict() if self.gear is not None else None,
@@ -372,7 +394,9 @@ class Trainer:
             self.client.restore(step)
         self._barrier()
         if private is not None and private.get("world") == self.world:
-            self._resumed = private
+            self._resumed = {**private, "prepared": [ActiveBatch.from_dict(a)
+                                                     for a in private["prepared"]]}
             self.head.load_sampler_state(private["selector_rng"])
         log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
+        record_resume()
         return True

@@ -24,7 +24,9 @@ from xcls.shards import (
     ShardProcess,
     ShardStartError,
     ShardStartTimeout,
+    ShardSupervisor,
     StartCancelled,
+    TooManyRestarts,
     shard_processes,
     spawn,
     stop,
@@ -33,6 +35,10 @@ from xcls.shards import (
 log = logging.getLogger("xcls.cluster")
 
 POLL_S = 0.2
+# torchrun shares its rendezvous store with the workers by default, and a restarted group then
+# reads the process-group addresses of the group before it and cannot connect (pytorch issue
+# 135712); a store of its own per group restart avoids that.
+RESTARTABLE_TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,8 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--standalone; ams.addresses is filled in for them). When training ends, or on "
         "Ctrl-C/SIGTERM, the workers are stopped first, then the slow-gear group (with "
         "--slow-workers), then the shards, each with SIGTERM, and their exit codes are "
-        "reported. Exit code: the workers' (0 when training finished), 128+signal when "
-        "interrupted, 1 when a shard fails. With --shards-only the "
+        "reported. A shard that exits, or hangs past --hang-timeout (it is killed), is "
+        "started again on its port; the workers, under torchrun --max-restarts, then roll "
+        "back together to their newest checkpoint and every shard to its snapshot. Exit "
+        "code: the workers' (0 when training finished), 128+signal when interrupted, 1 when "
+        "a shard fails to start or fails more than --max-restarts times. With --shards-only the "
         "shards stay up in the foreground until Ctrl-C, for running 'xcls train' by hand.")
     p.add_argument("config", type=Path, nargs="?",
                    help="experiment TOML file (see configs/); optional with --shards-only "
@@ -71,9 +80,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the checkpoints, which is what resuming a run needs)")
     p.add_argument("--base-port", type=int, metavar="P",
                    help="shard i listens on port P+i (default: free ports picked by the OS)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="M",
+                   help="serve Prometheus metrics on 127.0.0.1: shard i on M+i, worker rank r "
+                        "on M+S+r, slow-gear rank g on M+S+W+g (default: 0, off)")
     p.add_argument("--shards-only", action="store_true",
                    help="start the shards (restoring their newest snapshot), print the "
                         "addresses to put in a config, and serve until Ctrl-C/SIGTERM")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="shard restarts allowed in all, and worker-group restarts (torchrun "
+                        "--max-restarts); one more failure stops the cluster (default: "
+                        "%(default)s)")
+    p.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a shard that answers no health check for this long is killed and "
+                        "restarted (default: %(default)s)")
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="how long the shards may take to start serving (default: %(default)s)")
     p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -99,8 +118,16 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
     if args.base_port is not None and not 1 <= args.base_port <= 65536 - args.shards:
         raise SystemExit(f"error: --base-port {args.base_port}: ports {args.base_port}.."
                          f"{args.base_port + args.shards - 1} must lie in 1..65535")
+    last_metrics_port = args.metrics_port + args.shards + args.workers + args.slow_workers - 1
+    if args.metrics_port and not (0 < args.metrics_port and last_metrics_port <= 65535):
+        raise SystemExit(f"error: --metrics-port {args.metrics_port}: ports "
+                         f"{args.metrics_port}..{last_metrics_port} must lie in 1..65535")
     if args.start_timeout <= 0 or args.stop_timeout <= 0:
         raise SystemExit("error: --start-timeout and --stop-timeout must be > 0")
+    if args.max_restarts < 0:
+        raise SystemExit(f"error: --max-restarts {args.max_restarts} must be >= 0")
+    if not args.hang_timeout > 0:
+        raise SystemExit(f"error: --hang-timeout {args.hang_timeout:g} must be > 0")
     if args.config is None:
         if not args.shards_only:
             raise SystemExit("error: CONFIG is required to train (or use --shards-only)")
@@ -134,6 +161,7 @@ class Cluster:
         self.data_dir: Path = args.data_dir or Path(cfg.train.out_dir) / "ams"
         self.token_file = cfg.ams.token_file if cfg else ""
         self.shards: list[ShardProcess] = []
+        self.supervisor: ShardSupervisor | None = None
         self.workers: Child | None = None
         self.slow: Child | None = None
         self.stop_requested = threading.Event()
@@ -154,15 +182,36 @@ class Cluster:
             if args.base_port is not None else None
         # In training mode the workers restore the exact step of their checkpoint; by hand,
         # the newest snapshot is the natural state to come back to.
-        restore = ["--restore", "latest"] if args.shards_only else []
+        # A shard restarted during training comes back empty: the workers' rollback restores
+        # the step it needs.
+        extra = ["--restore", "latest"] if args.shards_only else []
+        if self.cfg is not None:
+            # every checkpoint a rollback may pick keeps the snapshot of its step
+            extra += ["--keep-snapshots", str(self.cfg.train.snapshots_to_keep)]
         return shard_processes(args.shards, data_dir=self.data_dir, ports=ports,
-                               token_file=self.token_file, extra_args=restore,
+                               token_file=self.token_file, extra_args=extra,
                                xcls_flags=_child_flags(args), ready_timeout=args.start_timeout,
-                               stop_timeout=args.stop_timeout, cancel=self.stop_requested)
+                               stop_timeout=args.stop_timeout, cancel=self.stop_requested,
+                               metrics_ports=self.metrics_ports(0, args.shards))
 
     @property
     def addresses(self) -> list[str]:
         return [s.address for s in self.shards]
+
+    def supervise(self, shards: list[ShardProcess]) -> None:
+        """Keep ``shards`` serving from now on (``watch_shards``)."""
+        self.shards = shards
+        self.supervisor = ShardSupervisor(shards, max_restarts=self.args.max_restarts,
+                                          hang_timeout=self.args.hang_timeout,
+                                          ready_timeout=self.args.start_timeout,
+                                          cancel=self.stop_requested)
+
+    def watch_shards(self) -> None:
+        """Restart a shard that died or hung; ClusterError once restarts run out."""
+        try:
+            self.supervisor.check()
+        except TooManyRestarts as e:
+            raise ClusterError(str(e)) from None
 
     def dead_shard(self) -> int | None:
         return next((s.shard_id for s in self.shards if s.proc.poll() is not None), None)
@@ -187,36 +236,50 @@ class Cluster:
 
     # ---- workers ------------------------------------------------------------------------
 
-    def _torchrun(self, processes: int, *xcls_args: str) -> list[str]:
+    def _torchrun(self, processes: int, *xcls_args: str, max_restarts: int = 0) -> list[str]:
         overrides = [x for item in self.args.overrides for x in ("--set", item)]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(processes), "-m", "xcls", *_child_flags(self.args),
+                "--nproc-per-node", str(processes), "--max-restarts", str(max_restarts),
+                "-m", "xcls", *_child_flags(self.args),
                 *xcls_args, str(self.args.config), *overrides]
 
+    def metrics_ports(self, offset: int, count: int) -> range | None:
+        """The metrics ports of a role: ``count`` of them from ``--metrics-port`` + ``offset``
+        (None when metrics are off)."""
+        base = self.args.metrics_port
+        return range(base + offset, base + offset + count) if base else None
+
+    def _metrics_flag(self, offset: int) -> list[str]:
+        """``--metrics-port`` for a torchrun role whose rank 0 serves on base + ``offset``
+        (each rank adds its own)."""
+        ports = self.metrics_ports(offset, 1)
+        return ["--metrics-port", str(ports[0])] if ports else []
+
     def worker_command(self) -> list[str]:
-        return [*self._torchrun(self.args.workers, "train"),
+        metrics = self._metrics_flag(self.args.shards)
+        # a worker that meets a restarted shard exits (train_cmd.ROLLBACK_EXIT_CODE); torchrun
+        # then restarts the group, which resumes from the newest checkpoint
+        return [*self._torchrun(self.args.workers, "train", *metrics,
+                                max_restarts=self.args.max_restarts),
                 "--set", f"ams.addresses={json.dumps(self.addresses)}"]
 
     def start_slow_gear(self) -> None:
         """The slow-gear group, if --slow-workers: it runs until stopped (SIGTERM), then
         publishes the backbone a last time."""
         if self.args.slow_workers:
+            metrics = self._metrics_flag(self.args.shards + self.args.workers)
             self.slow = spawn("slow-gear", self._torchrun(self.args.slow_workers, "gear",
-                                                          "slow"), prefix="[slow-gear] ")
+                                                          "slow", *metrics), prefix="[slow-gear] ")
 
     def run_workers(self) -> int | None:
-        """Train until the workers exit (their exit code), a stop is requested or a shard
-        dies (None)."""
+        """Train until the workers exit (their exit code) or a stop is requested (None),
+        restarting shards that die or hang meanwhile."""
         self.start_slow_gear()
-        self.workers = spawn("workers", self.worker_command())
+        self.workers = spawn("workers", self.worker_command(), env=RESTARTABLE_TORCHRUN_ENV)
         while self.workers.proc.poll() is None:
             if self.stop_requested.wait(POLL_S):
                 return None
-            dead = self.dead_shard()
-            if dead is not None:
-                log.error("shard_died shard=%d exit_code=%s; stopping the workers", dead,
-                          self.shards[dead].proc.returncode)
-                return None
+            self.watch_shards()
         return self.workers.proc.returncode
 
     def stop_workers(self) -> None:
@@ -255,7 +318,7 @@ def run_up(args: argparse.Namespace) -> int:
         code = 1
         try:
             with cluster.shard_processes() as shards:
-                cluster.shards = shards
+                cluster.supervise(shards)
                 try:
                     code = _serve_or_train(cluster)
                 finally:
@@ -279,17 +342,13 @@ def _serve_or_train(cluster: Cluster) -> int:
               f"or pass: --set 'ams.addresses={listed}'\n"
               f"Ctrl-C stops them.", flush=True)
         while not cluster.stop_requested.wait(POLL_S):
-            dead = cluster.dead_shard()
-            if dead is not None:
-                raise ClusterError(f"shard {dead} exited with code "
-                                   f"{cluster.shards[dead].proc.returncode}")
+            cluster.watch_shards()
         return 0
     code = cluster.run_workers()
     if code is None:
-        if cluster.stop_requested.is_set():
-            return 1  # run_up turns this into 128 + the signal number
-        raise ClusterError(f"shard {cluster.dead_shard()} died during training")
-    log.info("workers_finished exit_code=%d", code)
+        return 1  # a stop was requested: run_up turns this into 128 + the signal number
+    log.info("workers_finished exit_code=%d shard_restarts=%d", code,
+             cluster.supervisor.restarts)
     if cluster.dead_shard() is None:
         cluster.report_shard_stats()
     return code

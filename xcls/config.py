@@ -16,6 +16,7 @@ import textwrap
 import tomllib
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -24,6 +25,12 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the dotted key."""
+
+
+# What a secret becomes wherever a config is written out (config.toml, exports, 'config print').
+REDACTED = "***"
+# Field metadata: the password part of this URL field is a secret.
+URL_PASSWORD_SECRET = types.MappingProxyType({"secret": "url_password"})
 
 
 @dataclass
@@ -119,6 +126,9 @@ class AmsConfig:
     """momentum dtype: float32 | float16 | bfloat16 (empty: same as dtype)"""
     token_file: str = ""
     """file with the shards' shared secret (empty: none)"""
+    scheduler: str = ""
+    """host:port of an 'xcls serve scheduler' to find the shards through and keep a lease with,
+    instead of addresses (a lost shard or worker then rolls training back); empty: none"""
 
 
 @dataclass
@@ -154,8 +164,17 @@ class TrainConfig:
     """steps between evaluations (0: at each epoch end)"""
     checkpoint_every: int = 0
     """steps between checkpoints (0: at each epoch end)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept, >= 1; the AMS keeps one snapshot more (the newest may lack
+    its checkpoint after a crash between the two)"""
     resume: bool = True
     """continue from the newest checkpoint in out_dir if there is one"""
+
+    @property
+    def snapshots_to_keep(self) -> int:
+        """AMS snapshots a run keeps: one per kept checkpoint, plus one for a snapshot whose
+        checkpoint was never written (a crash between the two)."""
+        return self.keep_checkpoints + 1
 
 
 @dataclass
@@ -168,7 +187,13 @@ class GearConfig:
     backend: str = "memory"
     """where the feature cache and gradient sums live: memory | lmdb | redis
     (bridge.GearBackend)"""
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=URL_PASSWORD_SECRET)
+    """redis://[user[:password]@]host[:port][/db]. A password here is never written out:
+    OUT/config.toml, exports and 'xcls config print' show it as ***, so a run resumed from
+    such a file needs redis_password_file (or the password put back in the URL)"""
+    redis_password_file: str = ""
+    """file holding the Redis password (empty: the URL's, if any); keeps the secret out of
+    every config, on disk or on a command line"""
     prefix: str = "xcls"
     """job name: every Redis key of the job starts with it (no ':')"""
     slow: str = "local"
@@ -215,8 +240,9 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     return {"head.kind": HeadKind, "head.margin": Margin, "ams.dtype": RowDtype,
             "ams.state_dtype": RowDtype, "gear.backend": GearBackend, "gear.slow": SlowGearMode}
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
-            "train.log_every", "head.scale", "ams.local_shards", "gear.m", "gear.slow_batch",
-            "gear.cache_mb", "gear.sync_every", "gear.publish_every"}
+            "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
+            "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
+            "gear.publish_every"}
 NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
                 "optim.weight_decay", "optim.head_weight_decay", "optim.warmup_steps",
                 "graph.rebuild_every",
@@ -307,6 +333,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if not cfg.gear.prefix or ":" in cfg.gear.prefix:
         raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
                           f"got {cfg.gear.prefix!r}")
+    _check_scheduler(cfg.ams)
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
     if not 0 <= cfg.optim.head_momentum < 1:
@@ -317,6 +344,18 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
                           f"{cfg.optim.effective_head_lr():g} x head_weight_decay "
                           f"{cfg.optim.head_weight_decay:g} must be below 1")
     return cfg
+
+
+def _check_scheduler(ams: AmsConfig) -> None:
+    """ams.scheduler is a host:port, and the shards come from it or from ams.addresses."""
+    if not ams.scheduler:
+        return
+    if ams.addresses:
+        raise ConfigError("ams.scheduler: the shards come from the scheduler; leave "
+                          "ams.addresses empty")
+    host, _, port = ams.scheduler.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"ams.scheduler: expected host:port, got {ams.scheduler!r}")
 
 
 def get_value(cfg: Any, dotted: str) -> Any:
@@ -393,7 +432,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def to_toml(cfg: ExperimentConfig) -> str:
     """The full resolved config as TOML (every field, defaults included), each field under its
-    documentation as comments."""
+    documentation as comments; secrets are replaced by ``REDACTED``, as this text is what goes
+    to disk (OUT/config.toml, exports) and to the terminal."""
     lines = []
     for section in dataclasses.fields(cfg):
         part = getattr(cfg, section.name)
@@ -401,9 +441,32 @@ def to_toml(cfg: ExperimentConfig) -> str:
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(part):
             lines.extend(f"# {line}".rstrip() for line in docs.get(f.name, "").splitlines())
-            lines.append(f"{f.name} = {_toml_value(getattr(part, f.name))}")
+            lines.append(f"{f.name} = {_toml_value(redacted(getattr(part, f.name), f))}")
         lines.append("")
     return "\n".join(lines)
+
+
+def redacted(value: Any, f: dataclasses.Field) -> Any:
+    """``value`` of field ``f`` as it may be written out: with a secret field's secret part
+    replaced by ``REDACTED``."""
+    if f.metadata.get("secret") == "url_password":
+        return redact_url_password(value)
+    return value
+
+
+def redact_url_password(url: str) -> str:
+    """``url`` with the password of its user info (``scheme://user:PASSWORD@host``) replaced by
+    ``REDACTED``; unchanged when it has none; all of it replaced when it does not parse and
+    holds an ``@``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return REDACTED if "@" in url else url
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not (at and colon):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{hostport}"))
 
 
 @functools.cache

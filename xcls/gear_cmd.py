@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcls.config import ConfigError, ExperimentConfig, load_config
+from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import build_slow_worker, worker_placement
 
 if TYPE_CHECKING:  # the command line imports torch only when a command runs
@@ -61,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="take over entries another consumer left unacked this long")
     p.add_argument("--block-ms", type=int, default=500,
                    help="how long one read waits for new gradients")
+    add_metrics_args(p, per_rank=True)
     p.set_defaults(func=run_slow)
     gear.set_defaults(func=lambda args: gear.print_help() or 2)
 
@@ -74,6 +76,7 @@ def run_slow(args: argparse.Namespace) -> int:
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
         rank, world, device = worker_placement(cfg)
+        serve_metrics_from_args(args, per_rank=True)
         with process_group(world, device):
             return _slow_loop(cfg, args, (rank, world, device))
     except ConfigError as e:
@@ -85,6 +88,7 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
                placement: tuple[int, int, torch.device]) -> int:
     from bridge import weights_digest
     from workers.gear import run_slow_worker
+    from workers.metrics import CountedWeightChannel, watch_slow_gear
     from workers.schedule import lr_at
 
     rank, world, _ = placement
@@ -92,6 +96,7 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
                                min_idle_ms=args.min_idle_ms)
     log.info("slow_gear_started prefix=%s version=%d consumer=%s rank=%d world=%d",
              cfg.gear.prefix, worker.slow.version, worker.consumer.consumer, rank, world)
+    watch_slow_gear(worker.slow, worker.consumer)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -101,7 +106,7 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     steps = run_slow_worker(
-        worker.slow, worker.consumer, worker.weights, worker.group,
+        worker.slow, worker.consumer, CountedWeightChannel(worker.weights), worker.group,
         # No cosine decay: this worker does not know how long the trainers will run.
         lr_at_step=lambda step: lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, 0,
                                       "constant"),

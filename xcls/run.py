@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from xcls.config import ConfigError, ExperimentConfig, GearConfig, to_toml
+from xcls.config import (
+    REDACTED,
+    ConfigError,
+    ExperimentConfig,
+    GearConfig,
+    redact_url_password,
+    to_toml,
+)
 
 if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
     import redis
@@ -93,7 +100,6 @@ def build_run(cfg: ExperimentConfig,
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    import ams
     from ams.graph import budget_for_sample_rate
     from ams.graph_build import build_graph as build_table_graph
     from workers.data.errors import DatasetError
@@ -107,7 +113,7 @@ def build_run(cfg: ExperimentConfig,
         torch.set_num_threads(cfg.train.threads)
     if not cfg.data.train:
         raise ConfigError("data.train: no training dataset given (an LMDB dataset directory)")
-    if world > 1 and not cfg.ams.addresses:
+    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler):
         raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
                           "AMS lives inside one process); start shards with 'xcls serve shard' "
                           "or use 'xcls cluster up'")
@@ -132,8 +138,8 @@ def build_run(cfg: ExperimentConfig,
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     token = Path(cfg.ams.token_file).read_text().strip() if cfg.ams.token_file else None
-    client = ams.connect(cfg.ams.addresses, token=token) if cfg.ams.addresses else \
-        ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams")
+    # A training worker keeps a lease; eval and export (no placement) only find the shards.
+    client = connect_ams(cfg, out_dir, token, lease_rank=rank if placement is not None else None)
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
                         momentum=cfg.optim.head_momentum,
@@ -164,7 +170,7 @@ def build_run(cfg: ExperimentConfig,
         schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
         eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
         rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
-        resume=cfg.train.resume)
+        resume=cfg.train.resume, keep_checkpoints=cfg.train.keep_checkpoints)
     gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, world)
     try:
         trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
@@ -177,19 +183,94 @@ def build_run(cfg: ExperimentConfig,
     return Run(cfg, trainer, client, train_set, backbone)
 
 
-def redis_client(url: str) -> redis.Redis:
-    """A bridge Redis client (short timeouts) for ``redis://[:password@]host[:port][/db]``."""
+# How long a worker waits for every shard to register with the scheduler: the shards may start
+# after the workers.
+SHARDS_WAIT_S = 300.0
+
+
+def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
+                lease_rank: int | None = None) -> ShardedClient:
+    """The AMS client ``cfg.ams`` asks for: the shards at ``ams.addresses``, the shards the
+    scheduler at ``ams.scheduler`` knows (once all have registered), or shards in process.
+
+    With a scheduler, ``lease_rank`` (a training worker's global rank) keeps a worker lease
+    until the process exits; once the scheduler loses a shard or worker, the client is
+    invalidated, every later call raises ShardRestarted, and the group rolls back.
+    """
+    import ams
+
+    if not cfg.ams.scheduler:
+        return ams.connect(cfg.ams.addresses, token=token) if cfg.ams.addresses else \
+            ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
+                        keep_snapshots=cfg.train.snapshots_to_keep)
+    import atexit
+    import os
+    import socket
+    import uuid
+
+    from ams.lease import Role
+    from ams.scheduler import SchedulerClient
+
+    scheduler = SchedulerClient(cfg.ams.scheduler, token=token)
+    shard_map = scheduler.wait_for_shards(timeout=SHARDS_WAIT_S)
+    client = ams.connect(list(shard_map.addresses), token=token)
+    if lease_rank is None:
+        scheduler.close()
+        return client
+    keeper = scheduler.keep_lease(Role.WORKER, lease_rank,
+                                  f"{socket.gethostname()}/pid-{os.getpid()}", uuid.uuid4().hex,
+                                  on_lost=client.invalidate, expect=shard_map)
+    # Released at exit, so a restarted group's ranks find their slots free rather than an old
+    # lease expiring under them (which would move the generation once more).
+    atexit.register(keeper.stop)
+    return client
+
+
+def redis_client(g: GearConfig) -> redis.Redis:
+    """A bridge Redis client (short timeouts) for ``g.redis_url``
+    (``redis://[user[:password]@]host[:port][/db]``), with the password of
+    :func:`redis_password`."""
     from bridge import make_client
 
-    u = urlparse(url)
-    if u.scheme != "redis" or not u.hostname:
-        raise ConfigError(f"gear.redis_url: expected redis://host[:port][/db], got {url!r}")
+    url, shown = g.redis_url, redact_url_password(g.redis_url)  # errors never show the secret
     try:
+        u = urlparse(url)
         db = int(u.path.lstrip("/") or 0)
         port = u.port or 6379
     except ValueError:
-        raise ConfigError(f"gear.redis_url: bad port or db in {url!r}") from None
-    return make_client(u.hostname, port, db, unquote(u.password) if u.password else None)
+        raise ConfigError(f"gear.redis_url: bad host, port or db in {shown!r}") from None
+    if u.scheme != "redis" or not u.hostname:
+        raise ConfigError(f"gear.redis_url: expected redis://host[:port][/db], got {shown!r}")
+    return make_client(u.hostname, port, db, redis_password(g, u.password),
+                       username=unquote(u.username) if u.username else None)
+
+
+def redis_password(g: GearConfig, in_url: str | None) -> str | None:
+    """The Redis password: the contents of ``g.redis_password_file`` or the URL's
+    (``in_url``, still %-quoted); None when neither gives one.
+
+    ConfigError when the URL holds the placeholder a config written out carries instead of the
+    password (a run resumed from OUT/config.toml) and no file gives it, or when both give one.
+    """
+    password = unquote(in_url) if in_url else None
+    if g.redis_password_file:
+        if password not in (None, REDACTED):
+            raise ConfigError("gear.redis_password_file: gear.redis_url holds a password too; "
+                              "give it in one place")
+        path = Path(g.redis_password_file)
+        try:
+            from_file = path.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"gear.redis_password_file: cannot read {path}: {e.strerror}") \
+                from None
+        if not from_file:
+            raise ConfigError(f"gear.redis_password_file: {path} is empty")
+        return from_file
+    if password == REDACTED:
+        raise ConfigError(f"gear.redis_url: its password was replaced by {REDACTED} when the "
+                          "config was written out; give it with "
+                          "gear.redis_password_file=FILE, or put it back in the URL")
+    return password
 
 
 def build_cache(g: GearConfig, dim: int, out_dir: Path,
@@ -221,6 +302,7 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
         RedisGradientConsumer,
         WeightStore,
     )
+    from bridge.redis_accumulator import DEFAULT_FALLBACK_SAMPLES
     from workers.gear import Gear, SlowGear, SlowGearMode
 
     g = cfg.gear
@@ -231,10 +313,14 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
                           "alone, which data-parallel workers cannot share; use "
                           "gear.slow=external with 'xcls gear slow'")
     dim = cfg.model.dim
-    client = redis_client(g.redis_url) if g.backend == GearBackend.REDIS else None
+    client = redis_client(g) if g.backend == GearBackend.REDIS else None
     cache = build_cache(g, dim, out_dir, client)
     if client is not None:
-        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix)
+        # While Redis is down an in-process slow gear trains from the accumulator's fallback;
+        # an external one cannot reach it, so its fast gears drop what Redis cannot take.
+        room = DEFAULT_FALLBACK_SAMPLES if g.slow == SlowGearMode.LOCAL else 0
+        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix,
+                                               fallback_samples=room)
     else:
         accumulator = MemoryGradientAccumulator(dim, g.m)
     if g.slow == SlowGearMode.EXTERNAL:
@@ -243,7 +329,8 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
     source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
     backbone = getattr(model, "module", model)
     slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
-    return Gear(model, cache, accumulator, device, slow=(slow, source))
+    fallback = accumulator.fallback if client is not None else None
+    return Gear(model, cache, accumulator, device, slow=(slow, source), fallback=fallback)
 
 
 @dataclass
@@ -279,7 +366,7 @@ def build_slow_worker(cfg: ExperimentConfig, placement: tuple[int, int, torch.de
     # The trainers' initial backbone, should none be published yet.
     backbone, optimizer = build_backbone_and_optimizer(cfg, train_set.metadata, device)
     backbone.train()
-    client = redis_client(cfg.gear.redis_url)
+    client = redis_client(cfg.gear)
     weights = WeightStore(client, cfg.gear.prefix)
     group = SlowGearGroup(rank, world)
     # Take over where a previous slow worker stopped (its optimizer momentum is not kept);

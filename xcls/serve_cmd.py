@@ -9,13 +9,20 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
+
+if TYPE_CHECKING:
+    from ams.scheduler import LeaseKeeper
 
 log = logging.getLogger("xcls.serve")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="run a server role (a model-server shard)",
-                           description="Run a server role. See 'xcls serve shard --help'.")
+    serve = sub.add_parser("serve", help="run a server role (a model-server shard, the "
+                           "scheduler)", description="Run a server role. See 'xcls serve shard "
+                           "--help' and 'xcls serve scheduler --help'.")
     roles = serve.add_subparsers(dest="role", metavar="ROLE")
     p = roles.add_parser(
         "shard", help="serve one shard of the class-weight tables over gRPC",
@@ -41,14 +48,151 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind with neither token nor TLS")
+    p.add_argument("--require-auth", action="store_true",
+                   help="refuse to start without --auth-token-file or TLS, even on loopback")
+    p.add_argument("--keep-snapshots", type=int, default=3, metavar="K",
+                   help="after each snapshot keep the K newest complete steps of this shard's "
+                        "pieces and remove older ones; 0 keeps all")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to let in-flight calls finish on shutdown")
     p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads per request; requests already run in parallel "
                         "handler threads, and parallel kernels stall each other on busy cores")
+    add_metrics_args(p)
+    _add_lease_args(p)
     p.set_defaults(func=run_shard)
+    _add_scheduler_parser(roles)
     serve.set_defaults(func=lambda args: serve.print_help() or 2)
+
+
+# ---- the scheduler role, and a shard's lease with it ---------------------------------------
+
+# A shard exits with this code when the scheduler declared it dead (it hung past its lease):
+# the cluster already gave up on its rows, so it must not serve; its supervisor starts a new
+# incarnation.
+EXIT_LEASE_LOST = 3
+
+
+def _add_lease_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="register with this 'xcls serve scheduler' and keep a lease; exit with "
+                        f"code {EXIT_LEASE_LOST} once the scheduler declares this shard dead "
+                        "(the auth token, if any, is sent to it too)")
+    p.add_argument("--advertise", metavar="HOST",
+                   help="host the scheduler hands to workers (default: --host, or this "
+                        "machine's name when --host is a wildcard)")
+
+
+def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
+    p = roles.add_parser(
+        "scheduler", help="coordinate a multi-host job: shard discovery and leases",
+        description="Shards ('xcls serve shard --scheduler') and workers (ams.scheduler) "
+        "register here and renew a lease every TTL/3; workers find the shards here. A lease "
+        "not renewed within the TTL (a dead or hung member) moves the generation on, which "
+        "makes the workers roll back to their newest checkpoint. State lives in memory: after "
+        "a restart the members register again.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--num-shards", type=int, required=True, help="how many shards S the job has")
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but loopback needs --auth-token-file")
+    p.add_argument("--port-file", type=Path,
+                   help="write the bound port here once serving (useful with --port 0)")
+    p.add_argument("--lease-ttl", type=float, default=10.0,
+                   help="seconds a lease lasts without renewal")
+    p.add_argument("--auth-token-file", type=Path,
+                   help="file holding the cluster's shared secret; members must send it")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback bind without a token")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds to let in-flight calls finish on shutdown")
+    add_metrics_args(p)
+    p.set_defaults(func=run_scheduler)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    if args.num_shards < 1:
+        raise SystemExit(f"error: --num-shards {args.num_shards} must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"error: --port {args.port} must be in 0..65535")
+    if not args.lease_ttl > 0:
+        raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0")
+    token = _read_secret(args.auth_token_file, "auth token file").decode().strip() \
+        if args.auth_token_file else None
+    if not _is_loopback(args.host) and not token and not args.insecure:
+        raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
+                         "add --insecure if this network is trusted")
+    from ams.scheduler import create_scheduler_server
+
+    serve_metrics_from_args(args)
+    running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
+                                      host=args.host, port=args.port, token=token)
+    _write_port_file(args.port_file, running.port)
+    log.info("listening scheduler host=%s port=%d num_shards=%d lease_ttl_s=%g auth=%s",
+             args.host, running.port, args.num_shards, args.lease_ttl, bool(token))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    running.stop(args.grace)
+    log.info("stopped")
+    return 0
+
+
+def _write_port_file(path: Path | None, port: int) -> None:
+    """Write ``port`` to ``path`` atomically (a reader never sees a partial number)."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def _check_lease_args(args: argparse.Namespace) -> None:
+    """Refuse a malformed --scheduler, or --advertise without it, before anything starts."""
+    from ams.errors import InvalidArgument
+    from ams.lease import parse_address
+
+    if args.scheduler is None:
+        if args.advertise is not None:
+            raise SystemExit("error: --advertise needs --scheduler")
+        return
+    try:
+        parse_address(args.scheduler)
+    except InvalidArgument as e:
+        raise SystemExit(f"error: --scheduler: {e}") from None
+
+
+def _advertised_address(args: argparse.Namespace, port: int) -> str:
+    """host:port the scheduler hands to workers for this shard."""
+    import socket
+
+    host = args.advertise or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _keep_shard_lease(args: argparse.Namespace, incarnation: str, port: int, token: str | None,
+                      stop: threading.Event) -> LeaseKeeper:
+    """Register this serving shard with the scheduler and keep its lease; a lost lease sets
+    ``stop`` (the caller then exits with EXIT_LEASE_LOST). SystemExit when registering fails."""
+    from ams.errors import AmsError
+    from ams.lease import Role
+    from ams.scheduler import SchedulerClient
+
+    scheduler = SchedulerClient(args.scheduler, token=token)
+    address = _advertised_address(args, port)
+    try:
+        keeper = scheduler.keep_lease(Role.SHARD, args.shard_id, address, incarnation,
+                                      on_lost=lambda reason: stop.set())
+    except AmsError as e:
+        scheduler.close()
+        raise SystemExit(f"error: registering with the scheduler: {e}") from None
+    log.info("registered scheduler=%s address=%s incarnation=%s", args.scheduler, address,
+             incarnation)
+    return keeper
 
 
 def _is_loopback(host: str) -> bool:
@@ -72,6 +216,7 @@ def _read_secret(path: Path, what: str) -> bytes:
 
 def run_shard(args: argparse.Namespace) -> int:
     from ams.errors import SnapshotError
+    from ams.metrics import record_restore
     from ams.server import create_server
     from ams.snapshot import list_steps, restore_into
     from ams.store import ShardStore
@@ -89,15 +234,22 @@ def run_shard(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not (token or tls) and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file or "
                          "TLS; add --insecure if this network is trusted")
+    if args.require_auth and not (token or tls):
+        raise SystemExit("error: --require-auth: give --auth-token-file or --tls-cert/--tls-key")
+    if args.keep_snapshots < 0:
+        raise SystemExit(f"error: --keep-snapshots {args.keep_snapshots} must be >= 0")
     if args.restore is not None and args.data_dir is None:
         raise SystemExit("error: --restore needs --data-dir")
+    _check_lease_args(args)
 
     if args.torch_threads < 1:
         raise SystemExit(f"error: --torch-threads {args.torch_threads} must be >= 1")
     import torch
 
     torch.set_num_threads(args.torch_threads)
+    serve_metrics_from_args(args)
     store = ShardStore(args.shard_id, args.num_shards)
+    restored = -1
     if args.restore is not None:
         if args.restore == "latest":
             step = None
@@ -111,10 +263,14 @@ def run_shard(args: argparse.Namespace) -> int:
             log.info("restore_skipped reason=no_snapshots data_dir=%s", args.data_dir)
         else:
             try:
-                got, path = restore_into(store, args.data_dir, step)
+                restored, path = restore_into(store, args.data_dir, step)
             except SnapshotError as e:
                 raise SystemExit(f"error: {e}") from None
-            log.info("restored step=%d path=%s", got, path)
+            newest = list_steps(args.data_dir)[0]
+            if step is None and restored != newest:  # the skipped steps are logged above
+                log.warning("restore_fell_back newest=%d restored=%d", newest, restored)
+            log.info("restored step=%d path=%s", restored, path)
+            record_restore()
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -122,7 +278,7 @@ def run_shard(args: argparse.Namespace) -> int:
         store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
         tls_cert=_read_secret(args.tls_cert, "TLS certificate") if tls else None,
         tls_key=_read_secret(args.tls_key, "TLS key") if tls else None,
-        max_workers=args.workers)
+        max_workers=args.workers, keep_snapshots=args.keep_snapshots, restored_step=restored)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{running.port}\n")
@@ -133,8 +289,22 @@ def run_shard(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    lease = None
+    if args.scheduler is not None:
+        try:
+            lease = _keep_shard_lease(args, running.incarnation, running.port, token, stop)
+        except SystemExit:
+            running.stop(0)
+            raise
     stop.wait()
+    if lease is not None and lease.lost.is_set():
+        # Fenced: the workers already roll back without this shard; refuse in-flight calls.
+        log.error("fenced reason=%s exit_code=%d", lease.reason, EXIT_LEASE_LOST)
+        running.stop(0)
+        return EXIT_LEASE_LOST
     log.info("stopping grace_s=%.0f", args.grace)
+    if lease is not None:
+        lease.stop(release=True)  # leaving: the workers learn it now, not a TTL later
     running.stop(args.grace)
     log.info("stopped")
     return 0

@@ -5,6 +5,8 @@ side, waits until every one answers its gRPC health check, yields them, and on e
 in order: SIGTERM to all, then a wait for each, SIGKILL after ``stop_timeout``. ``xcls cluster
 up``, the integration tests, the benchmarks and the examples all start shards through it.
 
+``ShardSupervisor`` restarts a shard that exits or hangs, on its port, up to a restart budget.
+
 Every child runs in a session of its own, so a Ctrl-C in the terminal reaches the parent alone
 and the order in which things stop stays the parent's. ``spawn`` and ``stop`` are the process
 helpers underneath, which ``xcls cluster up`` also uses for its training and slow-gear roles.
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,10 @@ HOST = "127.0.0.1"
 POLL_S = 0.05
 # How much of a failed shard's log file its start error quotes.
 LOG_TAIL_CHARS = 4000
+# How often a supervisor asks each shard's health, and how long one answer may take (a busy
+# shard still answers within it; a stopped one never does).
+HEALTH_PROBE_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
 
 
 class ShardStartError(RuntimeError):
@@ -71,18 +77,20 @@ def _relay(stream: IO[bytes], prefix: str) -> None:
 
 
 def spawn(name: str, cmd: Sequence[str], *, prefix: str | None = None,
-          log_path: Path | None = None) -> Child:
-    """Start ``cmd`` in a session of its own. Its output is appended to ``log_path``; else
-    relayed to our stderr behind ``prefix``; else it writes to our stdout/stderr directly."""
+          log_path: Path | None = None, env: Mapping[str, str] | None = None) -> Child:
+    """Start ``cmd`` in a session of its own, with ``env`` added to our environment. Its
+    output is appended to ``log_path``; else relayed to our stderr behind ``prefix``; else it
+    writes to our stdout/stderr directly."""
     log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
+    environ = {**os.environ, **env} if env else None
     if log_path is not None:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, env=environ)
         return Child(name, proc)
     pipe = subprocess.PIPE if prefix is not None else None
     proc = subprocess.Popen(cmd, stdout=pipe, stderr=subprocess.STDOUT if pipe else None,
-                            start_new_session=True)
+                            start_new_session=True, env=environ)
     child = Child(name, proc)
     if prefix is not None:
         child.relay = threading.Thread(target=_relay, args=(proc.stdout, prefix), daemon=True)
@@ -252,13 +260,84 @@ class ShardProcess:
         return f"; the end of {self.log_path}:\n{self.log()[-LOG_TAIL_CHARS:]}"
 
 
+class TooManyRestarts(RuntimeError):
+    """A shard failed once more after the supervisor's restart budget was used up."""
+
+
+class ShardSupervisor:
+    """Keeps shard processes serving: a shard that exits, or that answers no health check for
+    ``hang_timeout`` seconds (it is SIGKILLed first), is started again on its port, empty or
+    as its options say (e.g. ``--restore latest``). ``max_restarts`` restarts in all; the next
+    failure raises TooManyRestarts. ``ready_timeout`` and ``cancel`` apply to each restart as
+    in ``ShardProcess.wait_serving``.
+
+    A restarted shard is a new incarnation: clients that knew the old one are refused
+    (``ams.errors.ShardRestarted``), and the training workers roll back to their newest
+    checkpoint, which puts every shard at that checkpoint's step again.
+    """
+
+    def __init__(self, shards: Sequence[ShardProcess], *, max_restarts: int,
+                 hang_timeout: float, ready_timeout: float,
+                 cancel: threading.Event | None = None) -> None:
+        self.shards = list(shards)
+        self.max_restarts, self.hang_timeout = max_restarts, hang_timeout
+        self.ready_timeout, self.cancel = ready_timeout, cancel
+        self.restarts = 0
+        now = time.monotonic()
+        self._last_answer = {s.shard_id: now for s in self.shards}
+        self._next_probe = now
+
+    def check(self) -> None:
+        """Restart every shard that exited or hung; call it every poll (the health checks
+        themselves go out at most every ``HEALTH_PROBE_S`` seconds)."""
+        probe = time.monotonic() >= self._next_probe
+        if probe:
+            self._next_probe = time.monotonic() + HEALTH_PROBE_S
+        for shard in self.shards:
+            failure = self._failure(shard, probe)
+            if failure is not None:
+                self._restart(shard, failure)
+
+    def _failure(self, shard: ShardProcess, probe: bool) -> str | None:
+        """Why ``shard`` needs a restart (a hung one is killed here), or None."""
+        if shard.proc.poll() is not None:
+            return f"exited with code {shard.proc.returncode}"
+        if not probe:
+            return None
+        now = time.monotonic()
+        if shard_serving(shard.address, tls_ca=shard.tls_ca,
+                         timeout=min(HEALTH_TIMEOUT_S, self.hang_timeout)):
+            self._last_answer[shard.shard_id] = now
+            return None
+        silent = now - self._last_answer[shard.shard_id]
+        if silent < self.hang_timeout:
+            return None
+        shard.kill9()
+        return f"hung (no health answer for {silent:.0f}s; killed)"
+
+    def _restart(self, shard: ShardProcess, failure: str) -> None:
+        log.error("shard_failed shard=%d restarts=%d reason=%s", shard.shard_id, self.restarts,
+                  failure)
+        if self.restarts >= self.max_restarts:
+            raise TooManyRestarts(f"shard {shard.shard_id} {failure}, and all "
+                                  f"{self.max_restarts} restarts allowed (--max-restarts) were "
+                                  "used; stopping")
+        self.restarts += 1
+        shard.launch()
+        shard.wait_serving(self.ready_timeout, self.cancel)
+        self._last_answer[shard.shard_id] = time.monotonic()
+        log.warning("shard_restarted shard=%d restarts=%d address=%s", shard.shard_id,
+                    self.restarts, shard.address)
+
+
 @contextmanager
 def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str = HOST,
                     ports: Sequence[int] | None = None, token_file: Path | str | None = None,
                     tls: tuple[Path, Path] | None = None, extra_args: Sequence[str] = (),
                     xcls_flags: Sequence[str] = (), log_dir: Path | None = None,
                     ready_timeout: float = 60.0, stop_timeout: float = 30.0,
-                    cancel: threading.Event | None = None) -> Iterator[list[ShardProcess]]:
+                    cancel: threading.Event | None = None,
+                    metrics_ports: Sequence[int] | None = None) -> Iterator[list[ShardProcess]]:
     """Shards 0..``num_shards``-1 as processes, serving; stopped in order on exit.
 
     data_dir: their snapshot directory (``--data-dir``; None: they cannot snapshot); ports:
@@ -271,6 +350,7 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
     for all of them to start serving (ShardStartTimeout); a shard that exits while starting
     raises ShardStartError, and a set ``cancel`` event StartCancelled (the shards started so
     far are stopped first). stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+    metrics_ports: shard i serves Prometheus metrics on ``metrics_ports[i]`` (None: none).
     """
     if ports is not None and len(ports) != num_shards:
         raise ValueError(f"ports: {len(ports)} given for {num_shards} shards")
@@ -286,7 +366,9 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
     with tempfile.TemporaryDirectory(prefix="xcls-shards-") as port_dir:
         shards = [ShardProcess(s, num_shards, host=host, port=ports[s] if ports else 0,
                                data_dir=data_dir, port_file=Path(port_dir) / f"port-{s}",
-                               xcls_flags=xcls_flags, options=options, tls_ca=tls_ca,
+                               xcls_flags=xcls_flags, tls_ca=tls_ca,
+                               options=[*options, "--metrics-port", str(metrics_ports[s])]
+                               if metrics_ports else options,
                                log_path=log_dir / f"shard-{s}-of-{num_shards}.log"
                                if log_dir is not None else None)
                   for s in range(num_shards)]

@@ -7,11 +7,21 @@ it, and prints.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
 from xcls.config import ConfigError, ExperimentConfig, load_config, to_toml
+from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import Run, build_run, worker_placement
+
+log = logging.getLogger("xcls.train")
+
+# The exit code of a worker that met a restarted or unreachable shard. It writes no checkpoint:
+# torchrun (--max-restarts) restarts the whole group, which resumes from the newest checkpoint
+# with every shard restored to that checkpoint's step (75 is EX_TEMPFAIL: try again).
+ROLLBACK_EXIT_CODE = 75
 
 
 def _config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -34,8 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train the experiment in CONFIG. With no ams.addresses the shards run in "
         "this process; with addresses it talks gRPC to running shards. Under torchrun each "
         "worker trains data-parallel (gloo on CPU, NCCL on CUDA). Resumes from the newest "
-        "checkpoint in train.out_dir.")
+        "checkpoint in train.out_dir. Exits with code 75, writing no checkpoint, when a shard "
+        "restarted or stayed unreachable: run it again (torchrun --max-restarts does) to roll "
+        "every shard and worker back to the newest checkpoint.")
     _config_args(p)
+    add_metrics_args(p, per_rank=True)
     p.set_defaults(func=run_train)
 
     p = sub.add_parser("eval", help="top-1/top-5 of a trained run on its test split",
@@ -78,9 +91,26 @@ def run_config_print(args: argparse.Namespace) -> int:
     return 0
 
 
+def _group_restarts() -> int:
+    """How many times torchrun has restarted this worker group (0: its first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def _begin_rollback(cfg: ExperimentConfig, rank: int) -> None:
+    """A restarted group continues from its newest checkpoint, whatever train.resume says:
+    starting afresh would train on rows the shards kept from the failed attempt."""
+    from workers.checkpoint import latest_step
+
+    cfg.train.resume = True
+    if rank == 0:
+        log.warning("rollback restart=%d to_step=%s", _group_restarts(),
+                    latest_step(Path(cfg.train.out_dir)))
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from ams.errors import AmsError
+    from ams.errors import AmsError, ShardRestarted, Unavailable
     from bridge.errors import BridgeError
+    from workers.checkpoint import CheckpointError
     from workers.data.errors import DatasetError
     from workers.distributed import process_group
 
@@ -91,11 +121,20 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, world, device = placement
+    if _group_restarts():
+        _begin_rollback(cfg, rank)
+    serve_metrics_from_args(args, per_rank=True)
     with process_group(world, device):
         try:
             run = build_run(cfg, placement)
             result = run.trainer.train()
-        except (ConfigError, AmsError, DatasetError, BridgeError) as e:
+        except (ShardRestarted, Unavailable) as e:
+            # the shards may now hold different steps: stop without a checkpoint and let the
+            # restarted group put every shard and rank back at one
+            log.error("rollback_needed rank=%d exit_code=%d reason=%s", rank,
+                      ROLLBACK_EXIT_CODE, e)
+            return ROLLBACK_EXIT_CODE
+        except (ConfigError, AmsError, DatasetError, BridgeError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if rank == 0:
@@ -110,6 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _resumed_run(args: argparse.Namespace) -> Run:
     from ams.errors import AmsError
+    from workers.checkpoint import CheckpointError
 
     cfg = _load(args)
     # eval and export read a finished run; train.resume = false only means "train afresh".
@@ -118,7 +158,7 @@ def _resumed_run(args: argparse.Namespace) -> Run:
         run = build_run(cfg)
         if not run.trainer.try_resume():
             raise ConfigError(f"train.out_dir: no checkpoint in {cfg.train.out_dir}; train first")
-    except (ConfigError, AmsError) as e:
+    except (ConfigError, AmsError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     return run
 

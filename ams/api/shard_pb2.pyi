@@ -177,16 +177,18 @@ class TableStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., owned_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., graph_version: _Optional[int] = ..., graph_step: _Optional[int] = ..., graph_k: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step")
+    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAST_SNAPSHOT_STEP_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     last_snapshot_step: int
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class NeighborsRequest(_message.Message):
     __slots__ = ("table", "ids")

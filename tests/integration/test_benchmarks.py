@@ -85,3 +85,26 @@ def test_bench_graph_refuses_cuda_without_a_gpu() -> None:
     done = run_benchmark("bench_graph.py", "--sizes", "100", "--device", "cuda")
     assert done.returncode == 2
     assert "--device cuda: no CUDA device is available" in done.stderr
+
+
+def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, tmp_path) -> None:
+    """Shards killed and paused under a training job: every fault is followed by a shard
+    restart and a rollback, and the final rows, momentum and backbone equal those of the
+    fault-free run bit for bit (no acknowledged push lost outside the snapshot contract, none
+    applied twice)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick",
+                           "--data", str(glyphs_small), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cells = {row[0]: row[1:] for row in
+             (c for c in (line.strip().strip("|").split("|") for line in done.stdout.splitlines()
+                          if line.startswith("|")))}
+    cells = {k.strip(): [v.strip() for v in vs] for k, vs in cells.items()}
+    faults = int(cells["faults injected"][1].split()[0])
+    assert faults >= 2, done.stdout
+    assert int(cells["shard restarts"][1]) == faults, done.stdout
+    assert int(cells["rollbacks (worker group restarts)"][1]) >= 1, done.stdout
+    assert cells["rows differing from the reference"][1].startswith("0 "), done.stdout
+    assert cells["backbone tensors differing from the reference"][1].startswith("0 of"), \
+        done.stdout
+    assert cells["top-1"][0] == cells["top-1"][1] != "-", done.stdout

@@ -191,12 +191,60 @@ def test_cluster_with_a_data_parallel_slow_gear(glyphs_small, no_orphans, redis_
     assert sum(int(r[2]) for r in ranks) == 12 * 32
 
 
+def shard_pid(tag: Path, shard_id: int) -> int:
+    """The pid of this test's ``xcls serve shard --shard-id <shard_id>`` process."""
+    for pid in our_processes(tag):
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        if b"shard" in cmdline and cmdline[cmdline.index(b"--shard-id") + 1] == str(
+                shard_id).encode():
+            return pid
+    raise AssertionError(f"no process of shard {shard_id}")
+
+
+def test_a_killed_shard_is_restarted_and_the_workers_roll_back(glyphs_small, no_orphans):
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=30)
+    log_path = tmp / "cluster.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        marker = out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt"
+        deadline = time.monotonic() + 240
+        while not marker.exists():  # training is past its first periodic checkpoint
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        os.kill(shard_pid(tmp, 1), signal.SIGKILL)
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text
+    assert re.findall(r"shard_restarted shard=(\d+) restarts=(\d+)", text) == [("1", "1")], text
+    assert "rollback_needed" in text
+    # the restarted group went back to a checkpoint written before the kill
+    (back_to,) = re.findall(r"rollback restart=1 to_step=(\d+)", text)
+    assert int(back_to) in (10, 20), text
+    assert f"resumed step={back_to}" in text
+    # training finished, and its last checkpoint has every shard's snapshot of the same step
+    assert int(train_rows(out)[-1]["step"]) == 30
+    assert (out / CHECKPOINTS / f"step-{30:012d}" / "worker.pt").exists()
+    assert sorted(p.name for p in (out / "ams" / "snapshots" / f"step-{30:012d}").iterdir()) \
+        == ["shard-00000-of-00002", "shard-00001-of-00002"]
+    assert our_processes(tmp) == []
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workers", "0"], "--workers 0 must be >= 1"),
     (["--shards", "0"], "--shards 0 must be >= 1"),
     (["--slow-workers", "-1"], "--slow-workers -1 must be >= 0"),
     (["--base-port", "65535"], "--base-port 65535"),
     (["--stop-timeout", "0"], "--stop-timeout"),
+    (["--max-restarts", "-1"], "--max-restarts -1 must be >= 0"),
+    (["--hang-timeout", "0"], "--hang-timeout 0 must be > 0"),
     (["--set", "head.kind=nope"], "head.kind"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(glyphs_small, no_orphans, args,

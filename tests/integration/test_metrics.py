@@ -1,0 +1,159 @@
+"""Prometheus metrics, scraped over HTTP from a real shard process and read from the registry of
+an in-process training run. Only counts are checked, never timings."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+import ams
+from ams import errors
+from ams.lease import Role
+from ams.scheduler import SchedulerClient
+from workers.metrics import PHASES
+from xcls.config import load_config
+from xcls.run import build_run
+from xcls.shards import spawn, stop
+
+N, D = 1000, 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of http://127.0.0.1:PORT/metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
+    port = free_port()
+    (proc,) = shard_cluster(1, ["--metrics-port", str(port)])
+    client = ams.connect([proc.address])
+    client.create_table("fc", num_rows=N, dim=D, seed=4)
+    g = torch.Generator().manual_seed(0)
+    pulled, pulls = 0, 0
+    for n in (10, 50, 200):
+        client.pull("fc", torch.randperm(N, generator=g)[:n])  # distinct ids: one row each
+        pulled, pulls = pulled + n, pulls + 1
+    pushed, pushes = 0, 0
+    for n in (7, 30):
+        client.push("fc", torch.randperm(N, generator=g)[:n], torch.randn(n, D, generator=g),
+                    lr=0.1)
+        pushed, pushes = pushed + n, pushes + 1
+    with pytest.raises(errors.InvalidArgument, match="non-finite"):
+        client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
+
+    m = scrape(port)
+    table = (("table", "fc"),)
+    assert m["xcls_shard_rows_pulled_total", table] == pulled
+    assert m["xcls_shard_pulls_total", table] == pulls
+    assert m["xcls_shard_rows_pushed_total", table] == pushed
+    assert m["xcls_shard_pushes_total", table] == pushes
+    assert m["xcls_shard_owned_rows", table] == N
+    assert m["xcls_shard_push_rejections_total", (("reason", "INVALID_ARGUMENT"),)] == 1
+    assert m["xcls_shard_request_errors_total",
+             (("code", "INVALID_ARGUMENT"), ("method", "Push"))] == 1
+
+    def calls(method: str) -> float:
+        return m["xcls_shard_request_seconds_count", (("method", method),)]
+
+    assert calls("Pull") == pulls
+    assert calls("Push") == pushes + 1  # the refused one too
+
+    client.snapshot(5)
+    client.restore(5)  # new tables: the store's counters start again (a counter reset)
+    client.close()
+    m = scrape(port)
+    assert calls("Snapshot") == calls("Restore") == 1
+    assert m["xcls_shard_snapshot_seconds_count", ()] == 1
+    assert m["xcls_shard_restores_total", ()] == 1
+    assert m["xcls_shard_snapshot_age_seconds", ()] >= 0
+
+
+def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
+    port, port_file = free_port(), tmp_path / "scheduler.port"
+    child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
+                                "--num-shards", "1", "--lease-ttl", "0.5", "--port-file",
+                                str(port_file), "--metrics-port", str(port)],
+                  log_path=tmp_path / "scheduler.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert child.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with SchedulerClient(f"127.0.0.1:{int(port_file.read_text())}") as sched:
+            sched.register(Role.WORKER, 0, "worker-0", "w0")
+            m = scrape(port)
+            assert m["xcls_scheduler_leases", (("role", "worker"),)] == 1
+            assert m["xcls_scheduler_leases", (("role", "shard"),)] == 0
+            assert m["xcls_scheduler_generation", ()] == 0
+            assert m["xcls_scheduler_shards_missing", ()] == 1
+            # never renewed: the reaper expires it, which moves the generation on
+            deadline = time.monotonic() + 60
+            while scrape(port).get(("xcls_scheduler_lease_expiries_total",
+                                    (("role", "worker"),))) != 1:
+                assert time.monotonic() < deadline, "the lease never expired"
+                time.sleep(0.1)
+            m = scrape(port)
+            assert m["xcls_scheduler_leases", (("role", "worker"),)] == 0
+            assert m["xcls_scheduler_generation", ()] == 1
+    finally:
+        stop([child], 10)
+
+
+def overrides(data, out, **extra) -> list[str]:
+    """A tiny run on the glyph data (as tests/test_trainer.py)."""
+    base = {
+        "data.train": str(data / "train"), "data.test": str(data / "test"),
+        "data.batch_size": 32, "data.num_workers": 0, "model.dim": 32,
+        "head.kind": "knn", "head.k": 4, "head.budget": 48, "graph.k": 8,
+        "optim.warmup_steps": 2, "train.out_dir": str(out), "train.log_every": 2,
+        "train.threads": 2, "train.epochs": 100, "train.max_steps": 5,
+        "train.checkpoint_every": 0, "train.eval_every": 0,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_trainer_phase_counts_equal_steps(glyphs_small, tmp_path):
+    before = {phase: sample("xcls_trainer_phase_seconds_count", phase=phase)
+              for phase in PHASES}
+    steps_before = sample("xcls_trainer_steps_total")
+    run = build_run(load_config(None, overrides(glyphs_small, tmp_path / "run")))
+    result = run.trainer.train()
+    assert result.steps == 5
+    for phase in PHASES:
+        assert sample("xcls_trainer_phase_seconds_count", phase=phase) - before[phase] == 5, \
+            phase
+    assert sample("xcls_trainer_steps_total") - steps_before == 5
+    assert sample("xcls_trainer_step") == 5
+    assert sample("xcls_trainer_loss") == pytest.approx(result.last_loss)
+
+
+def test_gear_cache_counters_are_read_at_scrape_time(glyphs_small, tmp_path):
+    gear = {"gear.enabled": "true", "gear.ttl": 60, "train.max_steps": 4}
+    run = build_run(load_config(None, overrides(glyphs_small, tmp_path / "run", **gear)))
+    run.trainer.train()
+    looked_up = 4 * 32  # every id of a lookup is a hit or a miss
+    hits, misses = sample("xcls_gear_cache_hits_total"), sample("xcls_gear_cache_misses_total")
+    assert hits + misses == looked_up
+    assert sample("xcls_gear_samples_total") == looked_up
+    assert sample("xcls_gear_cache_hit_ratio") == pytest.approx(hits / looked_up)

@@ -1,0 +1,208 @@
+"""A real ``xcls serve scheduler`` with real shards registered through ``--scheduler``, on
+127.0.0.1: discovery, a hung shard declared dead (the workers' client invalidated, the shard
+fenced off when it wakes), its restart, and bad input over the wire."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ams.api import scheduler_pb2 as pb
+from ams.api import scheduler_pb2_grpc as pb_grpc
+from ams.errors import InvalidArgument, ShardRestarted, Unavailable
+from ams.scheduler import SchedulerClient
+from xcls.config import ConfigError, load_config
+from xcls.run import connect_ams
+from xcls.serve_cmd import EXIT_LEASE_LOST
+from xcls.shards import Child, spawn, stop
+
+# Short enough for a quick test, long enough that two busy cores never miss three renewals.
+TTL_S = 2.0
+# Bounds on waiting for something the test caused; never reached when things work.
+PATIENCE_S = 60.0
+
+
+@dataclass
+class Scheduler:
+    child: Child
+    address: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_scheduler(work_dir: Path, num_shards: int = 2) -> Scheduler:
+    """``xcls serve scheduler`` on a free port, once it answers."""
+    port_file, log_path = work_dir / "scheduler.port", work_dir / "scheduler.log"
+    child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
+                                "--num-shards", str(num_shards), "--lease-ttl", str(TTL_S),
+                                "--port-file", str(port_file)], log_path=log_path)
+    deadline = time.monotonic() + PATIENCE_S
+    while not port_file.exists():
+        assert child.proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, "scheduler did not start"
+        time.sleep(0.05)
+    address = f"127.0.0.1:{int(port_file.read_text())}"
+    with SchedulerClient(address) as client:
+        client.shards()
+    return Scheduler(child, address, log_path)
+
+
+@pytest.fixture
+def scheduler(tmp_path) -> Iterator[Scheduler]:
+    sched = start_scheduler(tmp_path)
+    yield sched
+    stop([sched.child], 10)
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+def invalidated(client) -> bool:
+    """Whether the client refuses calls now (ids 0 and 2 live on shard 0, the one awake)."""
+    try:
+        client.pull("fc", torch.tensor([0, 2]))
+    except ShardRestarted:
+        return True
+    return False
+
+
+def test_workers_find_the_shards_and_a_hung_shard_is_declared_dead(scheduler, shard_cluster,
+                                                                   tmp_path, monkeypatch):
+    procs = shard_cluster(2, ["--scheduler", scheduler.address])
+    sched = SchedulerClient(scheduler.address)
+    first = sched.wait_for_shards(2, timeout=PATIENCE_S)
+    assert list(first.addresses) == [p.address for p in procs]
+
+    # A training worker: the scheduler's address is all its config names.
+    cfg = load_config(None, [f"ams.scheduler={scheduler.address}"])
+    at_exit: list = []  # the worker's lease keeper, which it stops (releasing) at exit
+    monkeypatch.setattr(atexit, "register", at_exit.append)
+    client = connect_ams(cfg, tmp_path, token=None, lease_rank=0)
+    (keeper_stop,) = at_exit
+    assert [s["incarnation"] for s in client.stats()] == list(first.incarnations)
+    client.create_table("fc", num_rows=100, dim=4, seed=1)
+    assert not invalidated(client)
+
+    # Shard 1 hangs past its lease: the generation moves on, the worker's client is refused.
+    os.kill(procs[1].proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: invalidated(client), "the worker's client to be invalidated")
+        lost = sched.shards()
+        assert lost.generation > first.generation
+        assert lost.missing() == [1] and lost.addresses[0] == procs[0].address
+        assert "lease_expired role=shard slot=1" in scheduler.log()
+        assert "generation moved" in keeper_stop.__self__.reason
+    finally:
+        os.kill(procs[1].proc.pid, signal.SIGCONT)
+    # Woken, it learns its lease is gone and stops serving; shard 0 serves on.
+    assert procs[1].proc.wait(PATIENCE_S) == EXIT_LEASE_LOST
+    assert "fenced" in procs[1].log()
+    assert procs[0].proc.poll() is None
+
+    # Its supervisor starts a new incarnation: the map is whole again, one generation on.
+    procs[1].start()
+    wait_until(lambda: sched.shards().complete, "the restarted shard to register")
+    back = sched.shards()
+    assert back.addresses == first.addresses
+    assert back.incarnations[0] == first.incarnations[0]
+    assert back.incarnations[1] not in ("", first.incarnations[1])
+    assert back.generation > lost.generation
+    # The worker, still alive, kept its lease until it leaves.
+    keeper_stop()
+    assert "lease_released role=worker slot=0" in scheduler.log()
+    assert "lease_expired role=worker" not in scheduler.log()
+    sched.close()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def idle_scheduler(tmp_path_factory) -> Iterator[Scheduler]:
+    """A scheduler nobody registers with (its tests leave it so)."""
+    sched = start_scheduler(tmp_path_factory.mktemp("scheduler"))
+    yield sched
+    stop([sched.child], 10)
+
+
+@pytest.fixture
+def raw_scheduler(idle_scheduler) -> Iterator[pb_grpc.SchedulerStub]:
+    with grpc.insecure_channel(idle_scheduler.address) as channel:
+        yield pb_grpc.SchedulerStub(channel)
+
+
+def _register(**fields: object) -> pb.RegisterRequest:
+    request = {"role": pb.ROLE_SHARD, "slot": 0, "address": "127.0.0.1:7001",
+               "incarnation": "abc", **fields}
+    return pb.RegisterRequest(**request)
+
+
+@pytest.mark.parametrize("method, request_", [
+    ("Register", _register(role=pb.ROLE_UNSPECIFIED)),
+    ("Register", _register(role=7)),
+    ("Register", _register(slot=-1)),
+    ("Register", _register(slot=2)),
+    ("Register", _register(address="h" * 10_000 + ":1")),
+    ("Register", _register(address="127.0.0.1")),
+    ("Register", _register(incarnation="")),
+    ("Register", _register(incarnation="x" * 10_000)),
+    ("Renew", pb.RenewRequest(lease_id="x" * 10_000)),
+    ("Renew", pb.RenewRequest()),
+    ("Release", pb.ReleaseRequest(lease_id="")),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input_is_invalid_argument_and_changes_nothing(raw_scheduler, method, request_):
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(raw_scheduler, method)(request_, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    shards = raw_scheduler.Shards(pb.ShardsRequest(), timeout=10)
+    assert (list(shards.addresses), shards.generation, shards.complete) == (["", ""], 0, False)
+
+
+def test_unknown_lease_is_answered_not_refused(raw_scheduler):
+    reply = raw_scheduler.Renew(pb.RenewRequest(lease_id="an-earlier-scheduler-1"), timeout=10)
+    assert reply.status == pb.LEASE_UNKNOWN
+
+
+def test_wait_for_shards_names_the_missing_slots(idle_scheduler):
+    with SchedulerClient(idle_scheduler.address) as client:
+        with pytest.raises(Unavailable, match=r"shards \[0, 1\] not registered"):
+            client.wait_for_shards(2, timeout=0.5)
+        with pytest.raises(InvalidArgument, match="runs 2 shards, 3 expected"):
+            client.wait_for_shards(3, timeout=0.5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-shards", "2", "--host", "0.0.0.0"], "refusing"),
+    (["--num-shards", "0"], "--num-shards"),
+    (["--num-shards", "2", "--lease-ttl", "0"], "--lease-ttl"),
+])
+def test_scheduler_refuses_bad_options(args, message):
+    out = subprocess.run([sys.executable, "-m", "xcls", "serve", "scheduler", *args],
+                         capture_output=True, text=True, timeout=PATIENCE_S)
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ams.scheduler=127.0.0.1:7000", "ams.addresses=127.0.0.1:7001"], "leave ams.addresses"),
+    (["ams.scheduler=127.0.0.1"], "expected host:port"),
+    (["ams.scheduler=127.0.0.1:99999"], "expected host:port"),
+])
+def test_config_refuses_a_bad_scheduler(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
