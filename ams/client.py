@@ -29,7 +29,6 @@ from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dtypes import parse_row_dtype
 from ams.errors import (
-    ERRORS_BY_CODE,
     AmsError,
     InvalidArgument,
     ShardRestarted,
@@ -37,6 +36,7 @@ from ams.errors import (
     Unavailable,
 )
 from ams.graph.csr import csr_to_dense
+from ams.rpc import error_from_rpc
 from ams.store import TableSpec
 from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, REQUEST_BYTES
 
@@ -124,7 +124,7 @@ class RemoteShard:
                               name, e.code().name, delay)
                     time.sleep(delay)
                     continue
-                raise _to_ams_error(e, self.address, name) from None
+                raise error_from_rpc(e, f"shard {self.address}", name) from None
             if expect:
                 self._check_incarnation(call, name)
             return reply
@@ -173,7 +173,7 @@ class RemoteShard:
                 yield (codec.decode(block.ids, "ids", dtype=torch.int64, ndim=1),
                        codec.decode(block.rows, "rows", ndim=2))
         except grpc.RpcError as e:
-            raise _to_ams_error(e, self.address, "Scan") from None
+            raise error_from_rpc(e, f"shard {self.address}", "Scan") from None
         self._check_incarnation(stream, "Scan")
 
     def snapshot(self, step: int) -> str:
@@ -218,15 +218,6 @@ class RemoteShard:
 
     def close(self) -> None:
         self.channel.close()
-
-
-def _to_ams_error(e: grpc.RpcError, address: str, method: str) -> AmsError:
-    code = e.code()
-    cls = ERRORS_BY_CODE.get(code.name if code else "UNKNOWN", AmsError)
-    err = cls(f"shard {address} {method}: {e.details()}")
-    if cls is AmsError:
-        err.code = code.name if code else "UNKNOWN"
-    return err
 
 
 # ---- the client over all shards ------------------------------------------------------------

@@ -1,14 +1,17 @@
-"""What every xcls gRPC servicer method shares: typed errors become their gRPC status."""
+"""What the xcls gRPC services share: typed errors to and from gRPC status codes, the
+shared-secret check, and starting a server with its health service."""
 
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ams.errors import AmsError
+from ams.errors import ERRORS_BY_CODE, AmsError
 
 log = logging.getLogger(__name__)
 
@@ -27,3 +30,56 @@ def rpc_method(method: Callable) -> Callable:
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     return wrapper
+
+
+def error_from_rpc(e: grpc.RpcError, where: str, method: str) -> AmsError:
+    """The typed ``ams.errors`` class of a failed call's status; ``where`` names the peer
+    (e.g. ``"shard 127.0.0.1:5000"``) in the message."""
+    code = e.code()
+    cls = ERRORS_BY_CODE.get(code.name if code else "UNKNOWN", AmsError)
+    err = cls(f"{where} {method}: {e.details()}")
+    if cls is AmsError:
+        err.code = code.name if code else "UNKNOWN"
+    return err
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every call except health checks."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token (metadata 'authorization: Bearer ...')")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+def start_serving(server: grpc.Server, service_name: str, host: str, port: int,
+                  credentials: grpc.ServerCredentials | None = None
+                  ) -> tuple[int, health.HealthServicer]:
+    """Bind ``server`` (its services already added) to ``host:port`` (TLS with
+    ``credentials``), add the gRPC health service, start, and report ``service_name`` SERVING.
+    Returns (the bound port, the health servicer)."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials is not None \
+        else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    for name in ("", service_name):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return bound, health_servicer

@@ -23,13 +23,13 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
-from ams.errors import ERRORS_BY_CODE, AmsError, InvalidArgument, Unavailable
+from ams.errors import AmsError, InvalidArgument, Unavailable
 from ams.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
-from ams.rpc import rpc_method
+from ams.rpc import TokenAuthInterceptor, error_from_rpc, rpc_method, start_serving
 from ams.scheduler_metrics import record_expiry, watch_lease_table
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,6 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
     """Start a scheduler for a job of ``num_shards`` shards whose leases last ``lease_ttl``
     seconds; ``port=0`` picks a free port (``RunningScheduler.port``); ``token``: the shared
     secret every call but a health check must carry."""
-    from ams.server import TokenAuthInterceptor
-
     table = LeaseTable(num_shards, max(1, round(lease_ttl * 1000)))
     watch_lease_table(table)
     interceptors = [TokenAuthInterceptor(token)] if token else []
@@ -168,15 +166,7 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
                          interceptors=interceptors, options=options)
     servicer = SchedulerServicer(table)
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound, health_servicer = start_serving(server, SERVICE_NAME, host, port)
     stopping = threading.Event()
     reaper = threading.Thread(target=_reap, args=(servicer, min(1.0, lease_ttl / 4), stopping),
                               name="lease-reaper", daemon=True)
@@ -187,15 +177,6 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
 
 
 # ---- the client ----------------------------------------------------------------------------
-
-
-def _to_ams_error(e: grpc.RpcError, address: str, method: str) -> AmsError:
-    code = e.code()
-    cls = ERRORS_BY_CODE.get(code.name if code else "UNKNOWN", AmsError)
-    err = cls(f"scheduler {address} {method}: {e.details()}")
-    if cls is AmsError:
-        err.code = code.name if code else "UNKNOWN"
-    return err
 
 
 def _shard_map(reply: pb.ShardsReply) -> ShardMap:
@@ -219,7 +200,7 @@ class SchedulerClient:
             return getattr(self.stub, name)(request, timeout=timeout or self.timeout,
                                             metadata=self.metadata)
         except grpc.RpcError as e:
-            err = _to_ams_error(e, self.address, name)
+            err = error_from_rpc(e, f"scheduler {self.address}", name)
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise Unavailable(str(err)) from None
             raise err from None

@@ -6,7 +6,6 @@ store's message, and the store is untouched.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from ams import codec, snapshot
 from ams.alloc import keep_large_buffers
@@ -24,7 +23,7 @@ from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import AmsError, FailedPrecondition
 from ams.metrics import instrument_store
-from ams.rpc import rpc_method
+from ams.rpc import TokenAuthInterceptor, rpc_method, start_serving
 from ams.store import ShardStore
 from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY
 
@@ -209,29 +208,6 @@ class IncarnationInterceptor(grpc.ServerInterceptor):
         return refuse
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call except health checks."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: object, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong auth token (metadata 'authorization: Bearer ...')")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(handler_call_details)
-        return self._deny
-
-
 @dataclass
 class RunningServer:
     """A started shard server; ``stop`` drains in-flight calls first."""
@@ -266,17 +242,8 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                          interceptors=interceptors, options=GRPC_OPTIONS)
     servicer = ShardServicer(store, data_dir, keep_snapshots, restored_step)
     pb_grpc.add_ShardServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls_cert is not None:
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)]) \
+        if tls_cert is not None else None
+    bound, health_servicer = start_serving(server, SERVICE_NAME, host, port, credentials)
     log.info("incarnation shard=%d incarnation=%s", store.shard_id, incarnation)
     return RunningServer(server, bound, servicer, health_servicer, incarnation)

@@ -32,11 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shard-id", type=int, required=True, help="this shard's index I, 0-based")
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S in all")
-    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; anything but loopback needs --auth-token-file or TLS")
-    p.add_argument("--port-file", type=Path,
-                   help="write the bound port here once serving (useful with --port 0)")
+    _add_listen_args(p, "anything but loopback needs --auth-token-file or TLS")
     p.add_argument("--data-dir", type=Path,
                    help="snapshot directory, shared by all shards of the cluster")
     p.add_argument("--restore", metavar="latest|STEP",
@@ -64,6 +60,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_shard)
     _add_scheduler_parser(roles)
     serve.set_defaults(func=lambda args: serve.print_help() or 2)
+
+
+def _add_listen_args(p: argparse.ArgumentParser, bind_rule: str) -> None:
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
+    p.add_argument("--host", default="127.0.0.1", help=f"address to bind; {bind_rule}")
+    p.add_argument("--port-file", type=Path,
+                   help="write the bound port here once serving (useful with --port 0)")
+
+
+def _stop_on_signal() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets: the serving roles wait on it."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 # ---- the scheduler role, and a shard's lease with it ---------------------------------------
@@ -94,11 +105,7 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
         "a restart the members register again.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S the job has")
-    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; anything but loopback needs --auth-token-file")
-    p.add_argument("--port-file", type=Path,
-                   help="write the bound port here once serving (useful with --port 0)")
+    _add_listen_args(p, "anything but loopback needs --auth-token-file")
     p.add_argument("--lease-ttl", type=float, default=10.0,
                    help="seconds a lease lasts without renewal")
     p.add_argument("--auth-token-file", type=Path,
@@ -131,10 +138,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     _write_port_file(args.port_file, running.port)
     log.info("listening scheduler host=%s port=%d num_shards=%d lease_ttl_s=%g auth=%s",
              args.host, running.port, args.num_shards, args.lease_ttl, bool(token))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    _stop_on_signal().wait()
     running.stop(args.grace)
     log.info("stopped")
     return 0
@@ -279,16 +283,11 @@ def run_shard(args: argparse.Namespace) -> int:
         tls_cert=_read_secret(args.tls_cert, "TLS certificate") if tls else None,
         tls_key=_read_secret(args.tls_key, "TLS key") if tls else None,
         max_workers=args.workers, keep_snapshots=args.keep_snapshots, restored_step=restored)
-    if args.port_file:
-        tmp = args.port_file.with_name(args.port_file.name + ".tmp")
-        tmp.write_text(f"{running.port}\n")
-        os.replace(tmp, args.port_file)
+    _write_port_file(args.port_file, running.port)
     log.info("listening shard=%d/%d host=%s port=%d tls=%s auth=%s", args.shard_id,
              args.num_shards, args.host, running.port, tls, bool(token))
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signal()
     lease = None
     if args.scheduler is not None:
         try:
