@@ -48,8 +48,21 @@ def shard_addresses() -> list[str]:
 
 def test_roles_present():
     assert len(SHARDS) >= 2
-    assert {"graph-build", "worker", "redis"} <= set(SERVICES)
-    assert "scheduler" not in SERVICES  # no scheduler role exists yet
+    assert {"scheduler", "graph-build", "worker", "redis"} <= set(SERVICES)
+
+
+def test_scheduler_knows_every_shard_and_every_shard_registers():
+    scheduler = parsed("scheduler")
+    assert (scheduler.command, scheduler.role, scheduler.host) == ("serve", "scheduler",
+                                                                    "0.0.0.0")
+    assert scheduler.num_shards == len(SHARDS)
+    assert str(scheduler.auth_token_file) == "/run/secrets/ams_token"
+    assert f"127.0.0.1:{scheduler.port}" in " ".join(SERVICES["scheduler"]["healthcheck"]["test"])
+    for name in SHARDS:
+        a = parsed(name)
+        assert (a.scheduler, a.advertise) == (f"scheduler:{scheduler.port}", name), name
+        assert SERVICES[name]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+        assert SERVICES[name]["restart"] == "on-failure", name  # a fenced shard exits 3
 
 
 def test_shards_are_one_consistent_cluster():
@@ -68,7 +81,7 @@ def test_shards_are_one_consistent_cluster():
         compile(SERVICES[name]["healthcheck"]["test"][3], f"{name} healthcheck", "exec")
 
 
-def test_graph_builder_and_worker_address_all_shards():
+def test_graph_builder_addresses_all_shards_and_the_worker_the_scheduler():
     graph = parsed("graph-build")
     assert (graph.command, graph.graph_command) == ("graph", "build")
     assert graph.ams.split(",") == shard_addresses()
@@ -77,7 +90,10 @@ def test_graph_builder_and_worker_address_all_shards():
     train = parsed("worker")
     assert train.command == "train"
     cfg = load_config(ROOT / train.config, train.overrides)  # the mounted config, as run
-    assert cfg.ams.addresses == shard_addresses()
+    assert cfg.ams.scheduler == f"scheduler:{parsed('scheduler').port}"
+    # a rollback exits the workers; torchrun must be allowed to start them again
+    launch = torchrun_parser().parse_args([str(a) for a in SERVICES["worker"]["command"]])
+    assert launch.max_restarts >= 1
     assert cfg.ams.token_file == "/run/secrets/ams_token"
     assert cfg.train.out_dir.startswith("/shared/")
     assert cfg.gear.redis_url.startswith("redis://redis:")

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "scripts" / "launch_server.sh"
 WORKER = ROOT / "scripts" / "launch_worker.sh"
 # the variables launch_worker.sh reads, cleared so the caller's environment cannot leak in
-WORKER_ENV = ("AMS_ADDRESSES", "AMS_TOKEN_FILE", "NNODES", "NODE_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "NPROC_PER_NODE", "PYTHON")
+WORKER_ENV = ("AMS_ADDRESSES", "AMS_SCHEDULER", "AMS_TOKEN_FILE", "NNODES", "NODE_RANK",
+              "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "METRICS_PORT", "MAX_RESTARTS",
+              "PYTHON")
 
 
 def run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -63,8 +64,19 @@ def test_server_dry_run_is_a_valid_shard_command():
     assert str(args.data_dir) == "/data/ams" and args.restore == "latest"
 
 
+def test_server_with_a_scheduler_and_metrics():
+    argv = dry_run(SERVER, "--scheduler", "sched:7000", "--advertise", "shardhost",
+                   "--metrics-port", "9100", "1", "4", "7002", "/data/ams", "/etc/xcls/token")
+    args = xcls_args(argv[3:])
+    assert (args.scheduler, args.advertise) == ("sched:7000", "shardhost")
+    assert (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "expected SHARD_ID"),
+    (["--scheduler", "sched", "0", "2", "7001", "/d", "/t"], "must be HOST:PORT"),
+    (["--advertise", "h", "0", "2", "7001", "/d", "/t"], "--advertise needs --scheduler"),
+    (["--metrics-port", "x", "0", "2", "7001", "/d", "/t"], "--metrics-port must be a number"),
     (["0", "2", "70x1", "/d", "/t"], "PORT must be a number"),
     (["--bogus", "0", "2", "7001", "/d", "/t"], "unknown option"),
     (["0", "2", "7001", "/d", "/nonexistent/token"], "missing or empty"),
@@ -82,6 +94,7 @@ def test_worker_dry_run_is_a_valid_torchrun_command():
     launch = torchrun_parser().parse_args(argv[3:])
     assert (launch.nnodes, launch.node_rank, launch.master_addr) == ("2", 1, "node0")
     assert launch.nproc_per_node == "8" and launch.module and launch.training_script == "xcls"
+    assert launch.max_restarts == 3  # a rollback exits the workers with 75
     args = xcls_args(launch.training_script_args)
     assert args.command == "train" and str(args.config) == "exp.toml"
     assert args.overrides == ["ams.addresses=s0:7001,s1:7001", "ams.token_file=/etc/xcls/token",
@@ -102,9 +115,26 @@ def test_worker_reads_the_environment():
     assert "ams.addresses=h:1" in launch.training_script_args
 
 
+def test_worker_with_a_scheduler_and_metrics():
+    argv = dry_run(WORKER, "--scheduler", "sched:7000", "--metrics-port", "9200", "exp.toml",
+                   "--set", "train.epochs=3")
+    launch = torchrun_parser().parse_args(argv[3:])
+    args = xcls_args(launch.training_script_args)
+    assert args.overrides == ["ams.scheduler=sched:7000", "train.epochs=3"]
+    assert (args.metrics_port, args.metrics_host) == (9200, "0.0.0.0")
+
+    from xcls.config import load_config
+
+    assert load_config(None, args.overrides).ams.scheduler == "sched:7000"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ams", "h:1"], "CONFIG is required"),
-    (["exp.toml"], "--ams (or AMS_ADDRESSES) is required"),
+    (["exp.toml"], "--ams (or AMS_ADDRESSES) or --scheduler"),
+    (["--ams", "h:1", "--scheduler", "s:1", "e.toml"], "not both"),
+    (["--scheduler", "s", "e.toml"], "must be HOST:PORT"),
+    (["--ams", "h:1", "--metrics-port", "p", "e.toml"], "--metrics-port must be a number"),
+    (["--ams", "h:1", "--max-restarts", "-1", "e.toml"], "--max-restarts must be a number"),
     (["--ams"], "needs a value"),
     (["--ams", "h:1", "--node-rank", "2", "--nnodes", "2", "e.toml"], "must be below"),
     (["--ams", "h:1", "--nproc-per-node", "many", "e.toml"], "number or 'gpu'"),

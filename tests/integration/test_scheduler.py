@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.errors import InvalidArgument, ShardRestarted, Unavailable
 from ams.scheduler import SchedulerClient
+from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
 from xcls.config import ConfigError, load_config
 from xcls.run import connect_ams
 from xcls.serve_cmd import EXIT_LEASE_LOST
@@ -130,6 +132,53 @@ def test_workers_find_the_shards_and_a_hung_shard_is_declared_dead(scheduler, sh
     assert "lease_expired role=worker" not in scheduler.log()
     sched.close()
     client.close()
+
+
+def test_a_torchrun_job_through_the_scheduler_rolls_back_past_a_hung_shard(
+        scheduler, shard_cluster, glyphs_small, tmp_path):
+    """The whole multi-host path on one host: shards register with the scheduler, a 2-rank
+    torchrun job finds them there; shard 1 hangs past its lease, the workers exit for a
+    rollback, the fenced shard is started again from the newest snapshot (what a supervisor,
+    compose's restart policy or an operator does), and torchrun's restart resumes and
+    finishes the job."""
+    procs = shard_cluster(2, ["--scheduler", scheduler.address, "--restore", "latest"])
+    out = tmp_path / "run"
+    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=30)
+    log_path = tmp_path / "workers.log"
+    with open(log_path, "wb") as log:
+        workers = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", "--max-restarts", "2", "-m", "xcls", "train", str(config),
+             "--set", f"ams.scheduler={scheduler.address}"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        wait_until(lambda: (out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt").exists()
+                   or workers.poll() is not None, "the first periodic checkpoint")
+        assert workers.poll() is None, log_path.read_text()
+        os.kill(procs[1].proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "lease_expired role=shard slot=1" in scheduler.log(),
+                       "the hung shard's lease to expire")
+        finally:
+            os.kill(procs[1].proc.pid, signal.SIGCONT)
+        assert procs[1].proc.wait(PATIENCE_S) == EXIT_LEASE_LOST
+        procs[1].start()
+        code = workers.wait(240)
+    finally:
+        if workers.poll() is None:
+            workers.kill()
+            workers.wait()
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "rollback_needed" in text
+    (back_to,) = re.findall(r"rollback restart=\d+ to_step=(\d+)", text)
+    assert int(back_to) in (10, 20), text
+    assert int(train_rows(out)[-1]["step"]) == 30
+    assert "restored step=" in procs[1].log()
+    # both ranks held a worker lease and gave it back at the end
+    assert {"0", "1"} <= set(re.findall(r"lease_released role=worker slot=(\d+)",
+                                        scheduler.log()))
 
 
 @pytest.fixture(scope="module")
