@@ -10,30 +10,68 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _done = False
+# The trim threshold in force: glibc's default until keep_large_buffers raises it.
+_trim_threshold = 128 << 10
+# A free of at least this size makes glibc check its arena's top against the trim threshold.
+_PROBE_BYTES = 128 << 10
+
+
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """glibc's function ``name``, or None where there is no glibc."""
+    lib = ctypes.util.find_library("c")
+    if not lib:
+        return None
+    try:
+        return getattr(ctypes.CDLL(lib), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def keep_large_buffers(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
     """Tune glibc malloc once per process; returns False where there is no glibc (a no-op)."""
-    global _done
+    global _done, _trim_threshold
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     log.debug("malloc_tuned ok=%s mmap_threshold=%d trim_threshold=%d", ok, mmap_threshold,
               trim_threshold)
     _done = ok
+    if ok:
+        _trim_threshold = trim_threshold
     return ok
+
+
+def release_free_memory() -> None:
+    """Hand the calling thread's and every arena's free pages back to the OS now.
+
+    For one-off scratch, such as a table's initialization or a restore's pieces: the
+    thresholds of ``keep_large_buffers`` would keep it as buffers for the next requests, and a
+    shard's resident memory would stay above its tables until traffic reused it. glibc's
+    ``malloc_trim`` frees the free chunks of every arena but not the top of a thread's own
+    arena, which shrinks only when a free finds it above the trim threshold: so the threshold
+    is lowered for one malloc and free on this thread (the one that made the scratch). A no-op
+    where there is no glibc.
+    """
+    functions = [_libc_function(name) for name in ("mallopt", "malloc", "free", "malloc_trim")]
+    if None in functions:
+        return
+    mallopt, malloc, free, trim = functions
+    malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    free.argtypes = [ctypes.c_void_p]
+    mallopt(_M_TRIM_THRESHOLD, _PROBE_BYTES)
+    try:
+        free(malloc(_PROBE_BYTES))
+        trim(0)
+    finally:
+        mallopt(_M_TRIM_THRESHOLD, _trim_threshold)

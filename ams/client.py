@@ -35,10 +35,16 @@ from ams.errors import (
     TableNotFound,
     Unavailable,
 )
-from ams.graph.csr import csr_to_dense
+from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
 from ams.rpc import error_from_rpc
 from ams.store import TableSpec
-from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, REQUEST_BYTES
+from ams.wire import (
+    EXPECT_INCARNATION_KEY,
+    GRPC_OPTIONS,
+    INCARNATION_KEY,
+    MAX_REPLY_PAYLOAD_BYTES,
+    REQUEST_BYTES,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +64,12 @@ class ShardBackend(Protocol):
     def snapshot(self, step: int) -> str: ...
     def restore(self, step: int | None) -> tuple[int, str]: ...
     def stats(self) -> dict: ...
-    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+    def neighbors(self, table: str, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]: ...
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor | None,
                       neighbors: torch.Tensor, version: int, step: int,
                       replace_all: bool) -> int: ...
+    def take_touched(self, table: str, max_ids: int | None) -> torch.Tensor: ...
     def close(self) -> None: ...
 
 
@@ -197,24 +205,39 @@ class RemoteShard:
             }
         return {"address": self.address, "shard_id": reply.shard_id,
                 "num_shards": reply.num_shards, "last_snapshot_step": reply.last_snapshot_step,
-                "incarnation": reply.incarnation, "tables": tables}
+                "incarnation": reply.incarnation, "storage": reply.storage, "tables": tables}
 
-    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def neighbors(self, table: str, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The shard's lists as it keeps them (``ShardStore.neighbors``), checked."""
         request = pb.NeighborsRequest(table=table)
         codec.encode(ids, request.ids)
         reply = self._call("Neighbors", request)
-        return (codec.decode(reply.offsets, "offsets", dtype=torch.int64, ndim=1),
-                codec.decode(reply.neighbors, "neighbors", dtype=torch.int64, ndim=1))
+        offsets = codec.decode_optional(reply.offsets, "offsets", dtype=torch.int64, ndim=1)
+        neighbors = codec.decode(reply.neighbors, "neighbors")
+        try:
+            check_lists(offsets, neighbors, ids.numel())
+        except ValueError as e:
+            raise InvalidArgument(f"Neighbors reply of {self.address}: {e}") from None
+        return offsets, neighbors
 
-    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor | None,
                       neighbors: torch.Tensor, version: int, step: int,
                       replace_all: bool) -> int:
         request = pb.SetNeighborsRequest(table=table, graph_version=version, graph_step=step,
                                          replace_all=replace_all)
         codec.encode(ids, request.ids)
-        codec.encode(offsets, request.offsets)
+        if offsets is not None:  # CSR; fixed-width lists go (n, k) without offsets
+            codec.encode(offsets, request.offsets)
         codec.encode(neighbors, request.neighbors)
         return self._call("SetNeighbors", request, timeout=600).graph_version
+
+    def take_touched(self, table: str, max_ids: int | None) -> torch.Tensor:
+        """``ShardStore.take_touched``. Retried like the other calls: a retry after a lost
+        reply finds those ids forgotten, and their lists wait for the next full build."""
+        reply = self._call("TakeTouched", pb.TakeTouchedRequest(table=table,
+                                                                max_ids=max_ids or 0))
+        return codec.decode(reply.ids, "ids", dtype=torch.int64, ndim=1)
 
     def close(self) -> None:
         self.channel.close()
@@ -422,18 +445,17 @@ class ShardedClient:
         unique, inverse = torch.unique(ids, return_inverse=True)
         parts = sharding.split_by_shard(unique, self.num_shards)
 
-        def work(s: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        def work(s: int) -> tuple[torch.Tensor | None, torch.Tensor] | None:
             if parts[s].numel() == 0:
                 return None
             return self.shards[s].neighbors(name, unique[parts[s]])
 
         replies = self._fan_out(work)
-        width = max((int((r[0][1:] - r[0][:-1]).max()) for r in replies
-                     if r is not None and r[0].numel() > 1), default=0)
+        width = max((int(list_lengths(*r).max()) for r in replies if r is not None), default=0)
         out = torch.full((unique.numel(), width), -1, dtype=torch.int64)
         for s, reply in enumerate(replies):
             if reply is not None:
-                out[parts[s]] = csr_to_dense(reply[0], reply[1], width)
+                out[parts[s]] = lists_to_dense(*reply, width)
         return out[inverse]
 
     @_fenced
@@ -443,9 +465,17 @@ class ShardedClient:
 
         ids: int64 (n,) unique; neighbors: int64 (n, k) in rank order (-1 pads a short list).
         ``replace_all``: ids cover the whole table and start graph ``version``.
+        Lists travel as compact as the shards keep them: int32 ids in tables of fewer than
+        2**31 classes, and fixed width (no offsets) where no list is padded.
         """
         ids = check_ids(ids)
         parts = sharding.split_by_shard(ids, self.num_shards)
+        small = torch.iinfo(torch.int32)
+        # Narrowing is exact when every value fits; the shards check the ids' range either way.
+        if neighbors.dtype == torch.int64 and neighbors.numel() \
+                and id_dtype(self.spec(name).num_rows) == torch.int32 \
+                and small.min <= int(neighbors.min()) and int(neighbors.max()) <= small.max:
+            neighbors = neighbors.to(torch.int32)
 
         step_rows = max(1, REQUEST_BYTES // (8 * (neighbors.shape[1] + 2)))
 
@@ -454,12 +484,36 @@ class ShardedClient:
                 chunk = parts[s][start:start + step_rows]
                 sub = neighbors[chunk]
                 valid = sub >= 0
+                if bool(valid.all()):
+                    self.shards[s].set_neighbors(name, ids[chunk], None, sub, version, step,
+                                                 replace_all)
+                    continue
                 offsets = torch.zeros(sub.shape[0] + 1, dtype=torch.int64)
                 torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
                 self.shards[s].set_neighbors(name, ids[chunk], offsets, sub[valid], version,
                                              step, replace_all)
 
         self._fan_out(work)
+
+    @_fenced
+    def take_touched(self, name: str, shards: Sequence[int] | None = None) -> torch.Tensor:
+        """The classes pushes changed since they were last taken, int64 (m,) ascending, and
+        the shards forget them (``ShardStore.take_touched``); ``shards``: ask only these
+        (default: all). A shard answers at most one reply's worth per call; it is asked again
+        until an answer comes back short."""
+        self.spec(name)
+        asked = range(self.num_shards) if shards is None else shards
+        per_call = MAX_REPLY_PAYLOAD_BYTES // 8
+
+        def work(s: int) -> torch.Tensor:
+            if s not in asked:
+                return torch.empty(0, dtype=torch.int64)
+            parts = [self.shards[s].take_touched(name, per_call)]
+            while parts[-1].numel() == per_call:
+                parts.append(self.shards[s].take_touched(name, per_call))
+            return torch.cat(parts)
+
+        return torch.cat(self._fan_out(work)).sort().values
 
     # ---- snapshots and stats ------------------------------------------------------------
 
@@ -479,7 +533,8 @@ class ShardedClient:
         return steps.pop()
 
     def stats(self) -> list[dict]:
-        """One dict per shard: shard id, tables with sizes, counters and graph version."""
+        """One dict per shard: shard id, storage kind, tables with sizes, counters and graph
+        version."""
         return self._fan_out(lambda s: self.shards[s].stats())
 
     # ---- incarnations -------------------------------------------------------------------
@@ -527,11 +582,15 @@ class ShardedClient:
 def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int | None = None,
             data_dir: str | Path | None = None, token: str | None = None,
             tls_ca: bytes | None = None, timeout: float = 60.0,
-            ready_timeout: float = 30.0, keep_snapshots: int = 3) -> ShardedClient:
+            ready_timeout: float = 30.0, keep_snapshots: int = 3, storage: str = "memory",
+            storage_dir: str | Path | None = None) -> ShardedClient:
     """Connect to an AMS: gRPC shards at ``addresses`` (shard i at ``addresses[i]``), or
     ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots,
     of which they keep the ``keep_snapshots`` newest complete steps, 0: all; remote shards
-    prune by their own ``--keep-snapshots``)."""
+    prune by their own ``--keep-snapshots``). ``storage``, ``storage_dir``: where in-process
+    shards keep their tables (``ams.store.ShardStore``: "memory", or "mmap" files under
+    ``storage_dir``, reopened by the next client there once ``close`` closed them); remote
+    shards choose theirs with ``--storage``."""
     if (addresses is None) == (local_shards is None):
         raise InvalidArgument("give either addresses=[...] or local_shards=N")
     if local_shards is not None:
@@ -540,8 +599,19 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
         if not isinstance(local_shards, int) or local_shards < 1:
             raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
         root = Path(data_dir) if data_dir is not None else None
-        return ShardedClient([LocalShard(s, local_shards, root, keep_snapshots)
-                              for s in range(local_shards)])
+        local: list[LocalShard] = []
+        try:
+            for s in range(local_shards):
+                local.append(LocalShard(s, local_shards, root, keep_snapshots, storage,
+                                        storage_dir))
+        except AmsError:
+            for shard in local:  # let a later client open their storage dirs
+                shard.close()
+            raise
+        return ShardedClient(local)
+    if storage != "memory" or storage_dir is not None:
+        raise InvalidArgument("storage and storage_dir are for local_shards; remote shards "
+                              "choose theirs with 'xcls serve shard --storage'")
     if isinstance(addresses, str):
         addresses = [a for a in addresses.split(",") if a]
     if not addresses:

@@ -21,6 +21,7 @@ _TO_WIRE: dict[torch.dtype, int] = {
     torch.float16: pb.FLOAT16,
     torch.bfloat16: pb.BFLOAT16,
     torch.int64: pb.INT64,
+    torch.int32: pb.INT32,
 }
 _FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
@@ -88,6 +89,14 @@ def decode(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(msg.data, dtype=got)
     return flat.view(shape)
+
+
+def decode_optional(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
+                    ndim: int | None = None) -> torch.Tensor | None:
+    """``decode``, or None for a field left unset or empty (no dtype, shape or data)."""
+    if msg.ByteSize() == 0:
+        return None
+    return decode(msg, field, dtype=dtype, ndim=ndim)
 
 
 def spec_from_wire(msg: pb.TableSpec) -> TableSpec:

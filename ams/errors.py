@@ -63,6 +63,16 @@ class RequestTooLarge(AmsError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class StorageFull(RequestTooLarge):
+    """A table's files do not fit the shard's storage dir (free disk space, quota or the
+    process's file-size limit). A ``RequestTooLarge``, which is what a remote caller gets."""
+
+
+class StorageError(FailedPrecondition):
+    """A table's files under the storage dir cannot be used: damaged, of another table or
+    shard layout, unwritable, or in use by another store."""
+
+
 class Unauthenticated(AmsError):
     """Missing or wrong shared-secret token."""
 

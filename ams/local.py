@@ -22,15 +22,17 @@ log = logging.getLogger(__name__)
 class LocalShard:
     """Shard ``shard_id`` of ``num_shards`` held in this process. ``data_dir``: where its
     snapshots go; ``keep_snapshots``: after each snapshot, keep only this many newest
-    complete steps of it (``ams.snapshot.prune_snapshots``; 0 keeps all)."""
+    complete steps of it (``ams.snapshot.prune_snapshots``; 0 keeps all); ``storage``,
+    ``storage_dir``: where its tables live (``ShardStore``)."""
 
     def __init__(self, shard_id: int, num_shards: int, data_dir: Path | None = None,
-                 keep_snapshots: int = 3) -> None:
+                 keep_snapshots: int = 3, storage: str = "memory",
+                 storage_dir: str | Path | None = None) -> None:
         if isinstance(keep_snapshots, bool) or not isinstance(keep_snapshots, int) \
                 or keep_snapshots < 0:
             raise InvalidArgument(
                 f"keep_snapshots={shorten(keep_snapshots)} must be an integer >= 0")
-        self.store = ShardStore(shard_id, num_shards)
+        self.store = ShardStore(shard_id, num_shards, storage=storage, storage_dir=storage_dir)
         self.data_dir = data_dir
         self.keep_snapshots = keep_snapshots
         self.last_snapshot_step = -1
@@ -68,17 +70,23 @@ class LocalShard:
         return {**self.store.stats(), "address": "local",
                 "last_snapshot_step": self.last_snapshot_step}
 
-    def neighbors(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def neighbors(self, table: str, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
         return self.store.neighbors(table, ids)
 
-    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor,
+    def set_neighbors(self, table: str, ids: torch.Tensor, offsets: torch.Tensor | None,
                       neighbors: torch.Tensor, version: int, step: int,
                       replace_all: bool) -> int:
         return self.store.set_neighbors(table, ids, offsets, neighbors, version, step,
                                         replace_all)
 
+    def take_touched(self, table: str, max_ids: int | None) -> torch.Tensor:
+        return self.store.take_touched(table, max_ids)
+
     def close(self) -> None:
-        """Nothing to release: the store lives as long as the client."""
+        """Close the store (``ShardStore.close``): mmap tables are kept for the next client
+        on the same storage dir."""
+        self.store.close()
 
     def _data_dir(self) -> Path:
         if self.data_dir is None:

@@ -35,14 +35,21 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def initial_rows(ids: torch.Tensor, dim: int, seed: int, std: float,
-                 dtype: torch.dtype = torch.float32, chunk_rows: int = 16384) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, chunk_rows: int = 16384,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Normal(0, std) rows for the given class ids, identical for any sharding.
 
     ids: int64 (n,) -> (n, dim) of ``dtype``. Each row's hash starts a Weyl sequence over its
     columns; one mixing round per element gives 64 bits, of which two 24-bit uniforms feed
     Box-Muller (float32 is plenty for an initial value and several times faster than float64).
+    ``out``: a (n, dim) tensor of ``dtype`` to write the rows into and return (a file
+    mapping, say), instead of a new one.
     """
-    out = torch.empty((ids.numel(), dim), dtype=dtype)
+    if out is None:
+        out = torch.empty((ids.numel(), dim), dtype=dtype)
+    elif tuple(out.shape) != (ids.numel(), dim) or out.dtype != dtype:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype}, need ({ids.numel()}, {dim}) "
+                         f"{dtype}")
     base = splitmix64(torch.tensor([seed], dtype=torch.int64))
     steps = torch.arange(1, dim + 1, dtype=torch.int64) * _signed(_GOLDEN)
     scale = 1.0 / (1 << 24)

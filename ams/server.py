@@ -100,7 +100,8 @@ class ShardServicer(pb_grpc.ShardServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         stats = self.store.stats()
         reply = pb.StatsReply(shard_id=stats["shard_id"], num_shards=stats["num_shards"],
-                              last_snapshot_step=self.last_snapshot_step)
+                              last_snapshot_step=self.last_snapshot_step,
+                              storage=stats["storage"])
         for name, t in stats["tables"].items():
             reply.tables.add(
                 spec=codec.spec_to_wire(self.store.table(name).spec), owned_rows=t["owned_rows"],
@@ -116,7 +117,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
         offsets, neighbors = self.store.neighbors(request.table, ids)
         reply = pb.NeighborsReply()
-        codec.encode(offsets, reply.offsets)
+        if offsets is not None:  # CSR; fixed-width lists travel (n, k) without offsets
+            codec.encode(offsets, reply.offsets)
         codec.encode(neighbors, reply.neighbors)
         return reply
 
@@ -126,10 +128,17 @@ class ShardServicer(pb_grpc.ShardServicer):
         version = self.store.set_neighbors(
             request.table,
             codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1),
-            codec.decode(request.offsets, "offsets", dtype=torch.int64, ndim=1),
-            codec.decode(request.neighbors, "neighbors", dtype=torch.int64, ndim=1),
+            codec.decode_optional(request.offsets, "offsets", dtype=torch.int64, ndim=1),
+            codec.decode(request.neighbors, "neighbors"),
             request.graph_version, request.graph_step, request.replace_all)
         return pb.SetNeighborsReply(graph_version=version)
+
+    @rpc_method
+    def TakeTouched(self, request: pb.TakeTouchedRequest, context: grpc.ServicerContext
+                    ) -> pb.TakeTouchedReply:
+        reply = pb.TakeTouchedReply()
+        codec.encode(self.store.take_touched(request.table, request.max_ids or None), reply.ids)
+        return reply
 
     def _data_dir(self) -> Path:
         if self.data_dir is None:

@@ -35,6 +35,12 @@ def owned_ids(num_rows: int, shard_id: int, num_shards: int, start: int = 0,
     return torch.arange(start, stop, dtype=torch.int64) * num_shards + shard_id
 
 
+def piece_name(shard_id: int, num_shards: int) -> str:
+    """The name of shard ``shard_id`` of ``num_shards``'s directory in a data dir shared by the
+    shards (its snapshot pieces, its table files): ``shard-IIIII-of-SSSSS``."""
+    return f"shard-{shard_id:05d}-of-{num_shards:05d}"
+
+
 def split_by_shard(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
     """Positions into ``ids`` of the ids each shard owns, one int64 tensor per shard.
 

@@ -37,9 +37,12 @@ import lmdb
 import torch
 
 from ams import sharding
+from ams.alloc import release_free_memory
 from ams.dtypes import ROW_DTYPES
-from ams.errors import AmsError, SnapshotError, shorten
-from ams.graph.csr import NeighborTable
+from ams.errors import AmsError, RequestTooLarge, SnapshotError, StorageError, shorten
+from ams.graph.csr import INT32_CLASSES, NeighborTable
+from ams.sharding import piece_name
+from ams.storage import TableTensors, fsync_path
 from ams.store import (
     MAX_CLIENT_ID,
     PUSH_DEDUPE_CLIENTS,
@@ -52,8 +55,13 @@ from ams.store import (
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 3: checksummed manifest and files, push dedupe state
+# 3: checksummed manifest and files, push dedupe state; 4: the graph as compact as the store
+# keeps it (fixed width without offsets, int32 ids), its layout and id dtype in the manifest.
+FORMAT_VERSION = 4
+# Format 3 differs only in its graph (always int64 CSR); it is read and converted on load.
+READ_FORMATS = (3, FORMAT_VERSION)
 CHUNK_BYTES = 4 << 20  # values this size keep LMDB's per-value page overhead negligible
+COMMIT_BYTES = 256 << 20  # written values held in memory before LMDB commits them
 MANIFEST = "manifest.json"
 MANIFEST_SUM = "manifest.sha256"
 DATA_FILE = "data.mdb"
@@ -61,7 +69,8 @@ DATA_FILE = "data.mdb"
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 _PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_DTYPES = {**ROW_DTYPES, "int64": torch.int64, "float64": torch.float64, "uint8": torch.uint8}
+_DTYPES = {**ROW_DTYPES, "int64": torch.int64, "int32": torch.int32, "float64": torch.float64,
+           "uint8": torch.uint8}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 # The JSON of a full dedupe state: every client id, and every sequence as up to 20 digits.
 _DEDUPE_BYTES = PUSH_DEDUPE_CLIENTS * (PUSH_DEDUPE_WINDOW * 22 + 6 * MAX_CLIENT_ID + 16)
@@ -78,22 +87,10 @@ def step_dir(data_dir: Path, step: int) -> Path:
     return Path(data_dir) / "snapshots" / f"step-{step:012d}"
 
 
-def piece_name(shard_id: int, num_shards: int) -> str:
-    return f"shard-{shard_id:05d}-of-{num_shards:05d}"
-
-
 def _piece_lock(data_dir: Path, shard_id: int, num_shards: int) -> threading.Lock:
     key = (str(Path(data_dir).resolve()), shard_id, num_shards)
     with _PIECE_LOCKS_GUARD:
         return _PIECE_LOCKS.setdefault(key, threading.Lock())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _file_digest(path: Path) -> str:
@@ -105,7 +102,36 @@ def _file_digest(path: Path) -> str:
 # ---- writing ----------------------------------------------------------------------------
 
 
-def _put_tensor(txn: lmdb.Transaction, key: str, tensor: torch.Tensor, digest: hashlib._Hash
+class _BatchedWriter:
+    """Puts into an LMDB environment, committed every ``COMMIT_BYTES``. LMDB keeps a write
+    transaction's dirty pages in memory until it commits, so one transaction for a 6 GB
+    piece would hold 6 GB; the piece is atomic anyway (written under a temporary name and
+    renamed whole), so committing in batches loses nothing."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self.env = env
+        self.txn = env.begin(write=True)
+        self.pending = 0
+
+    def put(self, key: bytes, value: memoryview) -> None:
+        self.txn.put(key, value)
+        self.pending += len(value)
+        if self.pending >= COMMIT_BYTES:
+            self.txn.commit()
+            self.txn = self.env.begin(write=True)
+            self.pending = 0
+
+    def commit(self) -> None:
+        self.txn.commit()
+
+    def abort(self) -> None:
+        try:
+            self.txn.abort()
+        except lmdb.Error:
+            pass  # the transaction already failed (a commit that hit a full disk)
+
+
+def _put_tensor(txn: _BatchedWriter, key: str, tensor: torch.Tensor, digest: hashlib._Hash
                 ) -> dict:
     """Store a tensor as CHUNK_BYTES values ``key/000000..``; return its description."""
     flat = tensor.contiguous().reshape(-1)
@@ -120,7 +146,7 @@ def _put_tensor(txn: lmdb.Transaction, key: str, tensor: torch.Tensor, digest: h
     return {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "chunks": chunks}
 
 
-def _put_table(txn: lmdb.Transaction, copy: TableCopy, digest: hashlib._Hash) -> dict:
+def _put_table(txn: _BatchedWriter, copy: TableCopy, digest: hashlib._Hash) -> dict:
     """Store one table's copy; return its manifest entry."""
     name = copy.spec.name
     dedupe = json.dumps(copy.dedupe, separators=(",", ":")).encode()
@@ -139,11 +165,13 @@ def _put_table(txn: lmdb.Transaction, copy: TableCopy, digest: hashlib._Hash) ->
     }
     if copy.graph is not None:
         offsets, neighbors, version, step, k = copy.graph
-        entry["graph"] = {
-            "version": version, "step": step, "k": k,
-            "offsets": _put_tensor(txn, f"{name}/graph_offsets", offsets, digest),
-            "neighbors": _put_tensor(txn, f"{name}/graph_neighbors", neighbors, digest),
-        }
+        graph = entry["graph"] = {"version": version, "step": step, "k": k,
+                                  "layout": "fixed" if offsets is None else "csr",
+                                  "id_dtype": _NAMES[neighbors.dtype]}
+        # Readers hash values in this order: offsets (CSR only), then neighbors.
+        if offsets is not None:
+            graph["offsets"] = _put_tensor(txn, f"{name}/graph_offsets", offsets, digest)
+        graph["neighbors"] = _put_tensor(txn, f"{name}/graph_neighbors", neighbors, digest)
     return entry
 
 
@@ -162,7 +190,10 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
 
     Each table is copied at one instant under its lock (``ShardStore.copy_table``: rows,
     state, clocks, graph and push dedupe state agree) and written after the lock is released,
-    so pushes and pulls wait only for a memory copy. Holds one table's copy at a time.
+    so pushes and pulls wait only for a memory copy (mmap tables: a copy into scratch
+    files). Holds one table's copy at a time. ``SnapshotError`` when the piece cannot be
+    written (a full disk, a file-size limit): nothing of it is left, the tables are as
+    they were.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise SnapshotError(f"step={shorten(step)} must be an integer >= 0")
@@ -173,13 +204,20 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
         try:
             manifest = _write_data(store, tmp, step)
             _seal(tmp, manifest)
+        except (OSError, lmdb.Error, RequestTooLarge, StorageError) as e:
+            # a full disk, a file-size limit, no room for an mmap table's scratch copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SnapshotError(
+                f"{final}: snapshot step {step} not written ({type(e).__name__}: "
+                f"{shorten(str(e), 300)}; a full disk or a file-size limit?); nothing of it "
+                "was kept, the tables serve on unchanged and older snapshots stay") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if final.exists():  # a snapshot of the same step again: replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
     log.info("snapshot_written step=%d path=%s bytes=%d", step, final,
              manifest["files"][DATA_FILE]["size"])
     return final
@@ -195,9 +233,14 @@ def _write_data(store: ShardStore, tmp: Path, step: int) -> dict:
     env = lmdb.open(str(tmp), map_size=_map_size(store), subdir=True, metasync=True,
                     sync=True)
     try:
-        with env.begin(write=True) as txn:
+        writer = _BatchedWriter(env)
+        try:
             for name in sorted(store.tables):
-                manifest["tables"][name] = _put_table(txn, store.copy_table(name), digest)
+                manifest["tables"][name] = _put_table(writer, store.copy_table(name), digest)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
         env.sync(True)
     finally:
         env.close()
@@ -217,8 +260,8 @@ def _seal(tmp: Path, manifest: dict) -> None:
     (tmp / MANIFEST).write_bytes(text)
     (tmp / MANIFEST_SUM).write_text(f"{hashlib.sha256(text).hexdigest()}  {MANIFEST}\n")
     for f in tmp.iterdir():
-        _fsync_path(f)
-    _fsync_path(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
 
 
 # ---- checking a piece -------------------------------------------------------------------
@@ -239,11 +282,13 @@ def load_manifest(path: Path) -> dict:
         manifest = json.loads(raw)
     except ValueError as e:
         raise SnapshotError(f"{path}: manifest unreadable ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READ_FORMATS:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise SnapshotError(f"{path}: format_version {shorten(version)}, this build reads "
-                            f"{FORMAT_VERSION}")
+                            f"{' and '.join(map(str, READ_FORMATS))}")
     try:
+        if manifest["format_version"] == 3:
+            _describe_format_3_graphs(manifest)
         _check_manifest(manifest)
     except (KeyError, TypeError, ValueError, AmsError) as e:
         raise SnapshotError(f"{path}: malformed manifest ({type(e).__name__}: "
@@ -300,9 +345,29 @@ def _check_table_entry(name: str, entry: dict, shard_id: int, num_shards: int) -
     if graph is not None:
         for key in ("version", "step", "k"):
             _require(_is_int(graph[key]) and graph[key] >= 0, f"graph {key}")
-        nbytes += _check_desc(graph["offsets"], torch.int64, [owned + 1])
-        nbytes += _check_desc(graph["neighbors"], torch.int64, None)
+        ids = _DTYPES.get(graph["id_dtype"])
+        _require(ids == torch.int64 or (ids == torch.int32 and spec.num_rows < INT32_CLASSES),
+                 f"graph id_dtype {shorten(graph['id_dtype'])} for {spec.num_rows} classes")
+        if graph["layout"] == "fixed":
+            _require("offsets" not in graph, "graph: fixed-width lists have no offsets")
+            nbytes += _check_desc(graph["neighbors"], ids, [owned, graph["k"]])
+        else:
+            _require(graph["layout"] == "csr", f"graph layout {shorten(graph['layout'])}")
+            nbytes += _check_desc(graph["offsets"], torch.int64, [owned + 1])
+            nbytes += _check_desc(graph["neighbors"], ids, None)
     return nbytes
+
+
+def _describe_format_3_graphs(manifest: dict) -> None:
+    """Describe a format-3 manifest's graphs in format 4's terms: int64 CSR, the only layout
+    format 3 wrote. The stored values are read as they are and converted on load."""
+    tables = manifest["tables"]
+    _require(isinstance(tables, dict), "tables")
+    for entry in tables.values():
+        graph = entry["graph"]
+        if graph is not None:
+            _require(isinstance(graph, dict), "graph")
+            graph.update(layout="csr", id_dtype="int64")
 
 
 def _check_desc(desc: dict, dtype: torch.dtype, shape: list[int] | None) -> int:
@@ -359,15 +424,20 @@ def _get_tensor(txn: lmdb.Transaction, key: str, desc: dict, digest: hashlib._Ha
     return t.view(dtype) if dtype == torch.bfloat16 else t
 
 
-def read_piece(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """Load one piece whole and verify it: (manifest, {table: {rows, state, row_clock,
-    push_dedupe (uint8 JSON bytes), [graph_offsets, graph_neighbors]}})."""
+def read_piece(path: Path, load: bool = True) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """Verify one piece and load it whole: (manifest, {table: {rows, state, row_clock,
+    push_dedupe (uint8 JSON bytes), [graph_offsets (CSR only), graph_neighbors (owned, k)
+    fixed width or 1-D CSR, int32 or int64 as the manifest's graph says]}}). ``load=False``
+    verifies the manifest and the files' sizes and checksums (streamed from disk) and
+    returns no tensors."""
     manifest = load_manifest(path)
     expected = (f"step-{manifest['step']:012d}",
                 piece_name(manifest["shard_id"], manifest["num_shards"]))
     if (path.parent.name, path.name) != expected:
         raise SnapshotError(f"{path}: the manifest describes {'/'.join(expected)}")
     verify_files(path, manifest)
+    if not load:
+        return manifest, {}
     with _READ_LOCK:
         return manifest, _read_tensors(path, manifest)
 
@@ -384,10 +454,13 @@ def _read_tensors(path: Path, manifest: dict) -> dict[str, dict[str, torch.Tenso
             for name, entry in manifest["tables"].items():
                 got = {key: _get_tensor(txn, f"{name}/{key}", entry[key], digest, path)
                        for key in ("rows", "state", "row_clock", "push_dedupe")}
-                if entry["graph"] is not None:
+                graph = entry["graph"]
+                if graph is not None:
+                    # the order they were hashed in: offsets (CSR only), neighbors
                     for key in ("offsets", "neighbors"):
-                        got[f"graph_{key}"] = _get_tensor(
-                            txn, f"{name}/graph_{key}", entry["graph"][key], digest, path)
+                        if key in graph:
+                            got[f"graph_{key}"] = _get_tensor(
+                                txn, f"{name}/graph_{key}", graph[key], digest, path)
                 tensors[name] = got
     except lmdb.Error as e:
         raise SnapshotError(f"{path}: malformed snapshot ({type(e).__name__}: {e})") from e
@@ -447,27 +520,58 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
             log.warning("snapshot_skipped step=%d reason=%r%s", s, str(e), fallback)
             problems.append(str(e))
             continue
-        for spec, rows, state, row_clock, clock, graph, dedupe in tables:
-            store.install_table(spec, rows, state, row_clock, clock, graph, dedupe)
+        for i, (spec, tensors, clock, graph, dedupe) in enumerate(tables):
+            try:
+                store.install_table(spec, tensors, clock, graph, dedupe)
+            except BaseException:
+                for rest in tables[i + 1:]:
+                    store.storage.discard(rest[1])
+                raise
+        release_free_memory()  # the pieces read would stay resident otherwise
         log.info("snapshot_restored step=%d path=%s tables=%d", s, path, len(tables))
         return s, path
     raise SnapshotError("no usable snapshot: " + "; ".join(problems))
 
 
-RestoredTable = tuple[TableSpec, torch.Tensor, torch.Tensor, torch.Tensor, float,
-                      NeighborTable | None, PushDedupe]
+RestoredTable = tuple[TableSpec, TableTensors, float, NeighborTable | None, PushDedupe]
 
 
 def _assemble(store: ShardStore, pieces: list[Path]) -> list[RestoredTable]:
     """This shard's rows, state, decay clocks, graph and push dedupe state of every table,
-    gathered from all pieces. The table's clock is the newest of the pieces' clocks."""
+    gathered from all pieces into tensors staged by the store's storage (for mmap, files
+    beside the live tables'), which are discarded when the pieces fail. The table's clock
+    is the newest of the pieces' clocks."""
     out: dict[str, dict] = {}
+    try:
+        return _gather_pieces(store, pieces, out)
+    except BaseException:
+        for acc in out.values():
+            store.storage.discard(acc["staged"])
+        raise
+
+
+def _shares_rows(old_shard: int, old_count: int, shard: int, count: int) -> bool:
+    """Whether piece ``old_shard`` of ``old_count`` holds any id that shard ``shard`` of
+    ``count`` owns: some id is both old_shard mod old_count and shard mod count exactly when
+    gcd(old_count, count) divides old_shard - shard (Chinese remainder theorem)."""
+    return (old_shard - shard) % math.gcd(old_count, count) == 0
+
+
+def _gather_pieces(store: ShardStore, pieces: list[Path], out: dict[str, dict]
+                   ) -> list[RestoredTable]:
+    """``_assemble``, with its accumulators in ``out``."""
     for path in pieces:
-        manifest, tensors = read_piece(path)
+        # Every piece is verified, so all shards agree on whether a step is usable; only the
+        # pieces that hold rows of ours are loaded (with S == S' that is one piece of S).
+        old_shard, old_count = (int(g) for g in _PIECE_RE.match(path.name).groups())
+        mine = _shares_rows(old_shard, old_count, store.shard_id, store.num_shards)
+        manifest, tensors = read_piece(path, load=mine)
+        if not mine:
+            continue
         try:
             _gather_piece(store, manifest, tensors, out)
-        except SnapshotError:
-            raise
+        except (SnapshotError, RequestTooLarge, StorageError):
+            raise  # the storage's trouble is no fault of the snapshot
         except (KeyError, TypeError, ValueError, IndexError, AmsError) as e:
             raise SnapshotError(f"{path}: malformed snapshot ({type(e).__name__}: "
                                 f"{shorten(str(e))})") from e
@@ -478,10 +582,10 @@ def _assemble(store: ShardStore, pieces: list[Path]) -> list[RestoredTable]:
         graph = None
         meta = acc["graph_meta"]
         if meta and acc["graph_parts"]:
-            graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0])
+            graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0],
+                                             num_classes=acc["spec"].num_rows, k=meta["k"])
             graph.version, graph.step = meta["version"], meta["step"]
-        result.append((acc["spec"], acc["rows"], acc["state"], acc["row_clock"], acc["clock"],
-                       graph, acc["dedupe"]))
+        result.append((acc["spec"], acc["staged"], acc["clock"], graph, acc["dedupe"]))
     return result
 
 
@@ -491,15 +595,15 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
     old_shard, old_count = manifest["shard_id"], manifest["num_shards"]
     for name, entry in manifest["tables"].items():
         spec = TableSpec.from_description(entry["spec"])
-        n_new = sharding.owned_count(spec.num_rows, me, count)
-        acc = out.setdefault(name, {
-            "spec": spec,
-            "rows": torch.empty((n_new, spec.dim), dtype=spec.dtype),
-            "state": torch.empty((n_new, spec.state_width), dtype=spec.state_dtype),
-            "row_clock": torch.empty(n_new, dtype=torch.float64), "clock": 0.0,
-            "filled": torch.zeros(n_new, dtype=torch.bool),
-            "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
-        })
+        acc = out.get(name)
+        if acc is None:
+            staged = store.storage.stage(spec)
+            acc = out[name] = {
+                "spec": spec, "staged": staged,
+                "rows": staged.rows, "state": staged.state, "row_clock": staged.row_clock,
+                "clock": 0.0, "filled": torch.zeros(staged.rows.shape[0], dtype=torch.bool),
+                "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
+            }
         if acc["spec"] != spec:
             raise SnapshotError(f"table {shorten(name)}: spec differs between pieces")
         got = tensors[name]
@@ -513,10 +617,10 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         acc["filled"][new_pos] = True
         if bool(mine.any()):  # a piece's pushes matter where its rows do
             acc["dedupe"].merge(_dedupe_of(got["push_dedupe"]))
-        if "graph_offsets" in got:
-            old_graph = NeighborTable.from_csr(
-                torch.arange(old_ids.numel()), got["graph_offsets"], got["graph_neighbors"],
-                old_ids.numel())
+        if "graph_neighbors" in got:
+            # either layout, either id dtype (format 3: int64 CSR), into the table's own
+            old_graph = NeighborTable(got.get("graph_offsets"), got["graph_neighbors"],
+                                      num_classes=spec.num_rows, k=entry["graph"]["k"])
             offsets, nbrs = old_graph.lookup(torch.nonzero(mine).reshape(-1))
             acc["graph_parts"].append((new_pos, offsets, nbrs))
 

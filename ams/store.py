@@ -1,8 +1,9 @@
-"""One shard's class rows and optimizer state, in torch tensors. Pure: no gRPC, no I/O.
+"""One shard's class rows and optimizer state, in torch tensors. Pure: no gRPC.
 
 A table is split over shards by ``ams.sharding`` (id mod S). The shard keeps its part as two
 dense tensors, ``rows`` and ``state`` (momentum), of shape (owned, dim), addressed by
-``id // S``, and each row's weight-decay clock (see ``ams.optim``). Every public method
+``id // S``, and each row's weight-decay clock (see ``ams.optim``), in memory or in files
+mapped into memory (``ams.storage``; the only I/O here). Every public method
 validates its arguments completely before it changes anything, so a bad request leaves the
 shard exactly as it was.
 """
@@ -10,17 +11,19 @@ shard exactly as it was.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ams import rowcopy, sharding
+from ams.alloc import release_free_memory
 from ams.dtypes import DTYPE_NAMES, parse_row_dtype
 from ams.errors import (
+    AmsError,
     FailedPrecondition,
     IdOutOfRange,
     InvalidArgument,
@@ -29,9 +32,10 @@ from ams.errors import (
     TableNotFound,
     shorten,
 )
-from ams.graph.csr import NeighborTable
+from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists
 from ams.optim import RowUpdate, SparseMomentumSGD, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
+from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
 
 # Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
@@ -170,15 +174,16 @@ class PushDedupe:
 @dataclass(frozen=True)
 class TableCopy:
     """A consistent copy of one shard's table, taken at one instant (see
-    ``ShardStore.copy_table``): tensors as in ``ShardTable``, the graph's CSR tensors and
-    (version, step, k) or None, and the push dedupe state (``PushDedupe.to_json``)."""
+    ``ShardStore.copy_table``): tensors as in ``ShardTable``, the graph's lists (offsets or
+    None, neighbors; see ``NeighborTable``) and (version, step, k) or None, and the push
+    dedupe state (``PushDedupe.to_json``)."""
 
     spec: TableSpec
     rows: torch.Tensor
     state: torch.Tensor
     row_clock: torch.Tensor
     clock: float
-    graph: tuple[torch.Tensor, torch.Tensor, int, int, int] | None
+    graph: tuple[torch.Tensor | None, torch.Tensor, int, int, int] | None
     dedupe: list
 
 
@@ -186,7 +191,8 @@ class TableCopy:
 class ShardTable:
     """One shard's part of a table. rows/state: (owned, dim); row_clock: float64 (owned,), the
     decay clock each row was last brought up to; clock: the newest clock a push reached here;
-    graph: neighbor lists or None."""
+    graph: neighbor lists or None; files: the files rows, state and row_clock are mapped from
+    (None: in memory); closed: ``ShardStore.close`` kept the table, pushes are refused."""
 
     spec: TableSpec
     rows: torch.Tensor
@@ -199,6 +205,13 @@ class ShardTable:
     counters: TableCounters = field(default_factory=TableCounters)
     dedupe: PushDedupe = field(default_factory=PushDedupe)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    files: MappedFiles | None = None
+    closed: bool = False
+    touched: torch.Tensor | None = None  # bool (owned,): pushed since take_touched
+
+    @property
+    def tensors(self) -> TableTensors:
+        return TableTensors(self.rows, self.state, self.row_clock, self.files)
 
 
 class ShardStore:
@@ -210,18 +223,37 @@ class ShardStore:
 
     def __init__(self, shard_id: int = 0, num_shards: int = 1,
                  max_rows_per_request: int = 1 << 20,
-                 max_reply_bytes: int = MAX_REPLY_PAYLOAD_BYTES) -> None:
+                 max_reply_bytes: int = MAX_REPLY_PAYLOAD_BYTES,
+                 storage: str = StorageKind.MEMORY,
+                 storage_dir: str | Path | None = None) -> None:
         """``max_rows_per_request``: ids one request may name; ``max_reply_bytes``: tensor
         bytes one reply (pull, scan block, neighbor lists) may carry, checked before the reply
-        is built, so local shards refuse what a remote one would."""
+        is built, so local shards refuse what a remote one would.
+
+        ``storage``: where the tables' rows, state and decay clocks live (``ams.storage``):
+        "memory" (``storage_dir`` unused), or "mmap", in files under ``storage_dir`` (which the
+        shards of a cluster may share), mapped into memory. An mmap store reopens, here, the
+        tables that a store before it on ``storage_dir`` closed (``close``), and discards those
+        it did not close (a warning each); ``StorageError`` when a table's files are damaged
+        or belong to another table or shard layout (nothing is deleted then), or another store
+        uses the directory.
+        """
         if not 0 <= shard_id < num_shards:
             raise InvalidArgument(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.max_rows_per_request = max_rows_per_request
         self.max_reply_bytes = max_reply_bytes
+        self.storage = open_storage(storage, storage_dir, shard_id, num_shards)
         self.tables: dict[str, ShardTable] = {}
         self._tables_lock = threading.Lock()
+        try:
+            reopened = self.storage.reopen(TableSpec.from_description, PushDedupe.from_json)
+        except BaseException:
+            self.storage.close()
+            raise
+        for t in reopened:
+            self.tables[t.spec.name] = _new_table(t.spec, t.tensors, t.clock, dedupe=t.dedupe)
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -229,7 +261,9 @@ class ShardStore:
         """Create the shard's part of a table with its initial rows and zero state.
 
         Returns False if an identical table exists; a different one with that name raises
-        ``TableExists``.
+        ``TableExists``. ``RequestTooLarge`` when the storage cannot hold it (memory: more
+        than the machine's; mmap: ``StorageFull``, more than the disk or the file-size limit
+        allows, and no file is left behind).
         """
         with self._tables_lock:
             existing = self.tables.get(spec.name)
@@ -239,34 +273,16 @@ class ShardStore:
                         f"table {shorten(spec.name)} exists with {existing.spec.describe()}, "
                         f"not {spec.describe()}")
                 return False
-            rows, state, row_clock = self._allocate(spec)
-            self.tables[spec.name] = ShardTable(
-                spec, rows, state, row_clock, SparseMomentumSGD(spec.momentum, spec.weight_decay))
-            return True
-
-    def _allocate(self, spec: TableSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Initial rows, zero state and zero decay clocks of this shard's part of ``spec``;
-        ``RequestTooLarge`` when the memory cannot be had."""
-        needed = spec.bytes_per_shard(self.num_shards)
-        advice = "use more shards, fewer rows or a smaller dtype"
-        physical = _physical_memory_bytes()
-        # Past physical memory an allocation may still succeed (overcommit) and the process
-        # be killed while the rows are filled in; refuse it before it starts.
-        if physical is not None and needed > physical:
-            raise RequestTooLarge(
-                f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
-                f"shards, more than this machine's {physical} bytes of memory; {advice}")
-        try:
-            ids = sharding.owned_ids(spec.num_rows, self.shard_id, self.num_shards)
-            rows = initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype)
-            state = torch.zeros((ids.numel(), spec.state_width), dtype=spec.state_dtype)
-            row_clock = torch.zeros(ids.numel(), dtype=torch.float64)
-        except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError when malloc fails
-            raise RequestTooLarge(
-                f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
-                f"shards and this shard cannot allocate them ({shorten(str(e))}); "
-                f"{advice}") from None
-        return rows, state, row_clock
+            staged = self.storage.stage(spec)
+            try:
+                _fill_initial_rows(staged.rows, spec, self.shard_id, self.num_shards)
+                tensors = self.storage.install(spec, staged)
+            except BaseException:
+                self.storage.discard(staged)
+                raise
+            self.tables[spec.name] = _new_table(spec, tensors)
+        release_free_memory()  # the initial rows' scratch would stay resident otherwise
+        return True
 
     def table(self, name: str) -> ShardTable:
         try:
@@ -275,41 +291,67 @@ class ShardStore:
             known = shorten(", ".join(sorted(self.tables)), 200) if self.tables else "none"
             raise TableNotFound(f"unknown table {shorten(name)} (tables here: {known})") from None
 
-    def install_table(self, spec: TableSpec, rows: torch.Tensor, state: torch.Tensor,
-                      row_clock: torch.Tensor, clock: float,
+    def install_table(self, spec: TableSpec, tensors: TableTensors, clock: float,
                       graph: NeighborTable | None = None,
                       dedupe: PushDedupe | None = None) -> None:
-        """Put a whole restored table in place (replacing one of the same name), with the
-        push dedupe state that goes with its rows (None: none remembered)."""
-        n = sharding.owned_count(spec.num_rows, self.shard_id, self.num_shards)
-        for what, t, shape, dtype in (
-                ("rows", rows, (n, spec.dim), spec.dtype),
-                ("state", state, (n, spec.state_width), spec.state_dtype),
-                ("row_clock", row_clock, (n,), torch.float64)):
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise InvalidArgument(
-                    f"{what} of table {shorten(spec.name)}: {tuple(t.shape)} {t.dtype}, "
-                    f"need {shape} {dtype}")
-        _check_clock(clock)
+        """Put a whole restored table in place (replacing one of the same name, and for mmap
+        its files), with the push dedupe state that goes with its rows (None: none
+        remembered). ``tensors``: from ``self.storage.stage(spec)``, filled in; they belong
+        to the store from now on (discarded when refused)."""
         with self._tables_lock:
-            self.tables[spec.name] = ShardTable(
-                spec, rows, state, row_clock,
-                SparseMomentumSGD(spec.momentum, spec.weight_decay), clock, graph,
-                dedupe=dedupe if dedupe is not None else PushDedupe())
+            try:
+                for what, (shape, dtype) in self.storage.shapes(spec).items():
+                    t = getattr(tensors, what)
+                    if tuple(t.shape) != shape or t.dtype != dtype:
+                        raise InvalidArgument(
+                            f"{what} of table {shorten(spec.name)}: {tuple(t.shape)} "
+                            f"{t.dtype}, need {shape} {dtype}")
+                _check_clock(clock)
+                installed = self.storage.install(spec, tensors)
+            except BaseException:
+                self.storage.discard(tensors)
+                raise
+            self.tables[spec.name] = _new_table(spec, installed, clock, graph, dedupe)
 
     def copy_table(self, name: str) -> TableCopy:
         """A copy of table ``name`` at one instant: its tensors, clock, graph and push dedupe
         state, taken under the table's lock, so the rows hold exactly the pushes the dedupe
-        state remembers. The lock is held for memory copies only (a snapshot writes the
-        copy to disk afterwards, while pushes and pulls go on)."""
+        state remembers. The lock is held for the copy only (a snapshot writes the copy to
+        disk afterwards, while pushes and pulls go on). An mmap table is copied into scratch
+        files, not RAM (``Storage.copy``; ``StorageFull`` when the disk cannot hold them);
+        their space returns when the copy is dropped."""
         table = self.table(name)
         with table.lock:
             g = table.graph
             # a graph's tensors are replaced, never written in place: references suffice
             graph = (g.offsets, g.neighbors, g.version, g.step, g.k) if g is not None else None
-            return TableCopy(table.spec, table.rows.clone(), table.state.clone(),
-                             table.row_clock.clone(), table.clock, graph,
+            return TableCopy(table.spec, *self.storage.copy(table.tensors), table.clock, graph,
                              table.dedupe.to_json())
+
+    def close(self) -> None:
+        """Keep the tables for a later store, and let one open the storage dir.
+
+        An mmap table's pages are written to its files (msync), and its ``table.json`` marks
+        it closed with its decay clock and push dedupe state; a store made on the same
+        storage dir reopens it (its neighbor graph is not kept: build it again). Memory tables
+        are dropped. Afterwards the store holds no tables, and a push that was waiting for a
+        table is refused. A table that cannot be kept (``StorageError``, raised once every
+        other table is closed) is discarded by the next store. Calling it again does nothing.
+        """
+        failed: AmsError | None = None
+        with self._tables_lock:
+            for table in self.tables.values():
+                with table.lock:
+                    table.closed = True
+                    try:
+                        self.storage.close_table(table.spec, table.tensors, table.clock,
+                                                 table.dedupe.to_json())
+                    except AmsError as e:
+                        failed = failed or e
+            self.tables.clear()
+            self.storage.close()
+        if failed is not None:
+            raise failed
 
     # ---- validation ---------------------------------------------------------------------
 
@@ -405,6 +447,8 @@ class ShardStore:
         summed = torch.zeros((unique.numel(), table.spec.dim), dtype=torch.float32)
         summed.index_add_(0, inverse, grads.to(torch.float32))
         with table.lock:  # the dedupe check, the update and its record are one step
+            if table.closed:  # its files already say which pushes they hold
+                raise FailedPrecondition(f"table {shorten(name)}: the store was closed")
             if client_id and (client_id, sequence) in table.dedupe:
                 return False
             row_clock = table.row_clock.index_select(0, unique) if clocked else None
@@ -421,7 +465,27 @@ class ShardStore:
             table.counters.rows_pushed += positions.numel()
             if client_id:
                 table.dedupe.add(client_id, sequence)
+            if table.touched is None:  # 1 byte per row, only for tables that take pushes
+                table.touched = torch.zeros(table.rows.shape[0], dtype=torch.bool)
+            table.touched[unique] = True
         return True
+
+    def take_touched(self, name: str, max_ids: int | None = None) -> torch.Tensor:
+        """Global ids (int64 (m,), ascending) of the rows pushes changed since they were last
+        taken, at most ``max_ids`` (None: as many as one reply holds), the smallest first;
+        those are forgotten in the same step under the table's lock, so a push is either in
+        this answer or in a later one. A graph build takes them before it reads the rows."""
+        table = self.table(name)
+        limit = self.max_reply_bytes // 8 if max_ids is None else max_ids
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgument(f"max_ids={shorten(max_ids)} must be an integer >= 1")
+        self._check_reply(8 * limit, f"up to {limit} touched ids", 8, "ids")
+        with table.lock:
+            if table.touched is None:
+                return torch.empty(0, dtype=torch.int64)
+            positions = table.touched.nonzero().view(-1)[:limit]
+            table.touched[positions] = False
+        return positions * self.num_shards + self.shard_id
 
     def _refuse_non_finite(self, table: ShardTable, update: RowUpdate, lr: float) -> None:
         """``InvalidArgument`` naming the first row that ``update`` would make non-finite."""
@@ -461,21 +525,25 @@ class ShardStore:
 
     # ---- neighbor lists ----------------------------------------------------------------
 
-    def neighbors(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neighbor lists of ``ids`` (request order) as CSR: offsets int64 (n+1,),
-        neighbors int64 (offsets[-1],)."""
+    def neighbors(self, name: str, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Neighbor lists of ``ids`` (request order) in the graph's layout and id dtype
+        (``NeighborTable.lookup``): (None, neighbors (n, k)) fixed width, or (offsets int64
+        (n+1,), neighbors (offsets[-1],)) CSR; ids int32 in tables of fewer than 2**31
+        classes, int64 otherwise."""
         table = self.table(name)
         positions = self._positions(table, ids)
-        graph = table.graph
-        if graph is None:
-            raise FailedPrecondition(
-                f"table {shorten(name)} has no neighbor graph yet: build it first "
-                "(ams.graph_build.build_graph or 'xcls graph build')")
-        listed = int(graph.lengths().index_select(0, positions).sum())
-        self._check_reply(8 * (positions.numel() + 1 + listed),
-                          f"the neighbor lists of {positions.numel()} rows", 8 * (graph.k + 1),
-                          "rows per call")
-        return graph.lookup(positions)
+        with table.lock:  # an update replaces the graph's offsets and neighbors together
+            graph = table.graph
+            if graph is None:
+                raise FailedPrecondition(
+                    f"table {shorten(name)} has no neighbor graph yet: build it first "
+                    "(ams.graph_build.build_graph or 'xcls graph build')")
+            row_bytes = graph.k * graph.neighbors.element_size() + (0 if graph.fixed else 8)
+            self._check_reply(graph.lookup_nbytes(positions),
+                              f"the neighbor lists of {positions.numel()} rows", row_bytes,
+                              "rows per call")
+            return graph.lookup(positions)
 
     def _check_reply(self, nbytes: int, what: str, bytes_per_row: int, unit: str) -> None:
         """``RequestTooLarge`` when a reply of ``nbytes`` would exceed ``max_reply_bytes``,
@@ -487,10 +555,13 @@ class ShardStore:
             f"{what} makes a {nbytes}-byte reply, over the {self.max_reply_bytes}-byte message "
             f"limit; split the request (about {fit} {unit} fit in one reply)")
 
-    def set_neighbors(self, name: str, ids: torch.Tensor, offsets: torch.Tensor,
+    def set_neighbors(self, name: str, ids: torch.Tensor, offsets: torch.Tensor | None,
                       neighbors: torch.Tensor, version: int, step: int,
                       replace_all: bool) -> int:
-        """Store neighbor lists (CSR, see ``neighbors``) for owned ``ids``.
+        """Store neighbor lists for owned ``ids`` (n,), in either layout (see ``neighbors``):
+        offsets None and neighbors (n, k), or offsets int64 (n+1,) and neighbors
+        (offsets[-1],); ids int32 (only in tables of fewer than 2**31 classes) or int64, each
+        in 0..num_rows-1. The table keeps them compact whatever the layout sent.
 
         ``replace_all``: the lists belong to a new table of this ``version``, which may arrive in
         several calls (messages are size-limited); it replaces the current table once its calls
@@ -501,19 +572,19 @@ class ShardStore:
         table = self.table(name)
         positions = self._positions(table, ids)
         n = positions.numel()
-        for what, t in (("offsets", offsets), ("neighbors", neighbors)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
-                raise InvalidArgument(f"{what}: need an int64 tensor of shape (m,)")
-        if offsets.numel() != n + 1 or int(offsets[0]) != 0 \
-                or bool((offsets[1:] < offsets[:-1]).any()) \
-                or int(offsets[-1]) != neighbors.numel():
+        try:
+            check_lists(offsets, neighbors, n)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        num_rows = table.spec.num_rows
+        if neighbors.dtype == torch.int32 and num_rows >= INT32_CLASSES:
             raise InvalidArgument(
-                f"offsets: need {n + 1} non-decreasing values from 0 to len(neighbors)="
-                f"{neighbors.numel()}")
+                f"neighbors: int32 ids cannot name the {num_rows} classes of table "
+                f"{shorten(name)}; send int64")
         if neighbors.numel() and (int(neighbors.min()) < 0
-                                  or int(neighbors.max()) >= table.spec.num_rows):
+                                  or int(neighbors.max()) >= num_rows):
             raise IdOutOfRange(
-                f"neighbors: ids must be in 0..{table.spec.num_rows - 1}, got "
+                f"neighbors: ids must be in 0..{num_rows - 1}, got "
                 f"{int(neighbors.min())}..{int(neighbors.max())}")
         if torch.unique(positions).numel() != n:
             raise InvalidArgument("ids: repeated ids in one neighbor update")
@@ -528,8 +599,9 @@ class ShardStore:
                 table.graph.version, table.graph.step = version, step
             return table.graph.version if table.graph is not None else 0
 
-    def _stage_graph(self, table: ShardTable, positions: torch.Tensor, offsets: torch.Tensor,
-                     neighbors: torch.Tensor, version: int, step: int) -> None:
+    def _stage_graph(self, table: ShardTable, positions: torch.Tensor,
+                     offsets: torch.Tensor | None, neighbors: torch.Tensor, version: int,
+                     step: int) -> None:
         """Collect one part of a full graph; install the graph when every row has its list."""
         owned = table.rows.shape[0]
         staged = table.staged_graph
@@ -546,15 +618,16 @@ class ShardStore:
         staged["parts"].append((positions, offsets, neighbors))
         if not bool(staged["covered"].all()):
             return
-        graph = NeighborTable.from_parts(staged["parts"], owned)
+        graph = NeighborTable.from_parts(staged["parts"], owned, num_classes=table.spec.num_rows)
         graph.version, graph.step = version, staged["step"]
         table.graph, table.staged_graph = graph, None
 
     # ---- introspection ------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Per-table counters and sizes, JSON-able."""
-        out = {"shard_id": self.shard_id, "num_shards": self.num_shards, "tables": {}}
+        """Per-table counters and sizes, and the storage kind, JSON-able."""
+        out = {"shard_id": self.shard_id, "num_shards": self.num_shards,
+               "storage": self.storage.kind.value, "tables": {}}
         for name, t in list(self.tables.items()):
             g = t.graph
             out["tables"][name] = {
@@ -567,16 +640,33 @@ class ShardStore:
                 "graph_version": g.version if g else 0,
                 "graph_step": g.step if g else -1,
                 "graph_k": g.k if g else 0,
+                "graph_bytes": g.nbytes() if g else 0,
             }
         return out
 
 
-def _physical_memory_bytes() -> int | None:
-    """The machine's memory, or None where the platform does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+def _new_table(spec: TableSpec, tensors: TableTensors, clock: float = 0.0,
+               graph: NeighborTable | None = None, dedupe: PushDedupe | None = None
+               ) -> ShardTable:
+    return ShardTable(spec, tensors.rows, tensors.state, tensors.row_clock,
+                      SparseMomentumSGD(spec.momentum, spec.weight_decay), clock, graph,
+                      dedupe=dedupe if dedupe is not None else PushDedupe(),
+                      files=tensors.files)
+
+
+# Rows given their initial values at a time when a table is made: bounds the temporaries
+# (ids, float32 values) whatever the table's size.
+INIT_BLOCK_ROWS = 1 << 18
+
+
+def _fill_initial_rows(rows: torch.Tensor, spec: TableSpec, shard_id: int,
+                       num_shards: int) -> None:
+    """Write the initial rows (``ams.rowinit``) of shard ``shard_id`` of ``num_shards``'s part
+    of ``spec`` into ``rows`` (owned, dim) of the row dtype, block by block."""
+    for start in range(0, rows.shape[0], INIT_BLOCK_ROWS):
+        stop = min(start + INIT_BLOCK_ROWS, rows.shape[0])
+        ids = sharding.owned_ids(spec.num_rows, shard_id, num_shards, start, stop)
+        initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype, out=rows[start:stop])
 
 
 def _itemsize(dtype: torch.dtype) -> int:

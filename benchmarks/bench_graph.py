@@ -1,18 +1,22 @@
-"""Exact KNN graph build: xcls (ams.graph.knn) against faiss IndexFlatIP.
+"""KNN graph build: exact (ams.graph.knn) against faiss IndexFlatIP, or IVF (ams.graph.ivf,
+``--method ivf``) against faiss IndexIVFFlat and the exact build.
 
 Every row is searched against all rows (k neighbors, the row itself included) on clustered
 Gaussian data. Recall@k of both is measured against a float64 numpy brute force on a sample of
 query rows; a returned neighbor counts as correct when its float64 score reaches the k-th
 best float64 score (less 1e-6), so exact ties at the cut are not counted as misses.
 "cpu s" is process CPU time (all threads): a check on wall times taken on a busy machine.
-"xcls +MB" is how far the xcls build raised the process's peak resident memory above what it
-held before (input rows included in the baseline; the N x k result is part of the figure).
+"xcls +MB" / "ivf +MB" is how far the build raised the process's peak resident memory above
+what it held before (input rows included in the baseline; the N x k result is part of the
+figure).
 
     python benchmarks/bench_graph.py --sizes 100000 --dim 128 --k 32 --threads 2 --device cpu
     python benchmarks/bench_graph.py --sizes 1000000,10000000 --device cuda --no-faiss  # GPU host
+    python benchmarks/bench_graph.py --method ivf --sizes 1000000 --threads 2 --device cpu
 
-``--no-faiss`` skips the faiss-cpu build (hours at 10M) and leaves its columns empty; recall is
-still checked against the float64 brute force.
+``--no-faiss`` skips the faiss-cpu build (hours at 10M; with --method ivf the IndexIVFFlat
+beside the float16 index) and leaves its columns empty; recall is still checked against the
+float64 brute force. With --method ivf the exact build runs up to ``--exact-max`` rows.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from collections.abc import Callable
 
 import faiss
 import numpy as np
 import torch
 
-from ams.graph import knn, resolve_device
+from ams.graph import ivf_knn, knn, resolve_device, resolve_nlist, sample_ids
+from ams.graph.ivf import DEFAULT_NPROBE, TRAIN_ROWS_PER_LIST
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:
@@ -78,6 +84,11 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=4096, help="xcls query/key block")
     parser.add_argument("--recall-queries", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", choices=("exact", "ivf"), default="exact")
+    parser.add_argument("--nlist", type=int, default=0, help="ivf lists (0: auto)")
+    parser.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE, help="ivf lists scanned")
+    parser.add_argument("--exact-max", type=int, default=200000,
+                        help="--method ivf: run the exact build beside it up to this N")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -86,6 +97,9 @@ def main() -> None:
         resolve_device(args.device)
     except ValueError as err:
         parser.error(f"--device {err}")
+    if args.method == "ivf":
+        bench_ivf(args)
+        return
     header = f"{'N':>9} | {'xcls s':>8} | {'faiss s':>8} | {'xcls/faiss':>10} | " \
              f"{'xcls cpu s':>10} | {'faiss cpu s':>11} | {'recall xcls':>11} | " \
              f"{'recall faiss':>12} | {'xcls +MB':>8}"
@@ -125,6 +139,82 @@ def main() -> None:
         print(f"{n:>9} | {xcls_s:>8.2f} | {faiss_s_cell:>8} | {ratio_cell:>10} | "
               f"{xcls_cpu:>10.2f} | {faiss_cpu_cell:>11} | {xcls_recall:>11.4f} | "
               f"{faiss_recall_cell:>12} | {xcls_mb:>8.0f}", flush=True)
+
+
+def timed(device: str, build: Callable[..., np.ndarray], /, *args: object, **kwargs: object
+          ) -> tuple[np.ndarray, float, float, float]:
+    """(ids, wall s, process cpu s, peak MB above the start) of ``build(*args, **kwargs)``
+    run on ``device``."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident memory (VmHWM) starts again from the current
+    before_mb = resident_mb()
+    start, cpu = time.perf_counter(), time.process_time()
+    ids = build(*args, **kwargs)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    with open("/proc/self/status") as f:
+        peak_mb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    return ids, seconds, cpu, peak_mb - before_mb
+
+
+def ivf_ids(rows: np.ndarray, k: int, **kwargs: object) -> np.ndarray:
+    return ivf_knn(torch.from_numpy(rows), k, **kwargs)[0].numpy()
+
+
+def exact_ids(rows: np.ndarray, k: int, **kwargs: object) -> np.ndarray:
+    return knn(torch.from_numpy(rows), k, **kwargs)[0].numpy()
+
+
+def faiss_ivf_flat(rows: np.ndarray, k: int, nlist: int, nprobe: int, seed: int) -> np.ndarray:
+    """faiss IndexIVFFlat (float32 lists), trained on the sample ams.graph.ivf trains on."""
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(rows.shape[1]), rows.shape[1], nlist,
+                               faiss.METRIC_INNER_PRODUCT)
+    index.cp.seed = seed
+    index.train(rows[sample_ids(len(rows), TRAIN_ROWS_PER_LIST * nlist, seed).numpy()])
+    index.add(rows)
+    index.nprobe = nprobe
+    return index.search(rows, k)[1]
+
+
+def bench_ivf(args: argparse.Namespace) -> None:
+    """One row per N: the float16 IVF build (ams.graph.ivf_knn), faiss IndexIVFFlat with the
+    same lists, and the exact build where N <= --exact-max."""
+    header = f"{'N':>9} | {'nlist':>6} | {'nprobe':>6} | {'ivf s':>8} | {'ivf cpu s':>9} | " \
+             f"{'recall ivf':>10} | {'ivf +MB':>7} | {'flat s':>8} | {'recall flat':>11} | " \
+             f"{'exact s':>8} | {'recall exact':>12}"
+    print(f"dim={args.dim} k={args.k} threads={args.threads} device={args.device} "
+          f"rows: clustered, N/100 centres", flush=True)
+    print(header)
+    print("-" * len(header), flush=True)
+    for n in (int(s) for s in args.sizes.split(",")):
+        rows = clustered(n, args.dim, args.seed)
+        nlist = resolve_nlist(args.nlist, n)
+        ids, ivf_s, ivf_cpu, ivf_mb = timed(args.device, ivf_ids, rows, args.k, nlist=nlist,
+                                            nprobe=args.nprobe, seed=args.seed,
+                                            device=args.device)
+        rng = np.random.default_rng(args.seed + 1)
+        queries = rng.choice(n, size=min(n, args.recall_queries), replace=False)
+        kth = exact_kth(rows, queries, args.k)
+        cells = [f"{ivf_s:.2f}", f"{ivf_cpu:.2f}", f"{recall(rows, queries, ids, kth):.4f}",
+                 f"{ivf_mb:.0f}"]
+        del ids
+        if args.no_faiss:
+            cells += ["-", "-"]
+        else:
+            flat, flat_s, _, _ = timed("cpu", faiss_ivf_flat, rows, args.k, nlist, args.nprobe,
+                                       args.seed)
+            cells += [f"{flat_s:.2f}", f"{recall(rows, queries, flat, kth):.4f}"]
+        if n <= args.exact_max:
+            exact, exact_s, _, _ = timed(args.device, exact_ids, rows, args.k,
+                                         block_size=args.block_size, device=args.device)
+            cells += [f"{exact_s:.2f}", f"{recall(rows, queries, exact, kth):.4f}"]
+        else:
+            cells += ["-", "-"]
+        widths = (8, 9, 10, 7, 8, 11, 8, 12)
+        print(f"{n:>9} | {nlist:>6} | {min(args.nprobe, nlist):>6} | "
+              + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)),
+              flush=True)
 
 
 if __name__ == "__main__":

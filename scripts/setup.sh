@@ -2,7 +2,7 @@
 # Set up xcls on a fresh Debian/Ubuntu machine (idempotent; re-running is cheap):
 #   * torch: kept if already importable (GPU hosts bring their own build); otherwise
 #     ${XCLS_TORCH_SPEC:-torch==2.13.0} is installed
-#   * xcls itself, editable, with the dev extra (pytest, hypothesis, ruff, faiss-cpu, tensorboard)
+#   * xcls itself, editable, with the dev extra (pytest, hypothesis, ruff, tensorboard)
 #   * Debian packages: redis-server (bridge tests, Redis cache) and the CJK/Hangul font packages
 #     listed in scripts/debian-fonts.txt (the glyph dataset)
 # Set XCLS_SKIP_APT=1 to skip the Debian packages (then install them yourself).

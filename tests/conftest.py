@@ -40,6 +40,52 @@ def tmp_data_dir(tmp_path):
     return d
 
 
+# --- shard stores on each storage ------------------------------------------------------------
+
+STORAGES = ["memory", "mmap"]
+
+
+class Storages:
+    """Shard stores and in-process AMS clients on one storage kind (``ams.storage``); each
+    mmap store or client gets a storage dir of its own under ``root``. ``close`` closes every
+    one still open."""
+
+    def __init__(self, kind: str, root: Path) -> None:
+        self.kind, self.root = kind, root
+        self.made: list = []
+
+    def _dir(self) -> Path | None:
+        return self.root / f"storage-{len(self.made)}" if self.kind == "mmap" else None
+
+    def store(self, shard_id=0, num_shards=1, **kw):
+        from ams.store import ShardStore
+
+        store = ShardStore(shard_id, num_shards, storage=self.kind, storage_dir=self._dir(),
+                           **kw)
+        self.made.append(store)
+        return store
+
+    def connect(self, local_shards, **kw):
+        import ams
+
+        client = ams.connect(local_shards=local_shards, storage=self.kind,
+                             storage_dir=self._dir(), **kw)
+        self.made.append(client)
+        return client
+
+    def close(self) -> None:
+        for made in self.made:
+            made.close()
+
+
+@pytest.fixture(params=STORAGES)
+def storage(request, tmp_path_factory):
+    """The test runs once per storage kind, with a ``Storages`` of that kind."""
+    made = Storages(request.param, tmp_path_factory.mktemp(f"storage-{request.param}"))
+    yield made
+    made.close()
+
+
 # --- Redis (gear bridge tests) -------------------------------------------------------------------
 
 import shutil  # noqa: E402

@@ -12,7 +12,8 @@ from ams.api import shard_pb2 as pb
 from ams.errors import InvalidArgument
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32])
 @pytest.mark.parametrize("shape", [(0,), (5,), (3, 4), (0, 7)])
 def test_round_trip(dtype, shape):
     t = (torch.randn(shape) * 100).to(dtype)
@@ -24,6 +25,21 @@ def test_round_trip(dtype, shape):
 def test_little_endian_bytes():
     msg = codec.encode(torch.tensor([1, 258], dtype=torch.int64))
     assert msg.data == (1).to_bytes(8, "little") + (258).to_bytes(8, "little")
+    msg = codec.encode(torch.tensor([1, -2], dtype=torch.int32))
+    assert msg.dtype == pb.INT32
+    assert msg.data == (1).to_bytes(4, "little") + (-2).to_bytes(4, "little", signed=True)
+
+
+def test_decode_optional_reads_unset_or_empty_as_none():
+    request = pb.SetNeighborsRequest()
+    assert codec.decode_optional(request.offsets, "offsets") is None
+    request.offsets.CopyFrom(pb.Tensor())  # set, but empty
+    assert codec.decode_optional(request.offsets, "offsets") is None
+    codec.encode(torch.tensor([0, 2]), request.offsets)
+    assert codec.decode_optional(request.offsets, "offsets").tolist() == [0, 2]
+    request.offsets.CopyFrom(pb.Tensor(shape=[1], data=b"\0" * 8))  # no dtype: refused
+    with pytest.raises(InvalidArgument, match="offsets.dtype"):
+        codec.decode_optional(request.offsets, "offsets")
 
 
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=50))

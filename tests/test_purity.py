@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-PURE = ["ams.store", "ams.optim", "ams.sharding", "ams.rowinit", "ams.snapshot", "ams.graph",
-        "ams.lease", "workers.losses"]
+PURE = ["ams.store", "ams.storage", "ams.optim", "ams.sharding", "ams.rowinit", "ams.snapshot",
+        "ams.graph", "ams.lease", "ams.plan", "workers.losses"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -7,23 +7,30 @@ import hashlib
 import json
 import math
 import shutil
+import sys
 
 import lmdb
 import pytest
 import torch
 
-import ams
 from ams import snapshot
 from ams.errors import SnapshotError
-from ams.store import ShardStore
+from tests.conftest import Storages
 
 N, D = 103, 6
+STORAGE: Storages | None = None  # the storage of the running test, see _on_each_storage
+
+
+@pytest.fixture(autouse=True)
+def _on_each_storage(storage, monkeypatch):
+    """Every test here runs once per storage kind: its stores and clients are built on it."""
+    monkeypatch.setattr(sys.modules[__name__], "STORAGE", storage)
 
 
 def trained_client(data_dir, num_shards, dtype="float32", momentum=0.9, keep_snapshots=3):
     """A table after three clocked pushes (weight decay 0.05, so the decay clocks matter)."""
-    client = ams.connect(local_shards=num_shards, data_dir=data_dir,
-                         keep_snapshots=keep_snapshots)
+    client = STORAGE.connect(local_shards=num_shards, data_dir=data_dir,
+                             keep_snapshots=keep_snapshots)
     client.create_table("fc", num_rows=N, dim=D, dtype=dtype, seed=1, momentum=momentum,
                         weight_decay=0.05)
     g = torch.Generator().manual_seed(0)
@@ -60,7 +67,7 @@ def full_state(client):
 def test_round_trip_bit_identical(tmp_path, dtype):
     src = trained_client(tmp_path, 2, dtype)
     src.snapshot(step=10)
-    dst = ams.connect(local_shards=2, data_dir=tmp_path)
+    dst = STORAGE.connect(local_shards=2, data_dir=tmp_path)
     assert dst.restore() == 10
     for a, b in zip(full_state(src), full_state(dst), strict=False):
         assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
@@ -72,7 +79,7 @@ def test_round_trip_bit_identical(tmp_path, dtype):
 def test_restore_into_other_shard_count(tmp_path, old, new, momentum):
     src = trained_client(tmp_path, old, momentum=momentum)
     src.snapshot(step=5)
-    dst = ams.connect(local_shards=new, data_dir=tmp_path)
+    dst = STORAGE.connect(local_shards=new, data_dir=tmp_path)
     assert dst.restore() == 5
     for a, b in zip(full_state(src), full_state(dst), strict=False):
         assert torch.equal(a, b)
@@ -92,7 +99,7 @@ def test_latest_skips_corrupt_and_partial(tmp_path):
     # a temporary directory from a writer killed mid-write is ignored
     (snapshot.step_dir(tmp_path, 4) / ".tmp-shard-00000-of-00002-dead").mkdir(parents=True)
 
-    fresh = ams.connect(local_shards=2, data_dir=tmp_path)
+    fresh = STORAGE.connect(local_shards=2, data_dir=tmp_path)
     assert fresh.restore() == 1
     for a, b in zip(good, full_state(fresh), strict=False):
         assert torch.equal(a, b)
@@ -118,7 +125,7 @@ def test_garbage_manifest_is_refused(tmp_path):
     trained_client(tmp_path, 1).snapshot(step=1)
     (snapshot.step_dir(tmp_path, 1) / snapshot.piece_name(0, 1) / "manifest.json").write_text("{")
     with pytest.raises(SnapshotError, match="manifest unreadable"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path)
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path)
 
 
 def two_steps(data_dir, num_shards=1):
@@ -148,7 +155,7 @@ def edit_manifest(piece, change, reseal):
 
 
 def restores_step_1(data_dir, good):
-    fresh = ams.connect(local_shards=1, data_dir=data_dir)
+    fresh = STORAGE.connect(local_shards=1, data_dir=data_dir)
     assert fresh.restore() == 1
     for a, b in zip(good, full_state(fresh), strict=True):
         assert torch.equal(a, b)
@@ -193,7 +200,7 @@ def test_edited_manifest_falls_back_to_previous_step(tmp_path, edit):
     edit_manifest(piece_dir(tmp_path, 2), {**PLAUSIBLE_EDITS, **MALFORMED_EDITS}[edit],
                   reseal=False)
     with pytest.raises(SnapshotError, match="manifest unreadable: its SHA-256 does not match"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -202,7 +209,7 @@ def test_malformed_manifest_with_valid_checksum_is_refused(tmp_path, edit):
     good = two_steps(tmp_path)
     edit_manifest(piece_dir(tmp_path, 2), MALFORMED_EDITS[edit], reseal=True)
     with pytest.raises(SnapshotError, match="malformed manifest|format_version"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -250,7 +257,7 @@ def test_changed_value_behind_forged_file_checksums_is_caught(tmp_path):
         {"data.mdb": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}),
         reseal=True)
     with pytest.raises(SnapshotError, match="checksum mismatch"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path, step=2)
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -275,7 +282,7 @@ def test_wide_step_numbers_sort_numerically(tmp_path):
         client.snapshot(step=step)
     assert snapshot.list_steps(tmp_path) == [10**13, big, 999]
     assert (tmp_path / "snapshots" / "step-000000000999").is_dir()  # 12 digits at least
-    fresh = ams.connect(local_shards=1, data_dir=tmp_path)
+    fresh = STORAGE.connect(local_shards=1, data_dir=tmp_path)
     assert fresh.restore() == 10**13
     assert fresh.stats()[0]["last_snapshot_step"] == 10**13
     shutil.rmtree(snapshot.step_dir(tmp_path, 10**13))
@@ -284,7 +291,7 @@ def test_wide_step_numbers_sort_numerically(tmp_path):
 
 def test_last_snapshot_step_reads_the_restored_step(tmp_path):
     trained_client(tmp_path, 2).snapshot(step=7)
-    fresh = ams.connect(local_shards=2, data_dir=tmp_path)
+    fresh = STORAGE.connect(local_shards=2, data_dir=tmp_path)
     assert [s["last_snapshot_step"] for s in fresh.stats()] == [-1, -1]
     assert fresh.restore() == 7
     assert [s["last_snapshot_step"] for s in fresh.stats()] == [7, 7]
@@ -295,7 +302,7 @@ def test_last_snapshot_step_reads_the_restored_step(tmp_path):
 
 def plain_sgd_client(data_dir, num_shards):
     """No momentum, no weight decay: one push of g at lr moves a row by exactly -lr * g."""
-    client = ams.connect(local_shards=num_shards, data_dir=data_dir)
+    client = STORAGE.connect(local_shards=num_shards, data_dir=data_dir)
     client.create_table("fc", num_rows=N, dim=D, seed=1, momentum=0.0, weight_decay=0.0)
     return client
 
@@ -390,7 +397,7 @@ def test_prune_keeps_newest_complete_steps_and_steps_in_progress(tmp_path):
     assert steps_with_piece(tmp_path, 1, 2) == [4, 5]
     assert snapshot.list_steps(tmp_path) == [6, 5, 4]  # emptied step directories are gone
     assert not leftovers[2].exists()
-    fresh = ams.connect(local_shards=2, data_dir=tmp_path)
+    fresh = STORAGE.connect(local_shards=2, data_dir=tmp_path)
     assert fresh.restore() == 5
 
 
@@ -423,8 +430,8 @@ def test_local_shards_prune_after_each_snapshot(tmp_path):
 
 
 def test_large_table_beyond_lmdb_default_map_size(tmp_path):
-    store = ShardStore(0, 1)
-    client = ams.connect(local_shards=1, data_dir=tmp_path)
+    store = STORAGE.store(0, 1)
+    client = STORAGE.connect(local_shards=1, data_dir=tmp_path)
     client.create_table("big", num_rows=40_000, dim=128)  # 20 MiB rows + 20 MiB momentum
     client.snapshot(step=0)
     snapshot.restore_into(store, tmp_path)
@@ -433,4 +440,16 @@ def test_large_table_beyond_lmdb_default_map_size(tmp_path):
 
 def test_no_snapshot_at_all(tmp_path):
     with pytest.raises(SnapshotError, match="no snapshots"):
-        snapshot.restore_into(ShardStore(0, 1), tmp_path)
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path)
+
+
+def test_a_restore_loads_exactly_the_pieces_that_hold_its_rows():
+    from ams.snapshot import _shares_rows
+
+    for old_count in range(1, 7):
+        for count in range(1, 7):
+            for old_shard in range(old_count):
+                for shard in range(count):
+                    brute = any(i % old_count == old_shard and i % count == shard
+                                for i in range(old_count * count))
+                    assert _shares_rows(old_shard, old_count, shard, count) == brute

@@ -1,20 +1,30 @@
-"""ShardStore and SparseMomentumSGD against torch.optim.SGD on a dense float64 copy."""
+"""ShardStore and SparseMomentumSGD against torch.optim.SGD on a dense float64 copy, on
+each storage (memory, mmap)."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 from ams import errors
 from ams.store import ShardStore, TableSpec
+from tests.conftest import Storages
 
 N, D = 50, 8
+STORAGE: Storages | None = None  # the storage of the running test, see _on_each_storage
+
+
+@pytest.fixture(autouse=True)
+def _on_each_storage(storage, monkeypatch):
+    """Every test here runs once per storage kind; make_store builds its stores on it."""
+    monkeypatch.setattr(sys.modules[__name__], "STORAGE", storage)
 
 
 def make_store(shard_id=0, num_shards=1, **spec_kw) -> ShardStore:
-    store = ShardStore(shard_id, num_shards)
+    store = STORAGE.store(shard_id, num_shards)
     kw = dict(name="fc", num_rows=N, dim=D, momentum=0.9, weight_decay=5e-4, seed=3)
     kw.update(spec_kw)
     store.create_table(TableSpec(**kw))
@@ -279,9 +289,10 @@ def test_full_graph_arrives_in_parts_and_installs_when_complete():
     with pytest.raises(errors.InvalidArgument, match="already have a list"):
         send(torch.arange(5, 15), 1)
     assert send(torch.arange(10, 25), 1) == 1
-    offsets, flat = store.neighbors("fc", mine[[3, 20]])
-    assert flat.tolist() == lists[[3, 20]].reshape(-1).tolist()
-    assert offsets.tolist() == [0, 3, 6]
+    offsets, got = store.neighbors("fc", mine[[3, 20]])
+    # CSR parts whose lists all have k entries install as one fixed-width int32 table
+    assert offsets is None and got.dtype == torch.int32
+    assert got.tolist() == lists[[3, 20]].tolist()
     assert send(torch.arange(0, 24), 2) == 1  # version 2 incomplete: version 1 stays
     assert send(torch.arange(24, 25), 2) == 2
 
@@ -365,23 +376,34 @@ def test_scan_blocks_and_neighbor_lists_fit_the_reply_limit(monkeypatch):
     lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
     store.set_neighbors("fc", torch.arange(N), torch.arange(0, 2 * N + 1, 2),
                         lists.reshape(-1), version=1, step=0, replace_all=True)
-    store.max_reply_bytes = 8 * (1 + 3 * 3)  # offsets and lists of three rows
+    store.max_reply_bytes = 3 * 2 * 4  # three fixed-width lists of two int32 ids
     assert store.neighbors("fc", torch.arange(3))[1].numel() == 6
-    with pytest.raises(errors.RequestTooLarge, match="split the request"):
+    with pytest.raises(errors.RequestTooLarge, match="24-byte message limit"):
+        store.neighbors("fc", torch.arange(4))
+    # a short list makes the table CSR: offsets (8 bytes a row, plus one) travel too
+    store.set_neighbors("fc", torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([1]),
+                        version=1, step=0, replace_all=False)
+    store.max_reply_bytes = 8 * 4 + 4 * (2 + 1 + 2)  # rows 0, 1, 2: offsets and 5 ids
+    offsets, got = store.neighbors("fc", torch.arange(3))
+    assert offsets.tolist() == [0, 2, 3, 5] and got.tolist() == [0, 1, 1, 2, 3]
+    with pytest.raises(errors.RequestTooLarge, match="makes a 68-byte reply"):
         store.neighbors("fc", torch.arange(4))
 
 
 @pytest.mark.parametrize("memory", ["known", "unknown"])
 def test_table_too_large_for_memory_is_a_typed_error(monkeypatch, memory):
-    import ams.store
+    import ams.storage
 
     if memory == "unknown":  # then the allocation itself fails, and is reported
-        monkeypatch.setattr(ams.store, "_physical_memory_bytes", lambda: None)
+        monkeypatch.setattr(ams.storage, "_physical_memory_bytes", lambda: None)
     store = make_store()
     needed = 2**61 * (4 * 4 + 8)  # float32 rows of 4 and a float64 decay clock per row
+    # mmap: more than the disk's free space, StorageFull (a RequestTooLarge)
     with pytest.raises(errors.RequestTooLarge, match=f"needs {needed} bytes"):
         store.create_table(TableSpec(name="huge", num_rows=2**61, dim=4, momentum=0.0))
     assert list(store.tables) == ["fc"]
+    if STORAGE.kind == "mmap":  # nothing half made is left beside the live table
+        assert sorted(p.name for p in store.storage.root.iterdir()) == [".lock", "fc"]
 
 
 def test_shorten_cuts_long_values():

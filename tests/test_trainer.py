@@ -227,3 +227,21 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
     out = train(f"data.train={broken}", "data.test=")
     assert out.returncode != 0
     assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
+
+
+def test_touched_refresh_run_builds_once_then_refreshes(glyphs_small, tmp_path):
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{
+        "train.max_steps": 120, "graph.rebuild_every": 20, "graph.method": "ivf",
+        "graph.refresh": "touched", "graph.full_every": 0, "data.test": ""}))
+    result = build_run(cfg).trainer.train()
+    losses = [row["loss"] for row in result.history]
+    assert losses[-1] < 0.7 * losses[0], losses  # the knn head learns on refreshed lists
+    with open(tmp_path / "run" / "graph.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [0, 20, 40, 60, 80, 100]
+    # one IVF build, with its measured recall, then only the touched classes' exact lists
+    assert [(r["method"], r["refresh"]) for r in rows] == \
+        [("ivf", "full")] + [("exact", "touched")] * 5
+    assert 0.9 <= float(rows[0]["recall"]) <= 1 and int(rows[0]["classes"]) == 120
+    assert all(r["recall"] == "" and 0 < int(r["classes"]) <= 120 for r in rows[1:]), rows
+    assert all(0 < float(r["turnover"]) <= 1 for r in rows[1:]), rows

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ams.client import ShardedClient
 from ams.graph.churn import neighbor_turnover
-from ams.graph_build import current_graph_version
+from ams.graph_build import GraphBuildReport, current_graph_version
 from workers import checkpoint
 from workers.batch_plan import Batch, BatchPlan
 from workers.evaluation import Evaluator
@@ -121,15 +121,16 @@ class Trainer:
 
     client: the AMS client (embedded or remote); table: the class-row table; backbone: the
     (possibly DDP-wrapped) embedding network; optimizer: over the backbone's parameters;
-    head: full / partial / knn; build_graph: ``build_graph(step)`` rebuilds the neighbor graph
-    (None when the head needs none); rank/world: torch.distributed position; gear: gear mode
+    head: full / partial / knn; build_graph: ``build_graph(step)`` builds or refreshes the
+    neighbor graph and reports it (``ams.graph_build.GraphUpdater.update``; None when the head
+    needs none); rank/world: torch.distributed position; gear: gear mode
     (``workers.gear``), None for plain training.
     """
 
     def __init__(self, *, client: ShardedClient, table: str, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, head: ClassifierHead, train_set: Dataset,
                  test_set: Dataset | None, options: LoopOptions, device: torch.device,
-                 build_graph: Callable[[int], None] | None = None, rank: int = 0,
+                 build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
                  world: int = 1, gear: Gear | None = None) -> None:
         self.client, self.table = client, table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
@@ -321,22 +322,29 @@ class Trainer:
                  result.eval["top1"], result.eval["top5"], result.eval["samples"])
 
     def _rebuild_graph(self) -> None:
-        """Rebuild the neighbor graph and record (OUT/graph.csv) how stale the old one was:
-        the share of a fixed sample of classes' neighbors the rebuild replaced."""
+        """Rebuild the neighbor graph and record (OUT/graph.csv) how stale the old one was
+        (the share of a fixed sample of classes' neighbors the rebuild replaced), whether it
+        was full or refreshed the touched classes, how many lists it wrote, and the recall
+        measured by an IVF build (empty otherwise)."""
         self._barrier()
         if self.rank == 0:
             probe = self._graph_probe
             before = (self.client.neighbors(self.table, probe)
                       if current_graph_version(self.client, self.table) else None)
             started = time.perf_counter()
-            self.build_graph(self.step)
+            report = self.build_graph(self.step)
             seconds = time.perf_counter() - started
             turnover = None if before is None else float(neighbor_turnover(
                 before, self.client.neighbors(self.table, probe)).mean())
-            log.info("graph_rebuilt step=%d seconds=%.1f turnover=%s", self.step, seconds,
-                     "-" if turnover is None else f"{turnover:.3f}")
+            refresh = "full" if report.full else "touched"
+            log.info("graph_rebuilt step=%d seconds=%.1f turnover=%s method=%s refresh=%s "
+                     "classes=%d recall_at_k=%s", self.step, seconds,
+                     "-" if turnover is None else f"{turnover:.3f}", report.method, refresh,
+                     report.classes, "-" if report.recall is None else f"{report.recall:.4f}")
             self.run_log.record("graph", {"step": self.step, "seconds": round(seconds, 3),
-                                          "turnover": turnover})
+                                          "turnover": turnover, "method": str(report.method),
+                                          "refresh": refresh, "classes": report.classes,
+                                          "recall": report.recall})
         self._barrier()
 
     def _barrier(self) -> None:

@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "xcls.train_cmd",
     "xcls.cluster_cmd",
     "xcls.gear_cmd",
+    "xcls.plan_cmd",
 ]
 
 

@@ -187,7 +187,8 @@ class Cluster:
         extra = ["--restore", "latest"] if args.shards_only else []
         if self.cfg is not None:
             # every checkpoint a rollback may pick keeps the snapshot of its step
-            extra += ["--keep-snapshots", str(self.cfg.train.snapshots_to_keep)]
+            extra += ["--keep-snapshots", str(self.cfg.train.snapshots_to_keep),
+                      "--storage", str(self.cfg.ams.storage)]
         return shard_processes(args.shards, data_dir=self.data_dir, ports=ports,
                                token_file=self.token_file, extra_args=extra,
                                xcls_flags=_child_flags(args), ready_timeout=args.start_timeout,

@@ -124,6 +124,12 @@ class AmsConfig:
     """row dtype: float32 | float16 | bfloat16 (ams.dtypes.RowDtype)"""
     state_dtype: str = ""
     """momentum dtype: float32 | float16 | bfloat16 (empty: same as dtype)"""
+    storage: str = "memory"
+    """where the shards keep rows, momentum and decay clocks: memory | mmap
+    (ams.storage.StorageKind). mmap: files under the shards' data dir (embedded:
+    train.out_dir/ams/tables), mapped into memory and paged by the OS, for tables larger
+    than RAM; kept across a clean stop, discarded after a crash (the run resumes from its
+    snapshot)"""
     token_file: str = ""
     """file with the shards' shared secret (empty: none)"""
     scheduler: str = ""
@@ -141,6 +147,24 @@ class GraphConfig:
     took were (docs/accuracy.md)"""
     device: str = ""
     """where to build (empty: the training device)"""
+    method: str = "exact"
+    """how a full build finds the neighbors: exact (every pair scored, O(N^2 d)) | ivf (faiss
+    inverted lists over float16 rows, about O(N^1.5 d); each build logs and writes to
+    OUT/graph.csv the recall of 1,000 sampled lists against an exact search)
+    (ams.graph.GraphMethod)"""
+    nlist: int = 0
+    """ivf: k-means lists the rows are split into (0: about 4 sqrt(N), see
+    ams.graph.resolve_nlist)"""
+    nprobe: int = 8
+    """ivf: lists each class scans for its neighbors, <= nlist when nlist is given; more:
+    higher recall, longer builds"""
+    refresh: str = "full"
+    """what a rebuild recomputes: full (every list) | touched (after a full build, only the
+    lists of the classes pushed since, exactly; cheaper when few classes move between
+    rebuilds) (ams.graph.GraphRefresh, ams.graph_build.GraphUpdater)"""
+    full_every: int = 10
+    """refresh = touched: a full build after this many touched refreshes (0: never), since an
+    untouched class keeps its list while its neighbors move"""
 
 
 @dataclass
@@ -232,20 +256,24 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     validation. Imported when a config is validated, not when the command line starts
     (the libraries import torch)."""
     from ams.dtypes import RowDtype
+    from ams.graph import GraphMethod, GraphRefresh
+    from ams.storage import StorageKind
     from bridge import GearBackend
     from workers.gear import SlowGearMode
     from workers.heads import HeadKind
     from workers.losses import Margin
 
     return {"head.kind": HeadKind, "head.margin": Margin, "ams.dtype": RowDtype,
-            "ams.state_dtype": RowDtype, "gear.backend": GearBackend, "gear.slow": SlowGearMode}
+            "graph.method": GraphMethod, "graph.refresh": GraphRefresh,
+            "ams.state_dtype": RowDtype, "ams.storage": StorageKind,
+            "gear.backend": GearBackend, "gear.slow": SlowGearMode}
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
             "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
-            "gear.publish_every"}
+            "gear.publish_every", "graph.nprobe"}
 NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
                 "optim.weight_decay", "optim.head_weight_decay", "optim.warmup_steps",
-                "graph.rebuild_every",
+                "graph.rebuild_every", "graph.nlist", "graph.full_every",
                 "train.max_steps", "train.seed", "train.prefetch_depth", "train.threads",
                 "train.eval_every", "train.checkpoint_every", "gear.ttl"}
 
@@ -324,6 +352,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
     if not 0 <= cfg.head.random_share <= 1:
         raise ConfigError(f"head.random_share: must be in [0, 1], got {cfg.head.random_share}")
+    if cfg.graph.nlist and cfg.graph.nprobe > cfg.graph.nlist:
+        raise ConfigError(f"graph.nprobe={cfg.graph.nprobe} exceeds graph.nlist="
+                          f"{cfg.graph.nlist}: a class cannot scan more lists than there are")
     if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
                           "keep at least as many neighbors as the head takes")

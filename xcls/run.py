@@ -101,7 +101,8 @@ def build_run(cfg: ExperimentConfig,
     from torch.nn.parallel import DistributedDataParallel
 
     from ams.graph import budget_for_sample_rate
-    from ams.graph_build import build_graph as build_table_graph
+    from ams.graph.ivf import load_faiss
+    from ams.graph_build import GraphMethod, GraphUpdater
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import LmdbImageDataset
     from workers.heads import HeadKind, build_head
@@ -156,11 +157,16 @@ def build_run(cfg: ExperimentConfig,
                       logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
     build_graph = None
     if cfg.head.kind == HeadKind.KNN:
-        graph_device = cfg.graph.device or str(device)
-
-        def build_graph(step: int) -> None:
-            build_table_graph(client, cfg.ams.table, k=cfg.graph.k, step=step,
-                              device=graph_device)
+        if cfg.graph.method == GraphMethod.IVF:
+            try:
+                load_faiss()
+            except ImportError as e:
+                raise ConfigError(f"graph.method: {e}") from None
+        build_graph = GraphUpdater(
+            client, cfg.ams.table, cfg.graph.k, method=cfg.graph.method,
+            refresh=cfg.graph.refresh, full_every=cfg.graph.full_every, nlist=cfg.graph.nlist,
+            nprobe=cfg.graph.nprobe, device=cfg.graph.device or str(device),
+            seed=cfg.train.seed).update
 
     options = LoopOptions(
         out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
@@ -196,14 +202,24 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
     With a scheduler, ``lease_rank`` (a training worker's global rank) keeps a worker lease
     until the process exits; once the scheduler loses a shard or worker, the client is
     invalidated, every later call raises ShardRestarted, and the group rolls back.
+
+    Shards in process keep their tables as ``ams.storage`` says, mmap files in
+    ``out_dir/ams/tables``, which are closed when the process exits, so that the next run
+    there reopens them instead of making them again.
     """
+    import atexit
+
     import ams
 
     if not cfg.ams.scheduler:
-        return ams.connect(cfg.ams.addresses, token=token) if cfg.ams.addresses else \
-            ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
-                        keep_snapshots=cfg.train.snapshots_to_keep)
-    import atexit
+        if cfg.ams.addresses:
+            return ams.connect(cfg.ams.addresses, token=token)
+        client = ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
+                             keep_snapshots=cfg.train.snapshots_to_keep,
+                             storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables")
+        if cfg.ams.storage == "mmap":
+            atexit.register(client.close)
+        return client
     import os
     import socket
     import uuid

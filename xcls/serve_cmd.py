@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 
 if TYPE_CHECKING:
     from ams.scheduler import LeaseKeeper
+    from ams.store import ShardStore
 
 log = logging.getLogger("xcls.serve")
 
@@ -28,13 +30,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "shard", help="serve one shard of the class-weight tables over gRPC",
         description="Serve shard I of S of the class-weight tables (rows + momentum) over gRPC. "
         "Class id c lives on shard c mod S. Stops cleanly on SIGTERM/SIGINT: health turns "
-        "NOT_SERVING, in-flight pushes finish, exit code 0.",
+        "NOT_SERVING, in-flight pushes finish, mmap tables are written out and kept "
+        "(--storage), exit code 0.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shard-id", type=int, required=True, help="this shard's index I, 0-based")
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S in all")
     _add_listen_args(p, "anything but loopback needs --auth-token-file or TLS")
     p.add_argument("--data-dir", type=Path,
                    help="snapshot directory, shared by all shards of the cluster")
+    p.add_argument("--storage", default="memory", metavar="memory|mmap",
+                   help="where the tables' rows, optimizer state and decay clocks live: "
+                        "'memory' (RAM), or 'mmap': files under DATA_DIR/tables mapped into "
+                        "memory and paged by the OS, for tables larger than RAM (needs "
+                        "--data-dir and the disk space). A clean stop keeps mmap tables and "
+                        "the next start reopens them (not their neighbor graphs: build them "
+                        "again or restore a snapshot); "
+                        "after a crash they are discarded: restore a snapshot. A storage "
+                        "error at start is one line on stderr and exit code 2")
     p.add_argument("--restore", metavar="latest|STEP",
                    help="load a snapshot before serving: 'latest' = newest complete one "
                         "(starts empty if there is none yet)")
@@ -219,12 +231,6 @@ def _read_secret(path: Path, what: str) -> bytes:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ams.errors import SnapshotError
-    from ams.metrics import record_restore
-    from ams.server import create_server
-    from ams.snapshot import list_steps, restore_into
-    from ams.store import ShardStore
-
     if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
                          f"{args.num_shards})")
@@ -251,8 +257,51 @@ def run_shard(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.torch_threads)
-    serve_metrics_from_args(args)
-    store = ShardStore(args.shard_id, args.num_shards)
+    store = _open_store(args)
+    try:
+        serve_metrics_from_args(args)
+        restored = _restore_at_start(args, store)
+        return _serve(args, store, restored, token, tls)
+    finally:
+        _close_store(store)
+
+
+def _open_store(args: argparse.Namespace) -> ShardStore:
+    """The shard's store on ``--storage`` (mmap: reopening the tables a clean stop kept); a
+    storage error is one line on stderr and exit code 2."""
+    from ams.errors import AmsError
+    from ams.store import ShardStore
+
+    if args.storage == "mmap" and args.data_dir is None:
+        error = "--storage mmap needs --data-dir (its tables go in DATA_DIR/tables)"
+    else:
+        try:
+            return ShardStore(args.shard_id, args.num_shards, storage=args.storage,
+                              storage_dir=args.data_dir / "tables" if args.data_dir else None)
+        except AmsError as e:
+            error = f"--storage {args.storage}: {e}"
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _close_store(store: ShardStore) -> None:
+    """Close the store, keeping mmap tables for the next start; a table that cannot be kept
+    is logged (the next start discards it)."""
+    from ams.errors import AmsError
+
+    try:
+        store.close()
+    except AmsError as e:
+        log.error("store_close_failed error=%s", e)
+
+
+def _restore_at_start(args: argparse.Namespace, store: ShardStore) -> int:
+    """``--restore``: load a snapshot into ``store`` before serving; the step loaded (-1:
+    none)."""
+    from ams.errors import SnapshotError
+    from ams.metrics import record_restore
+    from ams.snapshot import list_steps, restore_into
+
     restored = -1
     if args.restore is not None:
         if args.restore == "latest":
@@ -275,6 +324,14 @@ def run_shard(args: argparse.Namespace) -> int:
                 log.warning("restore_fell_back newest=%d restored=%d", newest, restored)
             log.info("restored step=%d path=%s", restored, path)
             record_restore()
+    return restored
+
+
+def _serve(args: argparse.Namespace, store: ShardStore, restored: int, token: str | None,
+           tls: bool) -> int:
+    """Serve ``store`` until SIGTERM/SIGINT (exit code 0) or a lost lease."""
+    from ams.server import create_server
+
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)
 

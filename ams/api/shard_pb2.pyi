@@ -14,11 +14,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
 INT64: DType
+INT32: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -177,18 +179,20 @@ class TableStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., owned_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., graph_version: _Optional[int] = ..., graph_step: _Optional[int] = ..., graph_k: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation")
+    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation", "storage")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAST_SNAPSHOT_STEP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     last_snapshot_step: int
     incarnation: str
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    storage: str
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ..., incarnation: _Optional[str] = ..., storage: _Optional[str] = ...) -> None: ...
 
 class NeighborsRequest(_message.Message):
     __slots__ = ("table", "ids")
@@ -229,3 +233,17 @@ class SetNeighborsReply(_message.Message):
     GRAPH_VERSION_FIELD_NUMBER: _ClassVar[int]
     graph_version: int
     def __init__(self, graph_version: _Optional[int] = ...) -> None: ...
+
+class TakeTouchedRequest(_message.Message):
+    __slots__ = ("table", "max_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    max_ids: int
+    def __init__(self, table: _Optional[str] = ..., max_ids: _Optional[int] = ...) -> None: ...
+
+class TakeTouchedReply(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: Tensor
+    def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class ShardStub:
                 request_serializer=ams_dot_api_dot_shard__pb2.SetNeighborsRequest.SerializeToString,
                 response_deserializer=ams_dot_api_dot_shard__pb2.SetNeighborsReply.FromString,
                 _registered_method=True)
+        self.TakeTouched = channel.unary_unary(
+                '/xcls.ams.Shard/TakeTouched',
+                request_serializer=ams_dot_api_dot_shard__pb2.TakeTouchedRequest.SerializeToString,
+                response_deserializer=ams_dot_api_dot_shard__pb2.TakeTouchedReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -138,6 +143,12 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeTouched(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.SetNeighbors,
                     request_deserializer=ams_dot_api_dot_shard__pb2.SetNeighborsRequest.FromString,
                     response_serializer=ams_dot_api_dot_shard__pb2.SetNeighborsReply.SerializeToString,
+            ),
+            'TakeTouched': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeTouched,
+                    request_deserializer=ams_dot_api_dot_shard__pb2.TakeTouchedRequest.FromString,
+                    response_serializer=ams_dot_api_dot_shard__pb2.TakeTouchedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Shard:
             '/xcls.ams.Shard/SetNeighbors',
             ams_dot_api_dot_shard__pb2.SetNeighborsRequest.SerializeToString,
             ams_dot_api_dot_shard__pb2.SetNeighborsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeTouched(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xcls.ams.Shard/TakeTouched',
+            ams_dot_api_dot_shard__pb2.TakeTouchedRequest.SerializeToString,
+            ams_dot_api_dot_shard__pb2.TakeTouchedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,8 +8,8 @@ Both samplers share one signature so a head can swap them:
 * ``remapped_labels``: (B,) int64 with ``active[remapped_labels] == labels``: the target
   column of each sample in the (B, A) logits.
 
-Neighbor lists come dense: (B, k) int64 in rank order, -1 padding a short list (a CSR lookup
-result becomes this with ``ams.graph.csr.csr_to_dense``).
+Neighbor lists come dense: (B, k) int64 in rank order, -1 padding a short list (a table lookup
+result becomes this with ``ams.graph.csr.lists_to_dense``).
 
 Selection runs on CPU (the prefetch thread), on CPU tensors. The sorts inside go through numpy:
 torch's multi-threaded CPU sort of a few 100k int64 is many times slower than numpy's whenever

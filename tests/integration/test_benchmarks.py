@@ -80,6 +80,15 @@ def test_bench_graph_without_faiss_still_checks_recall() -> None:
     assert cells[2] == cells[3] == cells[5] == cells[7] == "-", cells
 
 
+def test_bench_graph_ivf_beside_faiss_flat_and_exact() -> None:
+    # N | nlist | nprobe | ivf s | ivf cpu s | recall ivf | ivf +MB | flat s | recall flat |
+    # exact s | recall exact
+    cells = bench_graph_row(3000, "--method", "ivf")
+    assert cells[1:3] == ["75", "8"], cells  # 3000 // 40 lists (below 4 sqrt(N)); 8 scanned
+    assert float(cells[5]) >= 0.9 and float(cells[8]) >= 0.9, cells
+    assert float(cells[10]) == 1.0, cells
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
 def test_bench_graph_refuses_cuda_without_a_gpu() -> None:
     done = run_benchmark("bench_graph.py", "--sizes", "100", "--device", "cuda")
@@ -108,3 +117,56 @@ def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, tmp_path) -> Non
     assert cells["backbone tensors differing from the reference"][1].startswith("0 of"), \
         done.stdout
     assert cells["top-1"][0] == cells["top-1"][1] != "-", done.stdout
+
+
+def test_bench_scale_quick_reports_every_size_and_storage() -> None:
+    done = run_benchmark("bench_scale.py", "--quick", "--threads", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # --quick: 20,000 classes in memory, 200,000 in mmap storage, batch 32, k=12
+    capacity = {cells[0]: cells for cells in table_rows(done.stdout, "20,000")
+                + table_rows(done.stdout, "200,000") if len(cells) == 9}
+    assert {n: cells[1] for n, cells in capacity.items()} == {"20,000": "memory",
+                                                              "200,000": "mmap"}
+    steps = [(cells[0], cells[2]) for n in ("20,000", "200,000")
+             for cells in table_rows(done.stdout, n) if len(cells) == 7]
+    assert sorted(steps) == sorted((n, ams) for n in ("20,000", "200,000")
+                                   for ams in ("gRPC (4 processes)", "embedded (4 shards)"))
+    heads = [cells[1] for cells in table_rows(done.stdout, "20,000") if len(cells) == 6]
+    assert heads == ["full softmax (blocked, exact)", "knn (k=12, budget 384)"]
+
+
+def test_bench_scale_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
+    """The blocked full softmax the scale benchmark times is the library's full head: same
+    loss, dL/dX and pushed rows, computed here both ways on the same table."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_scale import TABLE, full_softmax_blocked
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import ams
+    from workers.heads import build_head
+    from workers.losses import CombinedMarginLoss
+
+    n, dim, batch = 3000, 16, 24
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(batch, dim, generator=generator)
+    labels = torch.randint(n, (batch,), generator=generator)
+    margin = CombinedMarginLoss.from_preset("arcface")
+    results = []
+    for blocked in (False, True):
+        with ams.connect(local_shards=2) as client:
+            client.create_table(TABLE, n, dim, momentum=0.0, weight_decay=0.0, init_std=1.0)
+            if blocked:
+                loss, feature_grad = full_softmax_blocked(client, n, features, labels, margin,
+                                                          block=777)
+            else:
+                head = build_head("full", client, TABLE, n, margin)
+                active = head.prepare(labels)
+                step = head.forward_backward(features, active)
+                client.push(TABLE, active.active_ids, step.row_grad, 0.1)
+                loss, feature_grad = step.loss, step.feature_grad
+            results.append((loss, feature_grad, client.pull(TABLE, torch.arange(n))))
+    (loss_a, grad_a, rows_a), (loss_b, grad_b, rows_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    torch.testing.assert_close(grad_b, grad_a, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-6)

@@ -52,7 +52,7 @@ def test_cli_build_on_three_shards_equals_brute_force(shard_cluster):
     check_lists(client.neighbors("fc", torch.arange(N)), scores, kth)
     assert {s["tables"]["fc"]["graph_version"] for s in client.stats()} == {1}
     # in-process build through a connected client gives the next version, same lists
-    assert build_graph(client, "fc", k=K, step=7) == 2
+    assert build_graph(client, "fc", k=K, step=7).version == 2
     check_lists(client.neighbors("fc", torch.arange(N)), scores, kth)
     assert {s["tables"]["fc"]["graph_step"] for s in client.stats()} == {7}
     client.close()
@@ -109,6 +109,74 @@ def test_neighbors_rpc_bad_input(shard_cluster):
     restored = ams.connect(local_shards=2, data_dir=proc.data_dir)
     assert restored.restore() == 1
     assert torch.equal(restored.neighbors("fc", torch.arange(N)), lists)
+    client.close()
+
+
+def test_compact_lists_over_the_wire(shard_cluster):
+    """Fixed-width int32 lists travel without offsets, ragged ones as CSR; hostile requests
+    are refused and change nothing; the layout survives a snapshot."""
+    (proc,) = shard_cluster(1)
+    client = ams.connect([proc.address])
+    client.create_table("fc", num_rows=N, dim=D)
+    lists = [[(c + 5 * j) % N for j in range(K)] for c in range(N)]  # reference, by class
+    client.set_neighbors("fc", torch.arange(N), torch.tensor(lists), version=1, step=0,
+                         replace_all=True)
+    stub = pb_grpc.ShardStub(grpc.insecure_channel(proc.address))
+
+    def ask(ids: list[int]) -> pb.NeighborsReply:
+        return stub.Neighbors(pb.NeighborsRequest(table="fc", ids=codec.encode(
+            torch.tensor(ids))))
+
+    reply = ask([3, 599, 3])
+    assert not reply.HasField("offsets")
+    assert (reply.neighbors.dtype, list(reply.neighbors.shape)) == (pb.INT32, [3, K])
+    assert codec.decode(reply.neighbors, "n").tolist() == [lists[3], lists[599], lists[3]]
+    # a refresh sent fixed width in int32, as a raw request with no offsets
+    lists[10] = [10, 1, 2, 3, 4, 5, 6, 7]
+    stub.SetNeighbors(pb.SetNeighborsRequest(
+        table="fc", ids=codec.encode(torch.tensor([10])),
+        neighbors=codec.encode(torch.tensor([lists[10]], dtype=torch.int32)), graph_version=2))
+    # a short list as CSR with int32 ids: the shard keeps and answers CSR
+    lists[11] = [11, 0]
+    stub.SetNeighbors(pb.SetNeighborsRequest(
+        table="fc", ids=codec.encode(torch.tensor([11])),
+        offsets=codec.encode(torch.tensor([0, 2])),
+        neighbors=codec.encode(torch.tensor(lists[11], dtype=torch.int32)), graph_version=3))
+    reply = ask([11, 10])
+    assert codec.decode(reply.offsets, "o").tolist() == [0, 2, 2 + K]
+    assert reply.neighbors.dtype == pb.INT32
+    assert codec.decode(reply.neighbors, "n").tolist() == lists[11] + lists[10]
+    expected = torch.tensor([r + [-1] * (K - len(r)) for r in lists])
+    assert torch.equal(client.neighbors("fc", torch.arange(N)), expected)
+
+    ids2 = codec.encode(torch.tensor([0, 1]))
+    hostile = [
+        (dict(neighbors=codec.encode(torch.tensor([[0] * K, [N] * K], dtype=torch.int32))),
+         grpc.StatusCode.OUT_OF_RANGE),
+        (dict(neighbors=codec.encode(torch.zeros((3, K), dtype=torch.int32))),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(offsets=codec.encode(torch.tensor([0, K, 2 * K])),
+              neighbors=codec.encode(torch.zeros((2, K), dtype=torch.int32))),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(neighbors=codec.encode(torch.zeros((2, K)))), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(neighbors=codec.encode(torch.zeros(2 * K, dtype=torch.int32))),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for replace_all in (False, True):
+        for fields, code in hostile:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.SetNeighbors(pb.SetNeighborsRequest(
+                    table="fc", ids=ids2, graph_version=9, replace_all=replace_all, **fields))
+            assert info.value.code() == code, info.value.details()
+    assert torch.equal(client.neighbors("fc", torch.arange(N)), expected)
+    assert client.stats()[0]["tables"]["fc"]["graph_version"] == 3
+    client.snapshot(step=1)
+    restored = ams.connect(local_shards=2, data_dir=proc.data_dir)
+    assert restored.restore() == 1
+    assert torch.equal(restored.neighbors("fc", torch.arange(N)), expected)
+    shards = [shard.store.table("fc").graph for shard in restored.shards]
+    assert [g.fixed for g in shards] == [True, False]  # class 11 is odd: shard 1
+    assert {g.neighbors.dtype for g in shards} == {torch.int32}
     client.close()
 
 

@@ -52,6 +52,18 @@ def test_remote_equals_in_process(shard_cluster):
     remote.close()
 
 
+def test_a_table_created_over_grpc_has_exactly_the_spec_asked_for(shard_cluster):
+    """Specs travel as doubles: 5e-4 is not a float32, and a spec rounded on the way would be
+    another table to an in-process store that reopens or restores it."""
+    procs = shard_cluster(1)
+    with ams.connect([procs[0].address]) as remote:
+        remote.create_table("fc", num_rows=10, dim=4, momentum=0.3, weight_decay=5e-4,
+                            init_std=0.01)
+    with ams.connect([procs[0].address]) as fresh:  # asks the shard, not its own memory
+        spec = fresh.spec("fc")
+    assert (spec.momentum, spec.weight_decay, spec.init_std) == (0.3, 5e-4, 0.01)
+
+
 def test_health_and_graceful_sigterm(shard_cluster):
     (proc,) = shard_cluster(1)
     with grpc.insecure_channel(proc.address) as channel:

@@ -1,0 +1,553 @@
+"""Where one shard's table tensors live: in memory, or in files mapped into the process.
+
+A shard keeps three tensors per table (``ams.store``): rows (owned, dim) of the row dtype,
+optimizer state (owned, state_width) of the state dtype, and each row's decay clock, float64
+(owned,). ``StorageKind.MEMORY`` keeps them in RAM. ``StorageKind.MMAP`` keeps them in files
+mapped shared, so pushes write the files and the OS pages rows in and out: a shard's part of a
+table may exceed the machine's memory. Its layout, in a storage dir the shards may share::
+
+    STORAGE_DIR/shard-00000-of-00002/      one directory per shard (``sharding.piece_name``)
+        .lock                              held (flock) by the store that uses it
+        fc/                                one per table (``table_dir_name``)
+            rows.bin state.bin row_clock.bin   each tensor's bytes, row-major, native order
+            table.json                     spec, shard layout, "closed"; once closed also the
+                                           decay clock and the push dedupe state
+
+Files are preallocated (``posix_fallocate``), so a full disk, a quota or a file-size limit
+fails when a table is made, with ``StorageFull``, not later as SIGBUS on a page's first write.
+A new table, created or restored, is built in a hidden directory beside the live ones and
+renamed into place once complete: a failure leaves no half-made files and the live table as
+it was. ``close_table`` flushes the maps (msync) and marks the table closed; a store opening
+the directory again reopens closed tables and discards the others, whose files may hold a
+half-applied push (the process died; a snapshot is the recovery). Copies for snapshots go to
+scratch files unlinked as soon as they are mapped: no RAM copy of the table, their disk space
+returns when the copy is dropped, and a crash leaves none behind. Pure: no gRPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import mmap
+import os
+import re
+import shutil
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ams import sharding
+from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
+
+log = logging.getLogger(__name__)
+
+TABLE_FORMAT = 1  # the layout of table.json
+TABLE_JSON = "table.json"
+TENSORS = ("rows", "state", "row_clock")  # each in <name>.bin
+LOCK_FILE = ".lock"
+# What a store makes beside its live tables: tables being built, tables being replaced,
+# scratch copies. Hidden names, so no table's directory can take one; a store removes the
+# leftovers of a process that died when it opens the directory.
+_STAGE, _OLD, _SCRATCH = ".stage-", ".old-", ".scratch-"
+# Table names used as directory names as they are; any other name goes by its hash.
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "over the disk quota",
+              errno.EFBIG: "over the process's file-size limit (ulimit -f)"}
+_ADVICE = "use more shards, fewer rows or a smaller dtype"
+
+
+class StorageKind(StrEnum):
+    MEMORY = "memory"  # tensors in RAM: a shard's part of a table must fit the machine's memory
+    MMAP = "mmap"  # files under a storage dir, mapped shared and paged in and out by the OS
+
+
+class TableLayout(Protocol):
+    """What storage reads of a table spec (``ams.store.TableSpec``)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+    state_dtype: torch.dtype
+
+    @property
+    def state_width(self) -> int: ...
+
+    def describe(self) -> dict: ...
+
+    def bytes_per_shard(self, num_shards: int) -> int: ...
+
+
+@dataclass
+class MappedFiles:
+    """Where an mmap table's tensors are mapped from: ``home``, its directory (a staging
+    directory until installed), and the maps, kept to flush them."""
+
+    home: Path
+    maps: list[mmap.mmap] = field(default_factory=list)
+
+    def flush(self) -> None:
+        """Write every dirty page to the files and wait until it is written (msync)."""
+        for m in self.maps:
+            m.flush()
+
+
+@dataclass
+class TableTensors:
+    """One shard's part of a table: rows (owned, dim) of the row dtype, state (owned,
+    state_width) of the state dtype, row_clock float64 (owned,); ``files``: where they are
+    mapped from (None: in memory)."""
+
+    rows: torch.Tensor
+    state: torch.Tensor
+    row_clock: torch.Tensor
+    files: MappedFiles | None = None
+
+
+@dataclass
+class ReopenedTable:
+    """A closed table found again by ``Storage.reopen``: its spec and push dedupe state as the
+    caller's parsers made them, its tensors and its decay clock."""
+
+    spec: TableLayout
+    tensors: TableTensors
+    clock: float
+    dedupe: object
+
+
+def table_dir_name(name: str) -> str:
+    """The directory of table ``name`` in a shard's storage dir: the name itself when it is a
+    plain file name, else ``~`` and a hash of it (table names may hold any printable
+    character)."""
+    if _PLAIN_NAME.match(name):
+        return name
+    return "~" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def open_storage(kind: str, storage_dir: str | Path | None, shard_id: int,
+                 num_shards: int) -> Storage:
+    """The storage of shard ``shard_id`` of ``num_shards``: ``kind`` "memory" (which keeps
+    no files and ignores ``storage_dir``) or "mmap" (needs ``storage_dir``; ``StorageError``
+    when it cannot be used or another store uses it). ``InvalidArgument`` for anything
+    else."""
+    try:
+        kind = StorageKind(kind)
+    except ValueError:
+        raise InvalidArgument(f"storage={shorten(kind)}: need one of "
+                              f"{', '.join(repr(k.value) for k in StorageKind)}") from None
+    if kind == StorageKind.MEMORY:
+        return MemoryStorage(shard_id, num_shards)
+    if storage_dir is None:
+        raise InvalidArgument("storage='mmap' needs a storage_dir for the table files")
+    return MmapStorage(Path(storage_dir), shard_id, num_shards)
+
+
+class Storage(ABC):
+    """Makes, installs, copies and keeps one shard's table tensors. The store calls
+    ``install`` under its tables lock and ``copy`` and ``close_table`` under the table's;
+    ``stage`` and ``discard`` work on files of their own and need no lock."""
+
+    kind: StorageKind
+
+    def __init__(self, shard_id: int, num_shards: int) -> None:
+        self.shard_id, self.num_shards = shard_id, num_shards
+
+    def owned(self, spec: TableLayout) -> int:
+        return sharding.owned_count(spec.num_rows, self.shard_id, self.num_shards)
+
+    def shapes(self, spec: TableLayout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each of this shard's tensors of ``spec``, in ``TENSORS`` order."""
+        owned = self.owned(spec)
+        return {"rows": ((owned, spec.dim), spec.dtype),
+                "state": ((owned, spec.state_width), spec.state_dtype),
+                "row_clock": ((owned,), torch.float64)}
+
+    @abstractmethod
+    def stage(self, spec: TableLayout) -> TableTensors:
+        """Zero tensors for this shard's part of ``spec``, not yet any live table's;
+        ``RequestTooLarge`` (``StorageFull`` for files) when they cannot be had."""
+
+    @abstractmethod
+    def install(self, spec: TableLayout, staged: TableTensors) -> TableTensors:
+        """Make ``staged`` (from ``stage``) the live tensors of ``spec.name``, replacing any
+        live table of that name; returns them."""
+
+    @abstractmethod
+    def discard(self, staged: TableTensors) -> None:
+        """Drop staged tensors that will not be installed."""
+
+    @abstractmethod
+    def copy(self, tensors: TableTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of (rows, state, row_clock) at this instant (for a snapshot to write)."""
+
+    @abstractmethod
+    def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
+                    dedupe: list) -> None:
+        """Keep a live table for a later store: its tensors, decay clock and push dedupe
+        state (``PushDedupe.to_json``)."""
+
+    @abstractmethod
+    def reopen(self, parse_spec: Callable[[dict], TableLayout],
+               parse_dedupe: Callable[[object], object]) -> list[ReopenedTable]:
+        """The tables a previous store closed here, reopened (they are live from now on);
+        ``parse_spec`` and ``parse_dedupe`` turn their stored descriptions into objects."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let another store use this storage."""
+
+
+class MemoryStorage(Storage):
+    """Tensors in RAM; nothing outlives the process."""
+
+    kind = StorageKind.MEMORY
+
+    def stage(self, spec: TableLayout) -> TableTensors:
+        needed = spec.bytes_per_shard(self.num_shards)
+        advice = f"{_ADVICE}, or storage='mmap'"
+        physical = _physical_memory_bytes()
+        # Past physical memory an allocation may still succeed (overcommit) and the process
+        # be killed while the rows are filled in; refuse it before it starts.
+        if physical is not None and needed > physical:
+            raise RequestTooLarge(
+                f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
+                f"shards, more than this machine's {physical} bytes of memory; {advice}")
+        try:
+            tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in
+                       self.shapes(spec).values()]
+        except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError when malloc fails
+            raise RequestTooLarge(
+                f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
+                f"shards and this shard cannot allocate them ({shorten(str(e))}); "
+                f"{advice}") from None
+        return TableTensors(*tensors)
+
+    def install(self, spec: TableLayout, staged: TableTensors) -> TableTensors:
+        return staged
+
+    def discard(self, staged: TableTensors) -> None:
+        """Nothing to do: the tensors go with their last reference."""
+
+    def copy(self, tensors: TableTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tensors.rows.clone(), tensors.state.clone(), tensors.row_clock.clone()
+
+    def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
+                    dedupe: list) -> None:
+        """Nothing to keep: memory tables end with the process."""
+
+    def reopen(self, parse_spec: Callable[[dict], TableLayout],
+               parse_dedupe: Callable[[object], object]) -> list[ReopenedTable]:
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class MmapStorage(Storage):
+    """Tensors in files under ``storage_dir``/``piece_name``, mapped shared (see the module
+    docstring for the layout). Holds the piece directory's lock from construction to
+    ``close``."""
+
+    kind = StorageKind.MMAP
+
+    def __init__(self, storage_dir: Path, shard_id: int, num_shards: int) -> None:
+        super().__init__(shard_id, num_shards)
+        self.root = storage_dir / sharding.piece_name(shard_id, num_shards)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.root / LOCK_FILE, "ab")  # held, and flocked, until close
+        except OSError as e:
+            raise StorageError(f"{self.root}: cannot keep table files here ({e.strerror})"
+                               ) from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise StorageError(f"{self.root} is in use by another shard store (another "
+                               "process, or a store of this one not closed); stop it first "
+                               "or give this shard another storage dir") from None
+        for p in self.root.iterdir():  # nothing of ours is in progress: we hold the lock
+            if p.name.startswith((_STAGE, _OLD, _SCRATCH)):
+                _remove(p)
+
+    def _doc(self, spec: TableLayout, closed: bool) -> dict:
+        return {"format": TABLE_FORMAT, "spec": spec.describe(), "shard_id": self.shard_id,
+                "num_shards": self.num_shards, "owned_rows": self.owned(spec),
+                "closed": closed}
+
+    def stage(self, spec: TableLayout) -> TableTensors:
+        what = f"table {shorten(spec.name)}"
+        shapes = self.shapes(spec)
+        needed = sum(_nbytes(shape, dtype) for shape, dtype in shapes.values())
+        free = shutil.disk_usage(self.root).free
+        if needed > free:
+            raise StorageFull(f"{what} needs {needed} bytes of files under {self.root}, and "
+                              f"only {free} bytes are free there; free disk space or {_ADVICE}")
+        home = self.root / f"{_STAGE}{uuid.uuid4().hex[:12]}"
+        try:
+            home.mkdir()
+            files = MappedFiles(home)
+            tensors = [_map_new(home / f"{name}.bin", shape, dtype, files, what)
+                       for name, (shape, dtype) in shapes.items()]
+            _write_json(home / TABLE_JSON, self._doc(spec, closed=False), what)
+        except OSError as e:
+            _remove(home)
+            raise StorageError(f"{what}: cannot make its files in {self.root} "
+                               f"({e.strerror or e})") from None
+        except BaseException:
+            _remove(home)
+            raise
+        return TableTensors(*tensors, files=files)
+
+    def install(self, spec: TableLayout, staged: TableTensors) -> TableTensors:
+        files = staged.files
+        if files is None or files.home.parent != self.root \
+                or not files.home.name.startswith(_STAGE):
+            raise InvalidArgument(f"table {shorten(spec.name)}: the tensors to install were "
+                                  "not staged by this storage")
+        final = self.root / table_dir_name(spec.name)
+        old = self.root / f"{_OLD}{uuid.uuid4().hex[:12]}"
+        try:
+            if final.exists():
+                final.rename(old)
+            files.home.rename(final)
+        except OSError as e:
+            if old.exists() and not final.exists():
+                old.rename(final)
+            raise StorageError(f"table {shorten(spec.name)}: cannot put {files.home} in place "
+                               f"of {final} ({e.strerror or e})") from None
+        files.home = final
+        fsync_path(self.root)
+        # The replaced table's maps stay valid while its tensors are referenced (a push in
+        # flight finishes on them); its files go now.
+        _remove(old)
+        return staged
+
+    def discard(self, staged: TableTensors) -> None:
+        home = staged.files.home if staged.files is not None else None
+        if home is not None and home.parent == self.root and home.name.startswith(_STAGE):
+            _remove(home)  # only ever a staging directory, never a live table's
+
+    def copy(self, tensors: TableTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """File-backed copies in scratch files of this shard's directory, unlinked once
+        mapped; ``StorageFull`` when the disk cannot hold them."""
+        out = []
+        for name in TENSORS:
+            src = getattr(tensors, name)
+            path = self.root / f"{_SCRATCH}{uuid.uuid4().hex[:12]}-{name}.bin"
+            try:
+                copy = _map_new(path, tuple(src.shape), src.dtype, None, "a snapshot's copy")
+            finally:
+                path.unlink(missing_ok=True)
+            copy.copy_(src)
+            out.append(copy)
+        return out[0], out[1], out[2]
+
+    def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
+                    dedupe: list) -> None:
+        files = tensors.files
+        files.flush()
+        doc = {**self._doc(spec, closed=True), "decay_clock": clock, "push_dedupe": dedupe}
+        _write_json(files.home / TABLE_JSON, doc, f"table {shorten(spec.name)}")
+
+    def reopen(self, parse_spec: Callable[[dict], TableLayout],
+               parse_dedupe: Callable[[object], object]) -> list[ReopenedTable]:
+        """Every table directory is checked before anything changes: a damaged or foreign
+        one raises ``StorageError`` and nothing is deleted. Then tables not closed are
+        discarded (a warning each) and the closed ones mapped and marked open."""
+        closed, unclosed = [], []
+        for home in sorted(p for p in self.root.iterdir()
+                           if p.is_dir() and not p.name.startswith(".")):
+            doc, spec = self._check(home, parse_spec)
+            if doc["closed"]:
+                closed.append((home, spec, self._check_closed(home, doc, spec, parse_dedupe)))
+            else:
+                unclosed.append((home, spec))
+        for home, spec in unclosed:
+            log.warning("table_discarded table=%s path=%s reason=not_closed: the process "
+                        "stopped without closing it, its files may hold a half-applied push; "
+                        "restore a snapshot", spec.name, home)
+            _remove(home)
+        out = []
+        for home, spec, (clock, dedupe) in closed:
+            files = MappedFiles(home)
+            tensors = [_map_existing(home / f"{name}.bin", shape, dtype, files)
+                       for name, (shape, dtype) in self.shapes(spec).items()]
+            _write_json(home / TABLE_JSON, self._doc(spec, closed=False),
+                        f"table {shorten(spec.name)}")
+            out.append(ReopenedTable(spec, TableTensors(*tensors, files=files), clock, dedupe))
+            log.info("table_reopened table=%s path=%s rows=%d", spec.name, home,
+                     self.owned(spec))
+        return out
+
+    def _check(self, home: Path, parse_spec: Callable[[dict], TableLayout]
+               ) -> tuple[dict, TableLayout]:
+        """table.json of ``home``: readable, of this format, this shard and this table."""
+        where = home / TABLE_JSON
+        fix = _fix(home)
+        try:
+            doc = json.loads(where.read_text())
+        except (OSError, ValueError) as e:
+            raise StorageError(f"{where}: unreadable ({e}); {fix}") from None
+        try:
+            if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+                got = doc.get("format") if isinstance(doc, dict) else doc
+                raise ValueError(f"format {shorten(got)}, need {TABLE_FORMAT}")
+            spec = parse_spec(doc["spec"])
+            layout = (doc["shard_id"], doc["num_shards"])
+            if not isinstance(doc["closed"], bool):
+                raise ValueError(f"closed {shorten(doc['closed'])}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise StorageError(f"{where}: malformed ({type(e).__name__}: {shorten(str(e))}); "
+                               f"{fix}") from None
+        if layout != (self.shard_id, self.num_shards):
+            raise StorageError(f"{where} belongs to shard {shorten(layout[0])} of "
+                               f"{shorten(layout[1])}, this is shard {self.shard_id} of "
+                               f"{self.num_shards}; {fix}")
+        if home.name != table_dir_name(spec.name):
+            raise StorageError(f"{where} describes table {shorten(spec.name)}, not the "
+                               f"table of directory {home.name}; {fix}")
+        return doc, spec
+
+    def _check_closed(self, home: Path, doc: dict, spec: TableLayout,
+                      parse_dedupe: Callable[[object], object]) -> tuple[float, object]:
+        """A closed table's files have their tensors' sizes; its clock and push dedupe
+        state parse. Returns (clock, dedupe)."""
+        fix = _fix(home)
+        for name, (shape, dtype) in self.shapes(spec).items():
+            path = home / f"{name}.bin"
+            want = _nbytes(shape, dtype)
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise StorageError(f"{path}: missing ({e.strerror}); {fix}") from None
+            if size != want:
+                raise StorageError(f"{path}: {size} bytes, table {shorten(spec.name)} needs "
+                                   f"{want} (truncated or damaged); {fix}")
+        where = home / TABLE_JSON
+        try:
+            clock = doc["decay_clock"]
+            if isinstance(clock, bool) or not isinstance(clock, (int, float)) \
+                    or not math.isfinite(clock) or clock < 0:
+                raise ValueError(f"decay_clock {shorten(clock)}")
+            return float(clock), parse_dedupe(doc["push_dedupe"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StorageError(f"{where}: malformed ({type(e).__name__}: {shorten(str(e))}); "
+                               f"{fix}") from None
+
+    def close(self) -> None:
+        self._lock.close()
+
+
+def _fix(home: Path) -> str:
+    return f"remove {home} and restore a snapshot"
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _map_new(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
+             files: MappedFiles | None, what: str) -> torch.Tensor:
+    """A new file at ``path`` holding a zero tensor of ``shape`` and ``dtype``, preallocated
+    and mapped shared (the map kept in ``files`` when given, to flush it); ``StorageFull``
+    when the disk or a limit refuses its bytes. An empty tensor stays in memory: there is
+    nothing to map. The map lives as long as the tensor."""
+    nbytes = _nbytes(shape, dtype)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if nbytes == 0:
+                return torch.zeros(shape, dtype=dtype)
+            os.posix_fallocate(fd, 0, nbytes)
+            m = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in _DISK_FULL:
+            raise StorageFull(f"{what}: {path} cannot get its {nbytes} bytes "
+                              f"({_DISK_FULL[e.errno]}); free disk space, raise the limit or "
+                              f"{_ADVICE}") from None
+        raise
+    _random_access(m)
+    if files is not None:
+        files.maps.append(m)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _map_existing(path: Path, shape: tuple[int, ...], dtype: torch.dtype,
+                  files: MappedFiles) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` in the (size-checked) file at ``path``, mapped
+    shared into ``files``."""
+    nbytes = _nbytes(shape, dtype)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    _random_access(m)
+    files.maps.append(m)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _random_access(m: mmap.mmap) -> None:
+    """Tell the kernel the map is read row by row at random (pulls and pushes of scattered
+    ids): a page fault then reads its page, not the read-around window of up to 32 pages,
+    which on a table larger than RAM would evict useful rows for neighbours nobody asked for."""
+    if hasattr(mmap, "MADV_RANDOM"):
+        m.madvise(mmap.MADV_RANDOM)
+
+
+def _write_json(path: Path, doc: dict, what: str) -> None:
+    """Replace ``path`` with ``doc`` whole (temporary file, fsync, rename, fsync of the
+    directory), so a crash leaves the old or the new one."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno in _DISK_FULL:
+            raise StorageFull(f"{what}: {path} cannot be written ({_DISK_FULL[e.errno]})"
+                              ) from None
+        raise StorageError(f"{what}: {path} cannot be written ({e.strerror or e})") from None
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (a directory's fsync makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _physical_memory_bytes() -> int | None:
+    """The machine's memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,402 @@
+"""Scale: a class table of 1M, 10M and 100M rows on one host, the knn step at each size, and
+the knn / full whole-step ratio at 10M.
+
+    python benchmarks/bench_scale.py              # 1M, 10M, 100M (about 40 minutes, 30 GB disk)
+    python benchmarks/bench_scale.py --quick      # smoke run (a minute)
+
+For every size N (``--sizes``), d = ``--dim``, float16 rows, no row momentum (the knn head's
+default), ``--shards`` shard processes on loopback:
+
+(a) Capacity. ``xcls serve shard`` processes create the table (``ams.storage = "memory"``, or
+    ``"mmap"`` from ``--mmap-from`` classes on: rows in files paged by the OS). Reported: create
+    time, resident memory (VmRSS, anonymous + file pages) per shard after the create and after a
+    neighbor graph of k = ``--k`` is installed, and bytes per class over the shards' total. A
+    shard process's resident memory before any table (``baseline``) is measured too. The
+    neighbor graph is a stand-in of the exact graph's shape (the class itself, then k-1 uniform
+    random classes, int32 fixed-width like a real one): an exact build is O(N^2 d), and a
+    step's cost depends on the lists' length, not their content. ``--resident N`` adds one
+    capacity-only row: the largest table kept in RAM (memory storage) on this host.
+(b) The knn head step: select (labels + neighbors by rank, budget B*k) + pull + forward and
+    backward on fixed random features + push, for ``--steps`` steps after ``--warmup``, over
+    gRPC and on the embedded AMS (``ams.connect(local_shards=S)``; an mmap table is reopened
+    from the files the processes left, not created again). p50 / p99 milliseconds and rows
+    pulled per second.
+(c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
+    backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
+    softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
+    step here is the exact full softmax computed block by block (rows pulled in blocks once,
+    log-sum-exp over all blocks, then each block's gradients pushed): the baseline a full
+    softmax at this size needs. Its ratio to the knn step is the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import ams
+from ams.client import ShardedClient
+from workers.backbones import build_backbone
+from workers.heads import build_head
+from workers.losses import CombinedMarginLoss
+from workers.predict import images_to_input
+from workers.trainer import step_backbone
+from xcls.shards import shard_processes
+
+TABLE = "scale"
+IMAGE_SIZE = 32
+LR = 0.1
+GRAPH_BLOCK = 1 << 22  # classes whose stand-in lists are made and sent at a time
+
+
+def resident(pid: int | str = "self") -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes of process ``pid`` from /proc."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"], fields["RssFile"] + fields.get("RssShmem", 0)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f}"
+
+
+def install_standin_graph(client: ShardedClient, n: int, k: int, seed: int) -> float:
+    """Lists of the exact graph's shape (the class, then k-1 uniform random classes), sent in
+    blocks so no (N, k) tensor is ever whole; returns the seconds it took."""
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, n, GRAPH_BLOCK):
+        ids = torch.arange(start, min(start + GRAPH_BLOCK, n), dtype=torch.int64)
+        lists = torch.empty((ids.numel(), k), dtype=torch.int64)
+        lists[:, 0] = ids
+        lists[:, 1:] = torch.randint(n, (ids.numel(), k - 1), generator=generator)
+        client.set_neighbors(TABLE, ids, lists, version=1, step=0, replace_all=True)
+    return time.perf_counter() - started
+
+
+def create_table(client: ShardedClient, n: int, args: argparse.Namespace) -> float:
+    started = time.perf_counter()
+    client.create_table(TABLE, n, args.dim, dtype="float16", momentum=0.0, seed=args.seed)
+    return time.perf_counter() - started
+
+
+# ---- (b) the knn head step ---------------------------------------------------------------
+
+
+@dataclass
+class StepTimes:
+    seconds: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.seconds)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    def rows_per_second(self) -> float:
+        return sum(self.rows) / sum(self.seconds)
+
+
+def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace) -> StepTimes:
+    margin = CombinedMarginLoss.from_preset("arcface")
+    head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
+                      seed=args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    features = torch.randn(args.batch, args.dim, generator=generator)
+    times = StepTimes()
+    for i in range(args.warmup + args.steps):
+        labels = torch.randint(n, (args.batch,), generator=generator)
+        started = time.perf_counter()
+        batch = head.prepare(labels)
+        out = head.forward_backward(features, batch)
+        client.push(TABLE, batch.active_ids, out.row_grad, LR)
+        if i >= args.warmup:
+            times.seconds.append(time.perf_counter() - started)
+            times.rows.append(batch.active_ids.numel())
+    return times
+
+
+# ---- (c) whole step: knn against the blocked full softmax -------------------------------
+
+
+def full_softmax_blocked(client: ShardedClient, n: int, features: torch.Tensor,
+                         labels: torch.Tensor, margin: CombinedMarginLoss, block: int
+                         ) -> tuple[float, torch.Tensor]:
+    """The exact softmax cross-entropy over all ``n`` classes, rows pulled ``block`` at a
+    time; each block's row gradients are pushed. features (B, d) float32, labels (B,) int64.
+    Returns (loss, dL/dfeatures (B, d) float32)."""
+    batch = features.shape[0]
+    x = features.detach().float().requires_grad_(True)
+    blocks = []
+    lse = torch.full((batch,), -torch.inf)
+    target_logit = torch.zeros(batch)
+    with torch.no_grad():
+        x_unit = F.normalize(x, dim=1)
+        for start in range(0, n, block):
+            ids = torch.arange(start, min(start + block, n), dtype=torch.int64)
+            rows = client.pull(TABLE, ids)
+            blocks.append((ids, rows))
+            local = torch.where((labels >= start) & (labels < start + ids.numel()),
+                                labels - start, -1)
+            logits = margin(x_unit @ F.normalize(rows.float(), dim=1).t(), local)
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
+            hit = local >= 0
+            target_logit[hit] = logits[hit, local[hit]]
+    feature_grad = torch.zeros_like(x)
+    for ids, rows in blocks:
+        start = int(ids[0])
+        w = rows.float().requires_grad_(True)
+        local = torch.where((labels >= start) & (labels < start + ids.numel()),
+                            labels - start, -1)
+        logits = margin(F.normalize(x, dim=1) @ F.normalize(w, dim=1).t(), local)
+        hit = (local >= 0).nonzero().squeeze(1)
+        # d/dlogits of mean(lse - target): softmax minus the one-hot target, over B
+        surrogate = (torch.exp(logits - lse[:, None]).sum()
+                     - logits[hit, local[hit]].sum()) / batch
+        dx, dw = torch.autograd.grad(surrogate, (x, w))
+        feature_grad += dx
+        client.push(TABLE, ids, dw, LR)
+    return float((lse - target_logit).mean()), feature_grad
+
+
+def whole_steps(client: ShardedClient, n: int, args: argparse.Namespace
+                ) -> dict[str, list[float]]:
+    """Seconds of ``--ratio-steps`` whole steps of the knn head and of ``--full-steps`` of
+    the blocked full softmax, alternating, after one warm-up knn step."""
+    margin = CombinedMarginLoss.from_preset("arcface")
+    knn = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
+                     seed=args.seed)
+    torch.manual_seed(args.seed)
+    net = build_backbone("resnet_small", args.dim, 1, IMAGE_SIZE)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    generator = torch.Generator().manual_seed(args.seed)
+    out: dict[str, list[float]] = {"knn": [], "full": []}
+    plan = ["knn"] + ["knn"] * args.ratio_steps + ["full"] * args.full_steps
+    for i, kind in enumerate(plan):
+        images = torch.randint(0, 256, (args.batch, 1, IMAGE_SIZE, IMAGE_SIZE),
+                               dtype=torch.uint8, generator=generator)
+        labels = torch.randint(n, (args.batch,), generator=generator)
+        started = time.perf_counter()
+        features = net(images_to_input(images))
+        if kind == "knn":
+            batch = knn.prepare(labels)
+            head = knn.forward_backward(features, batch)
+            client.push(TABLE, batch.active_ids, head.row_grad, LR)
+            feature_grad = head.feature_grad
+        else:
+            _, feature_grad = full_softmax_blocked(client, n, features, labels, margin,
+                                                   args.full_block)
+        step_backbone(features, feature_grad, optimizer, None)
+        optimizer.zero_grad(set_to_none=True)
+        if i > 0:
+            out[kind].append(time.perf_counter() - started)
+        print(f"  whole step {i + 1}/{len(plan)} ({kind}) done", file=sys.stderr, flush=True)
+    return out
+
+
+# ---- the runs ----------------------------------------------------------------------------
+
+
+@dataclass
+class SizeResult:
+    n: int
+    storage: str
+    create_s: float
+    graph_s: float
+    rss_created: list[tuple[int, int]]
+    rss_graph: list[tuple[int, int]]
+    grpc: StepTimes | None = None
+    embedded: StepTimes | None = None
+
+
+def storage_of(n: int, args: argparse.Namespace) -> str:
+    return "mmap" if n >= args.mmap_from else "memory"
+
+
+def shard_rss(shards: list) -> list[tuple[int, int]]:
+    return [resident(shard.proc.pid) for shard in shards]
+
+
+def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
+             storage: str | None = None) -> SizeResult:
+    storage = storage or storage_of(n, args)
+    data_dir = workdir / f"n{n}"
+    print(f"N={n:,} storage={storage}: creating", file=sys.stderr, flush=True)
+    with shard_processes(args.shards, data_dir=data_dir, xcls_flags=["-q"], log_dir=workdir,
+                         extra_args=["--storage", storage]) as shards, \
+            ams.connect([shard.address for shard in shards], timeout=3600) as client:
+        create_s = create_table(client, n, args)
+        rss_created = shard_rss(shards)
+        graph_s = install_standin_graph(client, n, args.k, args.seed)
+        rss_graph = shard_rss(shards)
+        result = SizeResult(n, storage, create_s, graph_s, rss_created, rss_graph)
+        if steps:
+            print(f"N={n:,}: knn steps over gRPC", file=sys.stderr, flush=True)
+            result.grpc = knn_head_steps(client, n, args)
+    if steps:
+        print(f"N={n:,}: knn steps embedded", file=sys.stderr, flush=True)
+        with ams.connect(local_shards=args.shards, storage=storage,
+                         storage_dir=data_dir / "tables") as client:
+            create_table(client, n, args)  # a no-op where the mmap table was reopened
+            install_standin_graph(client, n, args.k, args.seed)
+            result.embedded = knn_head_steps(client, n, args)
+    return result
+
+
+def baseline_rss(args: argparse.Namespace, workdir: Path) -> int:
+    with shard_processes(1, xcls_flags=["-q"], log_dir=workdir) as shards, \
+            ams.connect([shards[0].address]) as client:
+        client.stats()
+        anon, file = resident(shards[0].proc.pid)
+    return anon + file
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f}"
+
+
+def capacity_table(results: list[SizeResult], baseline: int) -> list[str]:
+    lines = ["| N | storage | create s | per shard after create: anon + file GiB (max) "
+             "| + graph GiB (max) | all shards GiB | B/class (all) | B/class (above baseline) "
+             "| graph install s |",
+             "|---:|---|---:|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        created = max(r.rss_created, key=sum)
+        graphed = max(r.rss_graph, key=sum)
+        total = sum(sum(x) for x in r.rss_graph)
+        above = total - baseline * len(r.rss_graph)
+        lines.append(
+            f"| {r.n:,} | {r.storage} | {r.create_s:,.1f} | {gib(created[0])} + "
+            f"{gib(created[1])} | {gib(graphed[0])} + {gib(graphed[1])} | {gib(total)} "
+            f"| {total / r.n:,.0f} | {above / r.n:,.0f} | {r.graph_s:,.1f} |")
+    return lines
+
+
+def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]:
+    lines = ["| N | storage | AMS | p50 ms | p99 ms | rows pulled/s | p50 vs smallest N |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for mode in ("grpc", "embedded"):
+        timed = [r for r in results if getattr(r, mode) is not None]
+        if not timed:
+            continue
+        first = getattr(timed[0], mode).quantile(0.5)
+        label = f"gRPC ({args.shards} processes)" if mode == "grpc" \
+            else f"embedded ({args.shards} shards)"
+        for r in timed:
+            t: StepTimes = getattr(r, mode)
+            lines.append(f"| {r.n:,} | {r.storage} | {label} | {ms(t.quantile(0.5))} "
+                         f"| {ms(t.quantile(0.99))} | {t.rows_per_second():,.0f} "
+                         f"| {t.quantile(0.5) / first:.2f}x |")
+    return lines
+
+
+def ratio_table(n: int, times: dict[str, list[float]], args: argparse.Namespace) -> list[str]:
+    knn, full = statistics.median(times["knn"]), statistics.median(times["full"])
+    return ["| N | head | steps | s/step (median) | images/s | speed-up vs full |",
+            "|---:|---|---:|---:|---:|---:|",
+            f"| {n:,} | full softmax (blocked, exact) | {len(times['full'])} | {full:,.2f} "
+            f"| {args.batch / full:,.1f} | 1.0x |",
+            f"| {n:,} | knn (k={args.k}, budget {args.batch * args.k:,}) | {len(times['knn'])} "
+            f"| {knn:,.3f} | {args.batch / knn:,.1f} | {full / knn:,.1f}x |"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run with small sizes")
+    parser.add_argument("--sizes", default="1000000,10000000,100000000",
+                        help="comma separated class counts N: capacity and knn steps")
+    parser.add_argument("--resident", type=int, default=64_000_000,
+                        help="one more capacity-only row: a table this large kept in RAM "
+                             "(memory storage); 0 skips it")
+    parser.add_argument("--mmap-from", type=int, default=50_000_000,
+                        help="tables of at least this many classes use mmap storage")
+    parser.add_argument("--ratio-classes", type=int, default=10_000_000,
+                        help="N of (c), knn vs full whole step (embedded); 0 skips (c)")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--k", type=int, default=12, help="neighbors per class in the graph")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100, help="measured knn head steps")
+    parser.add_argument("--ratio-steps", type=int, default=5, help="measured knn whole steps")
+    parser.add_argument("--full-steps", type=int, default=1, help="measured full whole steps")
+    parser.add_argument("--full-block", type=int, default=1 << 18,
+                        help="rows per block of the full softmax")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--workdir", type=Path,
+                        help="where the shards' files go (default: a temporary directory; "
+                             "100M classes in mmap storage need about 30 GB)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.resident, args.mmap_from = "20000,200000", 0, 200000
+        args.ratio_classes, args.batch, args.warmup, args.steps = 20000, 32, 1, 5
+        args.ratio_steps, args.full_block = 1, 4096
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    if any(n < args.k for n in args.sizes):
+        parser.error(f"every size must be at least --k={args.k}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_scale_", dir=args.workdir) as tmp:
+        workdir = Path(tmp)
+        baseline = baseline_rss(args, workdir)
+        results = [run_size(n, args, workdir, steps=True) for n in args.sizes]
+        if args.resident:
+            results.append(run_size(args.resident, args, workdir, steps=False,
+                                    storage="memory"))
+        ratio = None
+        if args.ratio_classes:
+            print(f"N={args.ratio_classes:,}: whole steps, knn and full", file=sys.stderr,
+                  flush=True)
+            with ams.connect(local_shards=args.shards) as client:
+                create_table(client, args.ratio_classes, args)
+                install_standin_graph(client, args.ratio_classes, args.k, args.seed)
+                ratio = whole_steps(client, args.ratio_classes, args)
+    lines = [
+        f"{datetime.date.today()} · {platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB, CPU "
+        f"only, torch {torch.__version__}, threads={args.threads}, d={args.dim}, float16 rows, "
+        f"no row momentum, {args.shards} shards, batch {args.batch}, k={args.k} "
+        f"(stand-in graph), arcface s=64 · {time.perf_counter() - started:,.0f} s",
+        "",
+        f"(a) capacity (a shard process with no table: {gib(baseline)} GiB resident)",
+        "",
+        *capacity_table(results, baseline),
+        "",
+        f"(b) knn head step (select + pull + forward/backward + push), {args.steps} steps "
+        f"after {args.warmup} warm-up",
+        "",
+        *step_table(results, args),
+    ]
+    if ratio is not None:
+        lines += ["", f"(c) whole step (resnet_small backbone, {IMAGE_SIZE}x{IMAGE_SIZE} images, "
+                  f"embedded AMS), knn against the exact full softmax", "",
+                  *ratio_table(args.ratio_classes, ratio, args)]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""mmap storage (ams.storage): tables kept across close and reopen, a table not closed
+discarded, damaged or foreign files refused with nothing deleted, a full disk or file-size limit
+refused with nothing left behind, restores that swap files only when they succeed, snapshot
+copies kept out of RAM. The store and snapshot suites also run whole on mmap."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ams
+from ams import snapshot
+from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
+from ams.storage import TABLE_JSON, table_dir_name
+from ams.store import ShardStore, TableSpec
+
+N, D = 103, 6
+LR, WD = 0.1, 0.05
+
+
+def spec(name="fc", dtype="float32") -> TableSpec:
+    return TableSpec(name=name, num_rows=N, dim=D, dtype=dtype, state_dtype=dtype, seed=1,
+                     momentum=0.9, weight_decay=WD)
+
+
+def mmap_store(root, shard_id=0, num_shards=1) -> ShardStore:
+    return ShardStore(shard_id, num_shards, storage="mmap", storage_dir=root)
+
+
+def drive(store, steps, first_sequence=0, seed=0, name="fc") -> None:
+    """Clocked pushes of client "w" (sequences from ``first_sequence``), the same for any
+    store of the same shard layout."""
+    mine = torch.arange(store.shard_id, N, store.num_shards)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ids = mine[torch.randint(0, mine.numel(), (20,), generator=g)]
+        clock = -(first_sequence + step) * math.log1p(-LR * WD)
+        assert store.push(name, ids, torch.randn(20, D, generator=g), LR, "w",
+                          first_sequence + step, decay_clock=clock)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def same_table(a: ShardStore, b: ShardStore, name="fc") -> bool:
+    """Bit-identical rows, momentum, decay clocks, clock and push dedupe state."""
+    ta, tb = a.table(name), b.table(name)
+    return all(torch.equal(bits(x), bits(y)) for x, y in (
+        (ta.rows, tb.rows), (ta.state, tb.state), (ta.row_clock, tb.row_clock))) \
+        and ta.clock == tb.clock and ta.dedupe.to_json() == tb.dedupe.to_json()
+
+
+def listing(root) -> dict[str, int]:
+    """Every path under ``root`` and its size."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+# ---- close and reopen ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tables_survive_close_and_reopen_exactly(tmp_path, dtype):
+    memory = ShardStore(1, 3)
+    mapped = mmap_store(tmp_path, 1, 3)
+    odd_name = "class rows ü/x".replace("/", "")  # not a plain file name: goes by its hash
+    for store in (memory, mapped):
+        for name in ("fc", odd_name):
+            store.create_table(spec(name, dtype))
+            drive(store, 4, name=name)
+    mapped.close()
+    piece = tmp_path / "shard-00001-of-00003"
+    assert sorted(p.name for p in piece.iterdir()) == sorted(
+        [".lock", "fc", table_dir_name(odd_name)])
+    assert json.loads((piece / "fc" / TABLE_JSON).read_text())["closed"] is True
+
+    reopened = mmap_store(tmp_path, 1, 3)
+    assert reopened.stats()["storage"] == "mmap" and memory.stats()["storage"] == "memory"
+    # marked open again at once: were the process to die now, the next store discards it
+    assert json.loads((piece / "fc" / TABLE_JSON).read_text())["closed"] is False
+    for name in ("fc", odd_name):
+        assert reopened.table(name).spec == spec(name, dtype)
+        assert same_table(memory, reopened, name)
+    # the dedupe state came back: a retried push applies nowhere twice
+    assert not reopened.push("fc", torch.tensor([1]), torch.ones(1, D), LR, "w", 3)
+    drive(memory, 3, first_sequence=4)
+    drive(reopened, 3, first_sequence=4)
+    assert same_table(memory, reopened)
+    reopened.close()
+
+
+def test_closed_store_is_empty(tmp_path):
+    store = mmap_store(tmp_path)
+    store.create_table(spec())
+    store.close()
+    store.close()  # a second close does nothing
+    assert store.tables == {}
+    with pytest.raises(TableNotFound):
+        store.push("fc", torch.tensor([1]), torch.ones(1, D), LR)
+
+
+UNCLOSED = textwrap.dedent("""
+    import os, sys, torch
+    from ams.store import ShardStore, TableSpec
+    store = ShardStore(0, 1, storage="mmap", storage_dir=sys.argv[1])
+    store.create_table(TableSpec(name="fc", num_rows=103, dim=6))
+    store.push("fc", torch.tensor([1, 2]), torch.ones(2, 6), 0.1)
+    os._exit(0)  # the process dies: the store is never closed
+""")
+
+
+def test_table_not_closed_is_discarded_with_a_warning(tmp_path, caplog):
+    subprocess.run([sys.executable, "-c", UNCLOSED, str(tmp_path)], check=True)
+    assert (tmp_path / "shard-00000-of-00001" / "fc" / "rows.bin").exists()
+    with caplog.at_level(logging.WARNING, logger="ams.storage"):
+        store = mmap_store(tmp_path)
+    assert store.tables == {}
+    assert any("table_discarded table=fc" in r.getMessage() and "restore a snapshot"
+               in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "shard-00000-of-00001" / "fc").exists()
+    assert store.create_table(spec())  # the name is free again
+    store.close()
+
+
+# ---- damaged or foreign files ---------------------------------------------------------------
+
+
+def _truncate(piece, name="rows.bin"):
+    path = piece / "fc" / name
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+    return path
+
+
+def _grow(piece):
+    path = piece / "fc" / "state.bin"
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+    return path
+
+
+def _delete(piece):
+    path = piece / "fc" / "row_clock.bin"
+    path.unlink()
+    return path
+
+
+def _other_table(piece):
+    shutil.copytree(piece / "fc", piece / "fd")  # its table.json describes fc
+    return piece / "fd" / TABLE_JSON
+
+
+def _garbage_json(piece):
+    path = piece / "fc" / TABLE_JSON
+    path.write_text("{")
+    return path
+
+
+def _bad_clock(piece):
+    path = piece / "fc" / TABLE_JSON
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "decay_clock": -1.0}))
+    return path
+
+
+DAMAGE = {
+    "truncated rows.bin": (_truncate, "truncated or damaged"),
+    "grown state.bin": (_grow, "truncated or damaged"),
+    "missing row_clock.bin": (_delete, "missing"),
+    "another table's table.json": (_other_table, "describes table 'fc', not the table of"),
+    "garbage table.json": (_garbage_json, "unreadable"),
+    "negative decay clock": (_bad_clock, "malformed"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_or_foreign_files_are_refused_and_kept(tmp_path, damage):
+    store = mmap_store(tmp_path)
+    store.create_table(spec())
+    drive(store, 2)
+    store.close()
+    piece = tmp_path / "shard-00000-of-00001"
+    make, needle = DAMAGE[damage]
+    bad = make(piece)
+    before = listing(tmp_path)
+    with pytest.raises(StorageError, match=needle) as info:
+        mmap_store(tmp_path)
+    message = str(info.value)
+    assert str(bad) in message and "restore a snapshot" in message and "\n" not in message
+    assert listing(tmp_path) == before  # nothing deleted, nothing made
+    with pytest.raises(StorageError, match=needle):  # the lock was let go: refused again
+        mmap_store(tmp_path)
+
+
+def test_files_of_another_shard_layout_are_refused(tmp_path):
+    store = mmap_store(tmp_path, 0, 1)
+    store.create_table(spec())
+    store.close()
+    # the directory of shard 0 of 1 put where shard 0 of 2 keeps its tables
+    (tmp_path / "shard-00000-of-00001").rename(tmp_path / "shard-00000-of-00002")
+    before = listing(tmp_path)
+    with pytest.raises(StorageError, match="belongs to shard 0 of 1, this is shard 0 of 2"):
+        mmap_store(tmp_path, 0, 2)
+    assert listing(tmp_path) == before
+
+
+def test_storage_dir_in_use_and_bad_arguments(tmp_path):
+    store = mmap_store(tmp_path)
+    with pytest.raises(StorageError, match="in use by another shard store"):
+        mmap_store(tmp_path)
+    assert mmap_store(tmp_path, 0, 2).tables == {}  # another shard: another directory
+    store.close()
+    mmap_store(tmp_path).close()
+    with pytest.raises(InvalidArgument, match="storage='disk': need one of 'memory', 'mmap'"):
+        ShardStore(storage="disk")
+    with pytest.raises(InvalidArgument, match="needs a storage_dir"):
+        ShardStore(storage="mmap")
+    with pytest.raises(InvalidArgument, match="for local_shards"):
+        ams.connect(["127.0.0.1:1"], storage="mmap")
+
+
+# ---- restore -------------------------------------------------------------------------------
+
+
+def full_rows(client) -> torch.Tensor:
+    return client.pull("fc", torch.arange(N))
+
+
+def test_restore_swaps_the_files_only_when_it_succeeds(tmp_path):
+    tables = tmp_path / "tables"
+    client = ams.connect(local_shards=2, data_dir=tmp_path, storage="mmap", storage_dir=tables,
+                         keep_snapshots=0)
+    client.create_table("fc", num_rows=N, dim=D, seed=1, weight_decay=WD)
+    for s, shard in enumerate(client.shards):
+        drive(shard.store, 2, seed=s)
+    client.snapshot(step=1)
+    at_step_1 = full_rows(client)
+    client.push("fc", torch.arange(N), torch.ones(N, D), lr=0.5)
+    client.snapshot(step=2)
+    client.push("fc", torch.arange(N), torch.ones(N, D), lr=0.5)
+    live = full_rows(client)
+    data = snapshot.step_dir(tmp_path, 2) / snapshot.piece_name(1, 2) / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    files = {p: p.read_bytes() for p in tables.rglob("*.bin")}
+
+    with pytest.raises(SnapshotError, match="checksum mismatch"):
+        client.restore(step=2)
+    assert {p: p.read_bytes() for p in tables.rglob("*.bin")} == files  # live files as were
+    assert sorted(p.name for p in (tables / "shard-00000-of-00002").iterdir()) == [".lock", "fc"]
+    assert torch.equal(full_rows(client), live)
+
+    assert client.restore(step=1) == 1
+    assert torch.equal(full_rows(client), at_step_1)
+    for piece in tables.iterdir():  # the restored files replaced the live ones
+        assert sorted(p.name for p in piece.iterdir()) == [".lock", "fc"]
+    client.close()
+    again = ams.connect(local_shards=2, storage="mmap", storage_dir=tables)
+    assert torch.equal(full_rows(again), at_step_1)
+    again.close()
+
+
+# ---- a full disk or a file-size limit ------------------------------------------------------
+
+# Each table file of "fc" (1.28 MB) fits under the limit, its snapshot (2.7 MB) does not, nor
+# the rows of "huge" (6.4 MB).
+FSIZE_LIMIT = 2_000_000
+BIG_ROWS, BIG_DIM = 20_000, 16
+LIMITED = textwrap.dedent("""
+    import json, resource, sys, torch
+    import ams
+    from ams.errors import RequestTooLarge, SnapshotError
+    data_dir, limit = sys.argv[1], int(sys.argv[2])
+    client = ams.connect(local_shards=1, data_dir=data_dir, storage="mmap",
+                         storage_dir=data_dir + "/tables")  # reopens fc
+    before = client.pull("fc", torch.arange(20_000))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(
+        resource.RLIMIT_FSIZE)[1]))  # python ignores SIGXFSZ: writes past it fail with EFBIG
+    out = {}
+    try:
+        client.create_table("huge", num_rows=100_000, dim=16)
+    except RequestTooLarge as e:
+        out["create"] = [type(e).__name__, str(e)]
+    try:
+        client.snapshot(step=2)
+    except SnapshotError as e:
+        out["snapshot"] = str(e)
+    out["serves"] = torch.equal(client.pull("fc", torch.arange(20_000)), before)
+    client.push("fc", torch.tensor([7]), torch.ones(1, 16), lr=0.5)
+    out["row_7"] = client.pull("fc", torch.tensor([7]))[0].tolist()
+    client.close()
+    print(json.dumps(out))
+""")
+
+
+def test_file_size_limit_refuses_a_table_and_a_snapshot_and_keeps_the_rest(tmp_path):
+    client = ams.connect(local_shards=1, data_dir=tmp_path, storage="mmap",
+                         storage_dir=tmp_path / "tables")
+    client.create_table("fc", num_rows=BIG_ROWS, dim=BIG_DIM, seed=2, momentum=0.9,
+                        weight_decay=0.0)
+    client.push("fc", torch.tensor([3]), torch.ones(1, BIG_DIM), lr=0.5)
+    client.snapshot(step=1)
+    at_step_1 = client.pull("fc", torch.arange(BIG_ROWS))
+    client.close()
+
+    done = subprocess.run([sys.executable, "-c", LIMITED, str(tmp_path), str(FSIZE_LIMIT)],
+                          capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout)
+    kind, message = out["create"]
+    assert kind == "StorageFull"  # a RequestTooLarge, as a remote caller sees it
+    assert "table 'huge'" in message and str(100_000 * 16 * 4) in message \
+        and "file-size limit" in message and "rows.bin" in message
+    assert "snapshot step 2 not written" in out["snapshot"]
+    assert out["serves"]  # and it took the push below
+
+    reopened = ams.connect(local_shards=1, data_dir=tmp_path, storage="mmap",
+                           storage_dir=tmp_path / "tables")
+    assert list(reopened.shards[0].store.tables) == ["fc"]  # no trace of "huge"
+    piece = tmp_path / "tables" / "shard-00000-of-00001"
+    assert sorted(p.name for p in piece.iterdir()) == [".lock", "fc"]
+    # the first push of g = 1 at lr 0.5 moves a row by exactly -0.5 (momentum starts at 0)
+    expected = at_step_1[7].double() - 0.5
+    torch.testing.assert_close(torch.tensor(out["row_7"], dtype=torch.float64), expected,
+                               rtol=0, atol=1e-7)
+    assert reopened.pull("fc", torch.tensor([7]))[0].tolist() == out["row_7"]
+    assert not (snapshot.step_dir(tmp_path, 2) / snapshot.piece_name(0, 1)).exists()
+    assert reopened.restore() == 1  # the previous snapshot still restores
+    assert torch.equal(reopened.pull("fc", torch.arange(BIG_ROWS)), at_step_1)
+    reopened.close()
+
+
+# ---- snapshot copies out of RAM ------------------------------------------------------------
+
+
+def anonymous_rss() -> int:
+    """Bytes of this process's anonymous resident memory (file pages are the OS's to drop)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+def test_snapshot_of_mmap_table_copies_into_scratch_files_not_ram(tmp_path, monkeypatch):
+    store = mmap_store(tmp_path / "tables")
+    big = TableSpec(name="fc", num_rows=200_000, dim=128, momentum=0.0)  # 102 MB of rows
+    store.create_table(big)
+    table_bytes = store.table("fc").rows.nbytes
+    before = anonymous_rss()
+    held = []
+    put = snapshot._put_table
+
+    def put_and_measure(txn, copy, digest):
+        held.append(anonymous_rss() - before)  # the table's copy is held now
+        assert torch.equal(copy.rows[-5:], store.table("fc").rows[-5:])
+        return put(txn, copy, digest)
+
+    monkeypatch.setattr(snapshot, "_put_table", put_and_measure)
+    snapshot.write_snapshot(store, tmp_path, step=1)
+    assert held and held[0] < table_bytes // 4
+    piece = tmp_path / "tables" / "shard-00000-of-00001"
+    assert sorted(p.name for p in piece.iterdir()) == [".lock", "fc"]  # scratch files gone
+    store.close()
+
+
+def test_embedded_run_keeps_its_tables_in_out_dir(tmp_path):
+    from xcls.config import load_config
+    from xcls.run import connect_ams
+
+    cfg = load_config(None, ["ams.storage=mmap", "ams.local_shards=2"])
+    client = connect_ams(cfg, tmp_path, None)
+    client.create_table("fc", num_rows=N, dim=D)
+    assert [s["storage"] for s in client.stats()] == ["mmap", "mmap"]
+    assert (tmp_path / "ams" / "tables" / "shard-00001-of-00002" / "fc" / "rows.bin").is_file()
+    client.close()  # what the exit of the process does
+    again = connect_ams(cfg, tmp_path, None)  # reopens the tables
+    assert [list(shard.store.tables) for shard in again.shards] == [["fc"], ["fc"]]
+    again.close()
+
+
+def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkeypatch):
+    import ams.store
+    from ams.rowinit import initial_rows
+
+    monkeypatch.setattr(ams.store, "INIT_BLOCK_ROWS", 7)  # 35 rows: 5 blocks
+    store = mmap_store(tmp_path, 2, 3)
+    store.create_table(spec())
+    whole = initial_rows(torch.arange(2, N, 3), D, seed=1, std=0.01)
+    assert torch.equal(store.table("fc").rows, whole)
+    store.close()
+    with pytest.raises(ValueError, match="out:"):
+        initial_rows(torch.arange(4), D, 1, 0.01, out=torch.empty(4, D + 1))
