@@ -272,7 +272,7 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
     lines += [
         _row("peak while snapshotting", fmt_bytes(mem.snapshot_peak), fmt_bytes(host_peak),
              note=("a copy of rows, state and clocks, " if not mmap else "") +
-             "the piece in LMDB's write"),
+             "one LMDB commit batch"),
         _row("peak while restoring", fmt_bytes(mem.restore_peak), fmt_bytes(restore_peak),
              note="the piece read, the table assembled, a temporary"),
         "",
@@ -338,5 +338,5 @@ def _fit_line(resident: int, snapshot_peak: int, restore_peak: int, host_mem: in
                                                     ("the restore peak", restore_peak))
             if b > host_mem]
     if over and resident <= host_mem:
-        line += f"; {' and '.join(over)} exceed it"
+        line += f"; {' and '.join(over)} {'exceed' if len(over) > 1 else 'exceeds'} it"
     return line
