@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 from collections.abc import Callable
 
@@ -23,15 +24,22 @@ _trim_threshold = 128 << 10
 _PROBE_BYTES = 128 << 10
 
 
-def _libc_function(name: str) -> Callable[..., int] | None:
-    """glibc's function ``name``, or None where there is no glibc."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (``find_library`` searches the linker's cache), or None
+    where there is none."""
     lib = ctypes.util.find_library("c")
     if not lib:
         return None
     try:
-        return getattr(ctypes.CDLL(lib), name)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(lib)
+    except OSError:
         return None
+
+
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """glibc's function ``name``, or None where there is no glibc."""
+    return getattr(_libc(), name, None)
 
 
 def keep_large_buffers(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:

@@ -582,7 +582,7 @@ def _gather_pieces(store: ShardStore, pieces: list[Path], out: dict[str, dict]
         graph = None
         meta = acc["graph_meta"]
         if meta and acc["graph_parts"]:
-            graph = NeighborTable.from_parts(acc["graph_parts"], acc["rows"].shape[0],
+            graph = NeighborTable.from_parts(acc["graph_parts"], acc["staged"].rows.shape[0],
                                              num_classes=acc["spec"].num_rows, k=meta["k"])
             graph.version, graph.step = meta["version"], meta["step"]
         result.append((acc["spec"], acc["staged"], acc["clock"], graph, acc["dedupe"]))
@@ -599,9 +599,8 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         if acc is None:
             staged = store.storage.stage(spec)
             acc = out[name] = {
-                "spec": spec, "staged": staged,
-                "rows": staged.rows, "state": staged.state, "row_clock": staged.row_clock,
-                "clock": 0.0, "filled": torch.zeros(staged.rows.shape[0], dtype=torch.bool),
+                "spec": spec, "staged": staged, "clock": 0.0,
+                "filled": torch.zeros(staged.rows.shape[0], dtype=torch.bool),
                 "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
             }
         if acc["spec"] != spec:
@@ -610,9 +609,10 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         old_ids = sharding.owned_ids(spec.num_rows, old_shard, old_count)
         mine = sharding.shard_of(old_ids, count) == me
         new_pos = sharding.local_index(old_ids[mine], count)
-        acc["rows"][new_pos] = got["rows"][mine]
-        acc["state"][new_pos] = got["state"][mine]
-        acc["row_clock"][new_pos] = got["row_clock"][mine]
+        staged = acc["staged"]
+        staged.rows[new_pos] = got["rows"][mine]
+        staged.state[new_pos] = got["state"][mine]
+        staged.row_clock[new_pos] = got["row_clock"][mine]
         acc["clock"] = max(acc["clock"], float(entry["decay_clock"]))
         acc["filled"][new_pos] = True
         if bool(mine.any()):  # a piece's pushes matter where its rows do

@@ -162,15 +162,24 @@ def drop_warmup(contenders: list[Contender], warmup: int) -> None:
 # ---- setup -------------------------------------------------------------------------------
 
 
-def install_standin_graph(client: ShardedClient, n: int, k: int, seed: int) -> None:
+# Classes whose stand-in lists are made and sent at a time: no (N, k) tensor is ever whole.
+STANDIN_BLOCK = 1 << 22
+
+
+def install_standin_graph(client: ShardedClient, n: int, k: int, seed: int,
+                          table: str = TABLE) -> float:
     """Lists of the exact graph's shape: the class itself, then k-1 uniform random classes
-    (a repeat within a list has probability ~k^2/N and is deduplicated by the selection)."""
+    (a repeat within a list has probability ~k^2/N and is deduplicated by the selection),
+    sent in blocks; returns the seconds it took."""
+    started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.arange(n, dtype=torch.int64)
-    neighbors = torch.empty((n, k), dtype=torch.int64)
-    neighbors[:, 0] = ids
-    neighbors[:, 1:] = torch.randint(n, (n, k - 1), generator=generator)
-    client.set_neighbors(TABLE, ids, neighbors, version=1, step=0, replace_all=True)
+    for start in range(0, n, STANDIN_BLOCK):
+        ids = torch.arange(start, min(start + STANDIN_BLOCK, n), dtype=torch.int64)
+        lists = torch.empty((ids.numel(), k), dtype=torch.int64)
+        lists[:, 0] = ids
+        lists[:, 1:] = torch.randint(n, (ids.numel(), k - 1), generator=generator)
+        client.set_neighbors(table, ids, lists, version=1, step=0, replace_all=True)
+    return time.perf_counter() - started
 
 
 @dataclass

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_heads import install_standin_graph
 
 import ams
 from ams.client import ShardedClient
@@ -57,7 +58,6 @@ from xcls.shards import shard_processes
 TABLE = "scale"
 IMAGE_SIZE = 32
 LR = 0.1
-GRAPH_BLOCK = 1 << 22  # classes whose stand-in lists are made and sent at a time
 
 
 def resident(pid: int | str = "self") -> tuple[int, int]:
@@ -73,20 +73,6 @@ def resident(pid: int | str = "self") -> tuple[int, int]:
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.2f}"
-
-
-def install_standin_graph(client: ShardedClient, n: int, k: int, seed: int) -> float:
-    """Lists of the exact graph's shape (the class, then k-1 uniform random classes), sent in
-    blocks so no (N, k) tensor is ever whole; returns the seconds it took."""
-    started = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    for start in range(0, n, GRAPH_BLOCK):
-        ids = torch.arange(start, min(start + GRAPH_BLOCK, n), dtype=torch.int64)
-        lists = torch.empty((ids.numel(), k), dtype=torch.int64)
-        lists[:, 0] = ids
-        lists[:, 1:] = torch.randint(n, (ids.numel(), k - 1), generator=generator)
-        client.set_neighbors(TABLE, ids, lists, version=1, step=0, replace_all=True)
-    return time.perf_counter() - started
 
 
 def create_table(client: ShardedClient, n: int, args: argparse.Namespace) -> float:
@@ -241,7 +227,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
             ams.connect([shard.address for shard in shards], timeout=3600) as client:
         create_s = create_table(client, n, args)
         rss_created = shard_rss(shards)
-        graph_s = install_standin_graph(client, n, args.k, args.seed)
+        graph_s = install_standin_graph(client, n, args.k, args.seed, TABLE)
         rss_graph = shard_rss(shards)
         result = SizeResult(n, storage, create_s, graph_s, rss_created, rss_graph)
         if steps:
@@ -252,7 +238,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
         with ams.connect(local_shards=args.shards, storage=storage,
                          storage_dir=data_dir / "tables") as client:
             create_table(client, n, args)  # a no-op where the mmap table was reopened
-            install_standin_graph(client, n, args.k, args.seed)
+            install_standin_graph(client, n, args.k, args.seed, TABLE)
             result.embedded = knn_head_steps(client, n, args)
     return result
 
@@ -373,7 +359,7 @@ def main() -> None:
                   flush=True)
             with ams.connect(local_shards=args.shards) as client:
                 create_table(client, args.ratio_classes, args)
-                install_standin_graph(client, args.ratio_classes, args.k, args.seed)
+                install_standin_graph(client, args.ratio_classes, args.k, args.seed, TABLE)
                 ratio = whole_steps(client, args.ratio_classes, args)
     lines = [
         f"{datetime.date.today()} · {platform.machine()}, {os.cpu_count()} cores, "
