@@ -7,8 +7,9 @@ query rows; a returned neighbor counts as correct when its float64 score reaches
 best float64 score (less 1e-6), so exact ties at the cut are not counted as misses.
 "cpu s" is process CPU time (all threads): a check on wall times taken on a busy machine.
 "xcls +MB" / "ivf +MB" is how far the build raised the process's peak resident memory above
-what it held before (input rows included in the baseline; the N x k result is part of the
-figure).
+what it held before (input rows included in the baseline). The exact build's N x k result is
+part of its figure; the IVF build hands its lists on block by block, as ams.graph_build
+writes them to the shards, so its figure is the index and a block.
 
     python benchmarks/bench_graph.py --sizes 100000 --dim 128 --k 32 --threads 2 --device cpu
     python benchmarks/bench_graph.py --sizes 1000000,10000000 --device cuda --no-faiss  # GPU host
@@ -30,7 +31,7 @@ import faiss
 import numpy as np
 import torch
 
-from ams.graph import ivf_knn, knn, resolve_device, resolve_nlist, sample_ids
+from ams.graph import IvfIndex, knn, resolve_device, resolve_nlist, sample_ids
 from ams.graph.ivf import DEFAULT_NPROBE, TRAIN_ROWS_PER_LIST
 
 
@@ -56,10 +57,11 @@ def exact_kth(rows: np.ndarray, queries: np.ndarray, k: int, chunk: int = 65536)
     return best.min(axis=1)
 
 
-def recall(rows: np.ndarray, queries: np.ndarray, ids: np.ndarray, kth: np.ndarray) -> float:
-    k = ids.shape[1]
+def recall(rows: np.ndarray, queries: np.ndarray, lists: np.ndarray, kth: np.ndarray) -> float:
+    """Share of the queries' lists (q, k) reaching the k-th float64 score ``kth`` (q,)."""
+    k = lists.shape[1]
     hits = 0
-    for q, row_ids, cut in zip(queries, ids[queries], kth, strict=True):
+    for q, row_ids, cut in zip(queries, lists, kth, strict=True):
         distinct = np.unique(row_ids[row_ids >= 0])
         scores = rows[distinct].astype(np.float64) @ rows[q].astype(np.float64)
         hits += min(k, int((scores >= cut - 1e-6).sum()))
@@ -124,7 +126,7 @@ def main() -> None:
         rng = np.random.default_rng(args.seed + 1)
         queries = rng.choice(n, size=min(n, args.recall_queries), replace=False)
         kth = exact_kth(rows, queries, args.k)
-        xcls_recall = recall(rows, queries, ids.numpy(), kth)
+        xcls_recall = recall(rows, queries, ids.numpy()[queries], kth)
 
         faiss_cells = ("-", "-", "-", "-")
         if not args.no_faiss:
@@ -134,7 +136,7 @@ def main() -> None:
             _, faiss_ids = index.search(rows, args.k)
             faiss_s, faiss_cpu = time.perf_counter() - start, time.process_time() - cpu
             faiss_cells = (f"{faiss_s:.2f}", f"{xcls_s / faiss_s:.2f}", f"{faiss_cpu:.2f}",
-                           f"{recall(rows, queries, faiss_ids, kth):.4f}")
+                           f"{recall(rows, queries, faiss_ids[queries], kth):.4f}")
         faiss_s_cell, ratio_cell, faiss_cpu_cell, faiss_recall_cell = faiss_cells
         print(f"{n:>9} | {xcls_s:>8.2f} | {faiss_s_cell:>8} | {ratio_cell:>10} | "
               f"{xcls_cpu:>10.2f} | {faiss_cpu_cell:>11} | {xcls_recall:>11.4f} | "
@@ -158,12 +160,26 @@ def timed(device: str, build: Callable[..., np.ndarray], /, *args: object, **kwa
     return ids, seconds, cpu, peak_mb - before_mb
 
 
-def ivf_ids(rows: np.ndarray, k: int, **kwargs: object) -> np.ndarray:
-    return ivf_knn(torch.from_numpy(rows), k, **kwargs)[0].numpy()
+def ivf_lists(rows: np.ndarray, k: int, queries: np.ndarray, nlist: int, nprobe: int,
+              seed: int, device: str, block: int = 65536) -> np.ndarray:
+    """IVF lists of every row, computed block by block as ams.graph_build does (memory: the
+    index and a block, the lists written out and dropped); returns those of ``queries``."""
+    x, n = torch.from_numpy(rows), len(rows)
+    index = IvfIndex(rows.shape[1], nlist, nprobe, device=device)
+    index.train(x[sample_ids(n, TRAIN_ROWS_PER_LIST * nlist, seed)], seed)
+    ids = torch.arange(n)
+    for start in range(0, n, block):
+        index.add(ids[start:start + block], x[start:start + block])
+    kept = np.empty((len(queries), k), dtype=np.int64)
+    for start in range(0, n, block):
+        found = index.search(ids[start:start + block], x[start:start + block], k)[0].numpy()
+        mine = (queries >= start) & (queries < start + block)
+        kept[mine] = found[queries[mine] - start]
+    return kept
 
 
-def exact_ids(rows: np.ndarray, k: int, **kwargs: object) -> np.ndarray:
-    return knn(torch.from_numpy(rows), k, **kwargs)[0].numpy()
+def exact_lists(rows: np.ndarray, k: int, queries: np.ndarray, **kwargs: object) -> np.ndarray:
+    return knn(torch.from_numpy(rows), k, **kwargs)[0].numpy()[queries]
 
 
 def faiss_ivf_flat(rows: np.ndarray, k: int, nlist: int, nprobe: int, seed: int) -> np.ndarray:
@@ -178,8 +194,9 @@ def faiss_ivf_flat(rows: np.ndarray, k: int, nlist: int, nprobe: int, seed: int)
 
 
 def bench_ivf(args: argparse.Namespace) -> None:
-    """One row per N: the float16 IVF build (ams.graph.ivf_knn), faiss IndexIVFFlat with the
-    same lists, and the exact build where N <= --exact-max."""
+    """One row per N: the float16 IVF build (ams.graph.IvfIndex, streamed as
+    ams.graph_build streams shards), faiss IndexIVFFlat with the same lists, and the exact
+    build where N <= --exact-max."""
     header = f"{'N':>9} | {'nlist':>6} | {'nprobe':>6} | {'ivf s':>8} | {'ivf cpu s':>9} | " \
              f"{'recall ivf':>10} | {'ivf +MB':>7} | {'flat s':>8} | {'recall flat':>11} | " \
              f"{'exact s':>8} | {'recall exact':>12}"
@@ -190,23 +207,22 @@ def bench_ivf(args: argparse.Namespace) -> None:
     for n in (int(s) for s in args.sizes.split(",")):
         rows = clustered(n, args.dim, args.seed)
         nlist = resolve_nlist(args.nlist, n)
-        ids, ivf_s, ivf_cpu, ivf_mb = timed(args.device, ivf_ids, rows, args.k, nlist=nlist,
-                                            nprobe=args.nprobe, seed=args.seed,
-                                            device=args.device)
         rng = np.random.default_rng(args.seed + 1)
         queries = rng.choice(n, size=min(n, args.recall_queries), replace=False)
         kth = exact_kth(rows, queries, args.k)
-        cells = [f"{ivf_s:.2f}", f"{ivf_cpu:.2f}", f"{recall(rows, queries, ids, kth):.4f}",
+        lists, ivf_s, ivf_cpu, ivf_mb = timed(args.device, ivf_lists, rows, args.k, queries,
+                                              nlist, args.nprobe, args.seed, args.device)
+        cells = [f"{ivf_s:.2f}", f"{ivf_cpu:.2f}", f"{recall(rows, queries, lists, kth):.4f}",
                  f"{ivf_mb:.0f}"]
-        del ids
+        print(f"# N={n} ivf: {' | '.join(cells)}", flush=True)
         if args.no_faiss:
             cells += ["-", "-"]
         else:
             flat, flat_s, _, _ = timed("cpu", faiss_ivf_flat, rows, args.k, nlist, args.nprobe,
                                        args.seed)
-            cells += [f"{flat_s:.2f}", f"{recall(rows, queries, flat, kth):.4f}"]
+            cells += [f"{flat_s:.2f}", f"{recall(rows, queries, flat[queries], kth):.4f}"]
         if n <= args.exact_max:
-            exact, exact_s, _, _ = timed(args.device, exact_ids, rows, args.k,
+            exact, exact_s, _, _ = timed(args.device, exact_lists, rows, args.k, queries,
                                          block_size=args.block_size, device=args.device)
             cells += [f"{exact_s:.2f}", f"{recall(rows, queries, exact, kth):.4f}"]
         else:

@@ -6,9 +6,9 @@ of its nearest centroid; a query scores the rows of the ``nprobe`` lists whose c
 nearest to it. A query thus scores ``nlist + nprobe * N / nlist`` rows instead of N, and
 ``nlist`` about ``4 * sqrt(N)`` balances the two terms. The lists hold the rows in float16
 (faiss ``IndexIVFScalarQuantizer`` with ``QT_fp16``, no residual): half the memory of
-``IndexIVFFlat`` (N * d * 2 bytes, where scanning is bound by memory traffic), at a recall
-lower only where float16 rounding (about 2**-10 on a unit-row score) reorders near-ties at the
-k-th score (``benchmarks/bench_graph.py --method ivf`` measures both).
+``IndexIVFFlat`` (N * d * 2 bytes), no slower to scan (the scan is bound by memory traffic),
+and a recall lower only where float16 rounding (about 2**-10 on a unit-row score) reorders
+near-ties at the k-th score (``benchmarks/bench_graph.py --method ivf`` measures both).
 
 Same contract as ``ams.graph.knn``: inner products of L2-normalized rows (cosine), int64 lists
 in rank order, the class itself first (even where faiss ranks a duplicate row above it), padded
