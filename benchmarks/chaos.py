@@ -176,6 +176,8 @@ class Faults:
         n = 0
         redis_due = self.redis is not None
         while not self.done.wait(self.args.fault_every):
+            if self._trained():
+                return  # a fault now would hit shards the job no longer needs
             pids = shard_pids(self.tag)
             if redis_due and n == 1:
                 redis_due = False
@@ -203,6 +205,12 @@ class Faults:
                 except ProcessLookupError:
                     pass
             n += 1
+
+
+    def _trained(self) -> bool:
+        """Whether the job wrote its final checkpoint (every step done, every shard's
+        snapshot of the last step taken): what is left is its shutdown."""
+        return (self.tag / "checkpoints" / f"step-{self.args.steps:012d}").is_dir()
 
 
 def run_job(config: Path, out: Path, args: argparse.Namespace,
