@@ -87,11 +87,12 @@ class MemoryGradientAccumulator:
     slow gear blocks in ``read`` on another. ``ack`` only counts: a process that dies loses its
     queue with everything else, so there is nothing to re-deliver.
 
-    ``max_samples`` bounds the samples with an open window (about ``dim * 4`` bytes each;
-    None: no bound): gradients of further samples are dropped and counted in
-    ``metrics.dropped``. A bounded accumulator forgets a sample once its window closes, so its
-    next mean counts ``seq`` from 0 again (harmless here: ``ack`` does not de-duplicate). The
-    queue of ready means is the reader's to drain.
+    ``max_samples`` bounds what it holds, open windows and queued means together (about
+    ``dim * 4`` bytes each; None: no bound): gradients of a sample without an open window are
+    dropped while it is full, and counted in ``metrics.dropped``; a window that closes becomes
+    a queued mean, so the total never passes the bound. A bounded accumulator forgets a sample
+    once its window closes, so its next mean counts ``seq`` from 0 again (harmless here:
+    ``ack`` does not de-duplicate).
     """
 
     def __init__(self, dim: int, m: int, max_samples: int | None = None) -> None:
@@ -123,7 +124,8 @@ class MemoryGradientAccumulator:
             for i, total, count in zip(uniq.tolist(), sums, counts.tolist(), strict=True):
                 state = self._state.get(i)
                 if state is None:
-                    if self.max_samples is not None and len(self._state) >= self.max_samples:
+                    if self.max_samples is not None and \
+                            len(self._state) + len(self._ready) >= self.max_samples:
                         refused += count
                         continue
                     state = self._state[i] = [np.zeros(self.dim, np.float32), 0, version, 0]
@@ -154,6 +156,16 @@ class MemoryGradientAccumulator:
         return (np.array([i for i, _ in items], dtype=np.int64), sums.astype(np.float64),
                 np.array([s[1] for _, s in items], dtype=np.int64),
                 np.array([s[2] for _, s in items], dtype=np.int64))
+
+    def take_ready(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Remove every queued mean and return them in order: (ids (r,) int64, means (r, dim)
+        float32, newest versions (r,) int64); for a backend that hands them to another
+        reader."""
+        with self._cond:
+            ready, self._ready = list(self._ready), deque()
+        means = np.stack([r[1] for r in ready]) if ready else np.zeros((0, self.dim), np.float32)
+        return (np.array([r[0] for r in ready], dtype=np.int64), means.astype(np.float32),
+                np.array([r[2] for r in ready], dtype=np.int64))
 
     def read(self, max_items: int = 256, block_ms: int = 0) -> GradientBatch:
         """Up to ``max_items`` ready means, waiting up to ``block_ms`` if none is ready."""

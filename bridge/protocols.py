@@ -90,9 +90,19 @@ class GradientSource(Protocol):
 class WeightChannel(Protocol):
     """Backbone weights published by the slow gear at a version, loaded by the fast gears."""
 
-    def publish(self, model: nn.Module, version: int) -> bool:
-        """Make ``model``'s weights the newest, as backbone ``version``; False if they could
-        not be published (the caller tries again later)."""
+    def publish(self, model: nn.Module, version: int, replaces: int | None = None) -> bool:
+        """Make ``model``'s weights the newest, as backbone ``version`` (with ``replaces``:
+        only if the newest is still that version, -1 for none); False if they could not be
+        published (the caller tries again later, or follows a reset)."""
+        ...
+
+    def reset(self, model: nn.Module, version: int) -> int:
+        """Start a new timeline from ``model`` (the trainers' start or rollback) at a version
+        >= ``version`` above every one published before; returns that version."""
+        ...
+
+    def published_version(self) -> int | None:
+        """The newest published version; None when there is none or it cannot be read."""
         ...
 
     def load_into(self, model: nn.Module, newer_than: int) -> int | None:

@@ -18,10 +18,12 @@ backward step but before ``ack`` is the one case that applies a mean twice; an a
 atomic with the model step would need the key in the checkpoint.
 
 Malformed stream entries are acked into the dead-letter stream ``{prefix}:grads:dead`` with the
-error text and never returned. Redis down: ``add`` hands the gradients to its in-process
-fallback when it has one (an in-process slow gear drains it, so the backbone keeps training) and
-drops them otherwise; ``read`` returns an empty batch (after waiting ``block_ms``); both log
-rate-limited warnings and count the outage; nothing raises.
+error text and never returned. Redis down: ``add`` hands the gradients to its bounded in-process
+fallback (an in-process slow gear drains its ready means, so the backbone keeps training; for an
+external slow gear they wait there) and, once Redis answers, moves what the fallback still holds,
+queued means and open windows, to Redis; only gradients past the fallback's bound are dropped.
+``read`` returns an empty batch (after waiting ``block_ms``); both log rate-limited warnings and
+count the outage; nothing raises.
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ class RedisGradientAccumulator:
         max_attempts: optimistic retries when another worker touched the same samples.
         fallback_samples: while Redis cannot be reached, gradients go to ``self.fallback``, an
             in-process :class:`~bridge.accumulator.MemoryGradientAccumulator` with the same
-            ``m`` holding at most this many open windows, whose ready means an in-process slow
-            gear reads; 0: no fallback, gradients are dropped (a fast gear whose slow gear runs
-            elsewhere has nothing here to apply them with). When Redis answers again, the open
-            windows move to Redis, so no sample's window is lost.
+            ``m`` holding at most this many open windows and queued means together; an
+            in-process slow gear reads its ready means as they come. When Redis answers again,
+            the means still queued (an external slow gear's, which cannot reach them) and the
+            open windows move to Redis, so nothing the fallback took is lost. 0: no fallback,
+            gradients are dropped while Redis is down.
 
     The fallback is an accumulator of the kind the in-process slow gear already reads, so the
     backbone keeps training at the same ``m`` with no new code path in the gear; applying each
@@ -202,13 +205,13 @@ class RedisGradientAccumulator:
             self.metrics.outages += 1
 
     def _answered(self) -> int:
-        """Redis answered: if that ends an outage, count its length and move the fallback's
-        open windows to Redis. Returns the means that move queued."""
+        """Redis answered: if that ends an outage, count its length and move what the fallback
+        holds to Redis. Returns the means that move queued."""
         seconds = self.guard.ok()
         if seconds is None:
             return 0
         self.metrics.outage_s += seconds
-        return self._move_fallback_windows() if self.fallback is not None else 0
+        return self._move_fallback() if self.fallback is not None else 0
 
     def _to_fallback(self, ids: np.ndarray | torch.Tensor, grads: np.ndarray | torch.Tensor,
                      version: int, n: int) -> int:
@@ -226,23 +229,41 @@ class RedisGradientAccumulator:
                         dropped=self.metrics.dropped, down_s=f"{self.guard.down_for():.1f}")
         return emitted
 
-    def _move_fallback_windows(self) -> int:
-        ids, sums, counts, versions = self.fallback.take_partial_sums()
-        n = int(counts.sum())
-        if not n:
-            return 0
-        try:
-            emitted = self._add_with_retries(ids, sums, counts, versions)
-        except redis.RedisError as e:
-            self._failed("add", e)
-            emitted = None
-        if emitted is None:
-            self.metrics.dropped += n
-            self._warn.warn("grad_fallback_windows_dropped", who=self.guard.name, n=n)
-            return 0
+    def _move_fallback(self) -> int:
+        """Queued means first, each as a window of ``m`` gradients (a sample with an open
+        window in Redis folds it in), in rounds so that one round names a sample once; then
+        the open windows. Returns the means queued in Redis."""
+        ids, means, versions = self.fallback.take_ready()
+        rounds = np.zeros(ids.shape[0], dtype=np.int64)
+        seen: dict[int, int] = {}
+        for n, i in enumerate(ids.tolist()):
+            rounds[n] = seen.get(i, 0)
+            seen[i] = rounds[n] + 1
+        parts = [(ids[rounds == r], means[rounds == r].astype(np.float64) * self.m,
+                  np.full(int((rounds == r).sum()), self.m, np.int64), versions[rounds == r])
+                 for r in range(int(rounds.max()) + 1 if rounds.size else 0)]
+        parts.append(self.fallback.take_partial_sums())
+        emitted, reachable = 0, True
+        for what, (part_ids, sums, counts, part_versions) in zip(
+                ["means"] * (len(parts) - 1) + ["windows"], parts, strict=True):
+            n = int(counts.sum())
+            if not n:
+                continue
+            queued = None
+            if reachable:
+                try:
+                    queued = self._add_with_retries(part_ids, sums, counts, part_versions)
+                except redis.RedisError as e:
+                    self._failed("add", e)
+                    reachable = False  # gone again: what is left is dropped, not retried
+            if queued is None:
+                self.metrics.dropped += n
+                self._warn.warn("grad_fallback_dropped", who=self.guard.name, part=what, n=n)
+                continue
+            emitted += queued
+            log.info("grad_fallback_moved who=%s part=%s samples=%d grads=%d emitted=%d",
+                     self.guard.name, what, part_ids.shape[0], n, queued)
         self.metrics.emitted += emitted
-        log.info("grad_fallback_windows_moved who=%s samples=%d grads=%d emitted=%d",
-                 self.guard.name, ids.shape[0], n, emitted)
         return emitted
 
     def _try_add(self, keys: list[bytes], uniq: np.ndarray, sums: np.ndarray,
@@ -344,10 +365,16 @@ class RedisGradientConsumer:
             time.sleep(block_ms / 1000)
             return empty_batch(self.dim)
         try:
-            self._ensure_group()
-            raw = self._claim(max_items)
-            if len(raw) < max_items:
-                raw += self._read_new(max_items - len(raw), 0 if raw else block_ms)
+            try:
+                raw = self._read_raw(max_items, block_ms)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
+                    raise
+                # The job's gradient state was discarded (a trainer started or rolled back),
+                # and the stream's group with it (a blocked read is told UNBLOCKED): join the
+                # new stream.
+                self._group_ready, self._claim_cursor = False, b"0-0"
+                raw = self._read_raw(max_items, block_ms)
             batch = self._decode_batch(raw)
         except redis.RedisError as e:
             self.guard.failed("read", e)
@@ -356,6 +383,13 @@ class RedisGradientConsumer:
             return empty_batch(self.dim)
         self.guard.ok()
         return batch
+
+    def _read_raw(self, max_items: int, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        self._ensure_group()
+        raw = self._claim(max_items)
+        if len(raw) < max_items:
+            raw += self._read_new(max_items - len(raw), 0 if raw else block_ms)
+        return raw
 
     def _claim(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
         cursor, entries, *_ = self.client.xautoclaim(

@@ -7,6 +7,12 @@ the state dict; ``{prefix}:weights:version`` the version alone, so a fast worker
 key and fetches the blob only when it changed. Both are written in one MULTI. A blob that fails
 its checks (magic, checksum, keys/shapes of the model) is logged and ignored, and an unreachable
 Redis answers "nothing new": the fast gear keeps the weights it has.
+
+The trainers own the job's timeline: when they start or roll back to a checkpoint, their rank 0
+:meth:`WeightStore.reset` s the channel to the checkpoint's backbone, at a version above every
+one published before (so no mean of the discarded steps can pass for one of the new steps). The
+slow gear publishes with ``replaces=`` the version it started from, which fails once a reset came
+in between; it then loads the reset weights and goes on from them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import redis
 import torch
 from torch import nn
 
+from bridge.errors import BridgeError
 from bridge.ratelimit import RateLimitedLog
 from bridge.redis_util import RedisGuard
 
@@ -52,25 +59,70 @@ class WeightStore:
         self.guard = RedisGuard(f"weights:{prefix}", retry_after_s)
         self._warn = RateLimitedLog(log)
 
-    def publish(self, model: nn.Module, version: int) -> bool:
-        """Store ``model``'s state dict as ``version``; False if Redis is unreachable."""
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-        payload = buf.getvalue()
-        blob = _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
-                                   hashlib.sha256(payload).digest()) + payload
+    def publish(self, model: nn.Module, version: int, replaces: int | None = None) -> bool:
+        """Store ``model``'s state dict as ``version``. With ``replaces``, only if the published
+        version is still that one (-1: none yet), so a :meth:`reset` in between is never
+        overwritten. False if Redis is unreachable or the published version moved."""
+        blob = self._encode(model, version)
         if not self.guard.usable():
             return False
         try:
             with self.client.pipeline(transaction=True) as pipe:
+                if replaces is not None:
+                    pipe.watch(self.version_key)
+                    if self._version_in(pipe) != replaces:
+                        return False
+                    pipe.multi()
                 pipe.set(self.key, blob)
                 pipe.set(self.version_key, str(version).encode())
                 pipe.execute()
+        except redis.WatchError:
+            return False
         except redis.RedisError as e:
             self.guard.failed("publish", e)
             return False
         self.guard.ok()
         return True
+
+    def reset(self, model: nn.Module, version: int) -> int:
+        """Publish ``model`` as the start of a new timeline of the job (a fresh start or a
+        rollback), at ``version`` or, if a version at or above it was published before, one
+        above that. Returns the version it was published as; raises BridgeError if Redis
+        cannot be reached (training on would mix the discarded steps into the new ones)."""
+        for _ in range(8):
+            try:
+                with self.client.pipeline(transaction=True) as pipe:
+                    pipe.watch(self.version_key)
+                    version = max(version, self._version_in(pipe) + 1)
+                    blob = self._encode(model, version)
+                    pipe.multi()
+                    pipe.set(self.key, blob)
+                    pipe.set(self.version_key, str(version).encode())
+                    pipe.execute()
+            except redis.WatchError:
+                continue
+            except redis.RedisError as e:
+                raise BridgeError(f"cannot reset the job's published weights in Redis ({e})") \
+                    from e
+            log.info("gear_weights_reset version=%d", version)
+            return version
+        raise BridgeError("cannot reset the job's published weights: the version kept changing")
+
+    def _version_in(self, pipe: redis.client.Pipeline) -> int:
+        """The published version read through a watching pipeline; -1 when none, or garbage."""
+        raw = pipe.get(self.version_key)
+        try:
+            return int(raw) if raw is not None else -1
+        except ValueError:
+            return -1
+
+    @staticmethod
+    def _encode(model: nn.Module, version: int) -> bytes:
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+        payload = buf.getvalue()
+        return _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
+                                    hashlib.sha256(payload).digest()) + payload
 
     def published_version(self) -> int | None:
         """The newest published version, None if none (or Redis is down, or it is garbage)."""

@@ -230,14 +230,14 @@ def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redi
     own_redis.kill()
     assert acc.add(np.array([5]), g["5a"], 0) == 0
     assert acc.add(np.array([5]), g["5b"], 1) == 1  # m=2 reached in the fallback
-    for i in (6, 7, 8, 9):  # 5 closed its window; 6, 7, 8 fill the 3 open windows, 9 finds none
-        assert acc.add(np.array([i]), g[f"{i}a"], 2) == 0
     assert len(consumer.read()) == 0
-    ready = acc.fallback.read()
+    ready = acc.fallback.read()  # as the in-process slow gear does after every step
     assert ready.ids.tolist() == [5]
     np.testing.assert_allclose(ready.grads.numpy(), (g["5a"].astype(np.float64) + g["5b"]) / 2,
                                rtol=1e-6)
     acc.fallback.ack(ready)
+    for i in (6, 7, 8, 9):  # 5's mean was taken; 6, 7, 8 fill the 3 places, 9 finds none
+        assert acc.add(np.array([i]), g[f"{i}a"], 2) == 0
     assert (acc.metrics.fallback, acc.metrics.dropped, acc.metrics.outages) == (5, 1, 1)
 
     own_redis.start()
@@ -257,6 +257,54 @@ def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redi
     np.testing.assert_allclose(consumer.read().grads.numpy(),
                                (g["7a"].astype(np.float64) + g["7b"]) / 2, rtol=1e-6)
     assert acc.metrics.fallback == 5  # nothing more went to the fallback once Redis was back
+
+
+def test_redis_down_keeps_an_external_slow_gears_means_until_redis_is_back(own_redis):
+    client = own_redis.client(socket_timeout_s=0.3)
+    # no slow gear reads the fallback here: its means wait, within a bound of 4 held samples
+    acc = RedisGradientAccumulator(client, DIM, 2, "acc_ext", retry_after_s=0.0,
+                                   fallback_samples=4)
+    consumer = RedisGradientConsumer(client, DIM, "acc_ext", consumer="c", retry_after_s=0.0)
+    rng = np.random.default_rng(11)
+    g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
+         for name in ("5a", "5b", "5c", "5d", "6a", "6b", "7a", "8a")}
+    own_redis.kill()
+    for name in ("5a", "5b", "5c", "5d"):  # two means of sample 5, both queued
+        acc.add(np.array([5]), g[name], 1)
+    acc.add(np.array([6]), g["6a"], 2)
+    acc.add(np.array([7]), g["7a"], 2)  # 2 means + 2 windows: the bound is reached
+    acc.add(np.array([8]), g["8a"], 2)
+    assert (acc.metrics.fallback, acc.metrics.dropped) == (6, 1)
+
+    own_redis.start()
+    # this add reaches Redis, ends the outage, and everything the fallback held moves there
+    assert acc.add(np.array([6]), g["6b"], 3) == 3
+    batch = consumer.read()
+    assert batch.ids.tolist() == [5, 5, 6]
+    expected = [(g[a].astype(np.float64) + g[b]) / 2
+                for a, b in (("5a", "5b"), ("5c", "5d"), ("6a", "6b"))]
+    np.testing.assert_allclose(batch.grads.numpy(), np.concatenate(expected), rtol=1e-6)
+    assert batch.versions.tolist() == [1, 1, 3]
+    assert len({h.key for h in batch.handles}) == 3  # two means of 5, two apply-once keys
+    assert consumer.ack(batch) == 3
+    rec = decode_record(client.get(acc.record_key(7)), DIM)
+    assert rec.count == 1
+    np.testing.assert_array_equal(rec.sum, g["7a"][0])
+    assert client.get(acc.record_key(8)) is None
+    assert len(acc.fallback.read()) == 0 and acc.fallback.pending() == 0
+
+
+def test_consumer_joins_the_new_stream_after_the_gradient_state_is_discarded(own_redis):
+    client = own_redis.client(socket_timeout_s=0.3)
+    acc = RedisGradientAccumulator(client, DIM, 1, "acc_gone")
+    consumer = RedisGradientConsumer(client, DIM, "acc_gone", consumer="c")
+    acc.add(np.array([1]), np.ones((1, DIM)), 0)
+    assert consumer.read().ids.tolist() == [1]  # group created, entry pending (not acked)
+    acc.discard_all()  # a trainer started over: the stream and its group are gone
+    acc.add(np.array([2]), np.full((1, DIM), 2.0), 5)
+    batch = consumer.read()
+    assert batch.ids.tolist() == [2] and batch.versions.tolist() == [5]
+    assert consumer.guard.usable() and consumer.metrics.outages == 0
 
 
 def test_memory_checkpoint_state_holds_what_was_added_and_resumes_exactly():

@@ -12,11 +12,15 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +30,9 @@ import torch
 from bridge import MemoryFeatureCache, MemoryGradientAccumulator, WeightStore
 from bridge.codec import GradEntry, encode_features, encode_grad_entry
 from bridge.redis_accumulator import dead_letter_key, stream_key
+from workers import checkpoint
 from workers.backbones import build_backbone
-from workers.gear import Gear, SlowGear
+from workers.gear import Gear, SlowGear, SlowGearGroup, run_slow_worker
 from workers.predict import images_to_input
 from xcls.config import load_config
 from xcls.run import build_run
@@ -288,6 +293,70 @@ def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
+def test_external_slow_gear_goes_back_with_the_trainers(glyphs_small, tmp_path, redis_server):
+    """The trainers roll back to the checkpoint of step 6 after training to 12: the job's
+    published backbone is that checkpoint's from then on, above every version of the discarded
+    steps, and a running ``xcls gear slow`` goes on from it."""
+    prefix = f"back{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "run"
+    sets = overrides(glyphs_small, out, **{
+        "gear.ttl": 1e6, "gear.m": 1, "gear.slow": "external", "gear.sync_every": 2,
+        "gear.publish_every": 2, "gear.slow_batch": 32, "train.max_steps": 12,
+        "train.checkpoint_every": 6, "train.resume": True, "data.batch_size": 32,
+        "data.test": "", **redis_sets(redis_server, prefix)})
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "xcls", "gear", "slow", "/dev/null", "--idle-exit", "60",
+         "--block-ms", "100", *sum((["--set", s] for s in sets), [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = redis_server.client()
+    store = WeightStore(client, prefix)
+    model = build_backbone("resnet_small", 64, 1, 24)
+
+    def wait_until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 120
+        while not done():
+            assert slow.poll() is None and time.monotonic() < deadline, slow.stderr.read()
+            time.sleep(0.05)
+
+    try:
+        # the worker is reading once its consumer group exists
+        wait_until(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
+            stream_key(prefix)))
+        assert build_run(load_config(None, sets)).trainer.train().steps == 12
+        wait_until(lambda: client.xlen(stream_key(prefix)) == 0)  # it caught up (acked all)
+        discarded = store.published_version()
+        # the rollback: steps 7-12 are gone, as after a shard lost them
+        shutil.rmtree(checkpoint.checkpoint_dir(out, 12))
+        back = checkpoint.load(out, 6, 0)[0]["backbone"]
+        run = build_run(load_config(None, sets))
+        started: dict[str, object] = {}
+        fast_features = run.trainer.gear.features
+
+        def features(ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+            if not started:  # the first step after the rollback
+                started["version"] = store.load_into(model, -1)
+                started["gear"] = run.trainer.gear.version
+            return fast_features(ids, images)
+
+        run.trainer.gear.features = features
+        assert run.trainer.train().steps == 12
+        assert started["version"] == started["gear"] > discarded
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in back.items())
+        wait_until(lambda: client.xlen(stream_key(prefix)) == 0)
+        slow.send_signal(signal.SIGTERM)  # it publishes what it has and stops
+        stdout, stderr = slow.communicate(timeout=120)
+    finally:
+        slow.kill()
+        client.close()
+    assert slow.returncode == 0, (stdout, stderr)
+    # two resets followed: the first run's fresh start and the rollback; then one backbone
+    # step per trainer step (m=1, a trainer step's 32 means per read)
+    (line,) = re.findall(r"(\d+) resets followed, version (\d+)", stdout)
+    assert line == ("2", str(started["version"] + 6)), stdout
+    assert len(re.findall(r"slow_gear_reset version=(\d+)", stderr)) == 2, stderr
+    assert store.published_version() == int(line[1])
+
+
 class Crash(Exception):
     pass
 
@@ -458,9 +527,21 @@ class MemoryChannel:
     def __init__(self) -> None:
         self.published: tuple[dict, int] | None = None
 
-    def publish(self, model: torch.nn.Module, version: int) -> bool:
+    def publish(self, model: torch.nn.Module, version: int, replaces: int | None = None) -> bool:
+        if replaces is not None and self.published_version() != (
+                replaces if replaces >= 0 else None):
+            return False
         self.published = ({k: v.clone() for k, v in model.state_dict().items()}, version)
         return True
+
+    def reset(self, model: torch.nn.Module, version: int) -> int:
+        newest = self.published_version()
+        version = max(version, -1 if newest is None else newest + 1)
+        self.publish(model, version)
+        return version
+
+    def published_version(self) -> int | None:
+        return None if self.published is None else self.published[1]
 
     def load_into(self, model: torch.nn.Module, newer_than: int) -> int | None:
         if self.published is None or self.published[1] <= newer_than:
@@ -493,21 +574,34 @@ def test_gradient_state_is_saved_and_restored_only_by_the_owner_of_the_slow_gear
     channel = MemoryChannel()
     channel.publish(publisher, 7)
 
-    # external slow gear: the gradient state is its own; the fast gear takes published weights
+    # external slow gear: the leader discards the gradient state and resets the channel to
+    # its own backbone, above every version published before; the others take that version
     sink = RecordingSink()
-    fast = Gear(tiny_backbone(), None, sink, cpu, weights=channel, sync_every=2)
-    fast.begin(None)
-    assert sink.restored == [] and fast.version == 7
-    assert all(torch.equal(v, publisher.state_dict()[k])
-               for k, v in fast.backbone.state_dict().items())
-    assert fast.state_dict()["accumulator"] is None
+    leader = Gear(tiny_backbone(), None, sink, cpu, weights=channel, sync_every=2)
+    other_sink = RecordingSink()
+    other = Gear(tiny_backbone(), None, other_sink, cpu, weights=channel, sync_every=2,
+                 leader=False)
+    own = {k: v.clone() for k, v in leader.backbone.state_dict().items()}
+    leader.begin(None)
+    assert sink.restored == [(None, -1)] and leader.version == 8
+    assert channel.published_version() == 8
+    assert all(torch.equal(v, own[k]) for k, v in channel.published[0].items())
+    other.begin(None)
+    assert other_sink.restored == [] and other.version == 0
+    other.sync()
+    assert other.version == 8
+    assert leader.state_dict()["accumulator"] is None
     channel.publish(publisher, 9)
-    fast.backward(torch.arange(2), torch.zeros(2, 4), lr=1.0)
-    assert fast.version == 7  # the next sync is at step 2
-    fast.backward(torch.arange(2), torch.zeros(2, 4), lr=1.0)
-    assert fast.version == 9 and sink.added == [7, 7]
-    fast.begin({**fast.state_dict(), "version": 3})
-    assert sink.restored == [] and fast.version == 9  # newer published weights win
+    leader.backward(torch.arange(2), torch.zeros(2, 4), lr=1.0)
+    assert leader.version == 8  # the next sync is at step 2
+    leader.backward(torch.arange(2), torch.zeros(2, 4), lr=1.0)
+    assert leader.version == 9 and sink.added == [8, 8]
+    assert all(torch.equal(v, publisher.state_dict()[k])
+               for k, v in leader.backbone.state_dict().items())
+    # a rollback to a checkpoint of version 3 restarts the job from that backbone at 10
+    leader.begin({**leader.state_dict(), "version": 3})
+    assert sink.restored[1] == (None, 3) and leader.version == 10
+    assert channel.published_version() == 10
 
     # in-process slow gear: this process owns the gradient state and restores it
     sink, source = RecordingSink(), MemoryGradientAccumulator(4, m=1)
@@ -520,6 +614,59 @@ def test_gradient_state_is_saved_and_restored_only_by_the_owner_of_the_slow_gear
     assert state["accumulator"] == {"sums": "of this process"}
     local.begin({**state, "version": 5})
     assert sink.restored[1] == ({"sums": "of this process"}, 5) and local.version == 5
+
+
+def test_external_slow_gear_follows_a_reset_and_never_publishes_over_it():
+    cpu = torch.device("cpu")
+    backbone = tiny_backbone()
+    # momentum: a slow gear that kept its optimizer state across the reset would be caught
+    optimizer = torch.optim.SGD(backbone.parameters(), lr=0.0, momentum=0.9)
+    imgs = tiny_images(8)
+    data = [(i, img, 0) for i, img in enumerate(imgs)]
+    source = MemoryGradientAccumulator(4, m=1)
+    channel = MemoryChannel()
+    slow = SlowGear(backbone, optimizer, data, cpu)
+    grads = {name: torch.randn(2, 4, generator=torch.Generator().manual_seed(n))
+             for n, name in enumerate("ABCDE")}
+    ids = {"A": [0, 1], "B": [2, 3], "C": [4, 5], "D": [6, 7], "E": [1, 6]}
+    checkpoint = tiny_backbone()
+    calls = [0]
+
+    def feed(name: str, version: int = 0) -> None:
+        source.add(torch.tensor(ids[name]), grads[name], version)
+
+    def script() -> bool:  # called once a round, after that round's read, before its apply
+        calls[0] += 1
+        if calls[0] == 1:
+            feed("B")
+        elif calls[0] == 2:  # A applied: this is the backbone the trainers will go back to
+            checkpoint.load_state_dict(backbone.state_dict())
+            feed("C")
+        elif calls[0] == 3:  # B applied and published as 2; the trainers roll back now
+            assert channel.published_version() == 2
+            assert channel.reset(checkpoint, 1) == 3
+            feed("D", 2)  # late, from the discarded steps
+            feed("E", 3)  # from a trainer on the reset backbone
+        elif calls[0] == 4:  # C was applied on the old timeline; its publication was refused
+            assert channel.published_version() == 3
+        return calls[0] >= 4
+
+    feed("A")
+    steps = run_slow_worker(slow, source, channel, SlowGearGroup(), start=-1,
+                            lr_at_step=lambda step: 0.5, publish_every=1, should_stop=script)
+    # A, B, C on the old timeline; then D and E are read in the round that sees the reset:
+    # D is stale and dropped, E is applied to the reset backbone
+    assert steps == 4 and slow.counts.resets == 1 and slow.counts.stale == 2
+    assert slow.version == 4 and channel.published_version() == 4
+    # E alone on the checkpoint's weights with fresh momentum: one plain SGD step, float64
+    before = {k: v.double() for k, v in checkpoint.state_dict().items()}
+    x = images_to_input(imgs[ids["E"]]).view(2, 16).double()
+    g = grads["E"].double()
+    for state in (backbone.state_dict(), channel.published[0]):
+        np.testing.assert_allclose(state["1.weight"].double(),
+                                   before["1.weight"] - 0.5 * g.T @ x, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state["1.bias"].double(), before["1.bias"] - 0.5 * g.sum(0),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_gear_state_round_trip_restores_cache_and_accumulator():

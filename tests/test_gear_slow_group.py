@@ -21,7 +21,7 @@ from bridge.redis_accumulator import RedisGradientAccumulator, stream_key
 from tests.conftest import free_port, set_torchrun_env
 from workers.backbones import build_backbone
 from workers.distributed import process_group
-from workers.gear import SlowGear, SlowGearGroup
+from workers.gear import SlowGear, SlowGearGroup, follow_reset
 from workers.predict import images_to_input
 
 DIM, LR, MOMENTUM, DECAY = 3, 0.05, 0.9, 1e-3
@@ -92,6 +92,55 @@ def test_group_step_equals_one_process_on_all_means(tmp_path):
         assert torch.equal(results[0]["state"][name], results[1]["state"][name])
 
 
+class CheckpointWeights:
+    """The weights the trainers reset the job to, as rank 0 of a slow group loads them."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def load_into(self, model: nn.Module, newer_than: int) -> int | None:
+        model.load_state_dict(make_model().state_dict())
+        return self.version
+
+
+def _reset_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    set_torchrun_env(rank, world, port)
+    with process_group(world, torch.device("cpu")):
+        torch.manual_seed(0)
+        model = make_model()
+        group = SlowGearGroup(rank, world)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=MOMENTUM)
+        data = [(i, img, 0) for i, img in enumerate(images(8))]
+        slow = SlowGear(model, optimizer, data, torch.device("cpu"), group=group)
+        grads = mean_grads(8)
+        for plan in ROUNDS:  # the discarded timeline: moves the weights, builds momentum
+            ids = torch.tensor(plan[rank], dtype=torch.int64)
+            slow.apply(GradientBatch(ids, grads[ids], torch.zeros_like(ids), []), LR)
+        # only rank 0 reads the channel; rank 1 must end up with what rank 0 loaded
+        version = follow_reset(slow, CheckpointWeights(40) if rank == 0 else None, group)
+        ids = torch.tensor(ROUNDS[2][rank], dtype=torch.int64)
+        slow.apply(GradientBatch(ids, grads[ids], torch.zeros_like(ids), []), LR)
+        torch.save({"state": model.state_dict(), "version": slow.version,
+                    "followed": version, "resets": slow.counts.resets}, f"{out}/rank{rank}.pt")
+
+
+def test_group_follows_a_reset_together(tmp_path):
+    mp.spawn(_reset_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # float64: the reset weights, one plain SGD step (momentum started over) on round 2's means
+    ref = {k: v.double() for k, v in make_model().state_dict().items()}
+    x = images_to_input(images(8)).view(8, 16).double()
+    g = mean_grads(8).double()
+    ids = torch.tensor(ROUNDS[2][0] + ROUNDS[2][1])
+    expected = {"1.weight": ref["1.weight"] - LR * g[ids].T @ x[ids],
+                "1.bias": ref["1.bias"] - LR * g[ids].sum(0)}
+    for result in results:
+        assert (result["followed"], result["version"], result["resets"]) == (40, 41, 1)
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["state"][name].numpy(), value.numpy(),
+                                       rtol=1e-5, atol=1e-6)
+
+
 def test_torchrun_slow_workers_apply_each_mean_once(glyphs_small, tmp_path, redis_server):
     from tests.test_gear import overrides, redis_sets
 
@@ -112,8 +161,8 @@ def test_torchrun_slow_workers_apply_each_mean_once(glyphs_small, tmp_path, redi
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"slow gear rank (\d)/2: (\d+) backbone steps, (\d+) means applied, "
-                       r"(\d+) rejected, (\d+) malformed, version (\d+), weights (\w+)",
-                       proc.stdout)
+                       r"(\d+) rejected, (\d+) malformed, 0 resets followed, version (\d+), "
+                       r"weights (\w+)", proc.stdout)
     assert len(lines) == 2, proc.stdout
     steps, applied, versions, digests = ({line[i] for line in lines} for i in (1, 2, 5, 6))
     # both ranks stepped together and hold the same weights; each mean applied exactly once

@@ -27,7 +27,7 @@ class FlakyChannel:
     def __init__(self) -> None:
         self.calls = 0
 
-    def publish(self, model: nn.Module, version: int) -> bool:
+    def publish(self, model: nn.Module, version: int, replaces: int | None = None) -> bool:
         self.calls += 1
         return self.calls % 2 == 1
 

@@ -17,11 +17,14 @@ it:
 
 With separate slow processes the weights travel through a :class:`bridge.protocols.WeightChannel`:
 the slow worker publishes every few backbone steps and fast workers reload the newest every few
-steps. This module knows only those protocols; which backend stands behind them is the run
-assembly's choice. A backend outage never stops training: the cache answers misses; with the
-slow gear in this process the accumulator hands the gradients to an in-process fallback that
-the slow gear drains too (``fallback``), so the backbone keeps training; with an external slow
-gear they are dropped and the fast gear keeps the weights it has.
+steps. The trainers own the job's timeline: when they start or roll back to a checkpoint,
+rank 0 resets the channel to that backbone and the slow workers follow (:func:`follow_reset`),
+so rows, backbone and queued gradients always restart from one step. This module knows only
+those protocols; which backend stands behind them is the run assembly's choice. A backend
+outage never stops training: the cache answers misses; the accumulator hands the gradients to
+a bounded in-process fallback, which the slow gear drains when it runs in this process
+(``fallback``), so the backbone keeps training; an external slow gear gets the fallback's
+means once Redis is back, and meanwhile the fast gear keeps the weights it has.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from bridge.accumulator import GradientBatch
+from bridge.accumulator import GradientBatch, empty_batch
 from bridge.protocols import FeatureCache, GradientSink, GradientSource, WeightChannel
 from bridge.ratelimit import RateLimitedLog
 from workers.predict import images_to_input
@@ -56,13 +59,18 @@ class SlowGearMode(StrEnum):
 class GearCounts:
     """Work done since the gear was built. ``fast_forwards``: samples the fast gear ran through
     the backbone (cache misses); ``slow_forwards``: samples the slow gear ran forward+backward;
-    ``rejected``: ready means dropped because their sample id is not in the dataset."""
+    ``rejected``: ready means dropped because their sample id is not in the dataset;
+    ``resets``: times an external slow gear went over to the weights the trainers reset the
+    job to (when they started or rolled back); ``stale``: means from steps a reset discarded,
+    dropped."""
 
     samples: int = 0
     fast_forwards: int = 0
     slow_forwards: int = 0
     slow_steps: int = 0
     rejected: int = 0
+    resets: int = 0
+    stale: int = 0
 
 
 class SlowGearGroup:
@@ -77,14 +85,16 @@ class SlowGearGroup:
     def __init__(self, rank: int = 0, world: int = 1) -> None:
         self.rank, self.world = rank, world
 
-    def agree(self, items: int, stop: bool, busy: bool) -> tuple[int, bool, bool]:
+    def agree(self, items: int, stop: bool, busy: bool, reset: bool = False,
+              ) -> tuple[int, bool, bool, bool]:
         """Sum of ``items`` read this round over all ranks, whether any rank was asked to stop,
-        and whether any rank has had work lately: every rank takes the same decisions."""
+        whether any rank has had work lately, and whether any rank saw the trainers reset the
+        weights: every rank takes the same decisions."""
         if self.world == 1:
-            return items, stop, busy
-        votes = torch.tensor([items, int(stop), int(busy)], dtype=torch.int64)
+            return items, stop, busy, reset
+        votes = torch.tensor([items, int(stop), int(busy), int(reset)], dtype=torch.int64)
         dist.all_reduce(votes)
-        return int(votes[0]), bool(votes[1]), bool(votes[2])
+        return int(votes[0]), bool(votes[1]), bool(votes[2]), bool(votes[3])
 
     def from_rank0(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
@@ -140,7 +150,20 @@ class SlowGear:
         self.version = version
         self.group = group
         self.counts = GearCounts()
+        # means of an older backbone version are from steps the trainers discarded
+        self.floor = -1
         self._warn = RateLimitedLog(log)
+
+    def drop_stale(self, batch: GradientBatch) -> GradientBatch:
+        """``batch`` without the means computed on a backbone older than the one the trainers
+        last reset the job to (:func:`follow_reset`), counted in ``counts.stale``."""
+        keep = batch.versions >= self.floor
+        if bool(keep.all()):
+            return batch
+        self.counts.stale += int((~keep).sum())
+        self._warn.warn("gear_grad_stale", count=int((~keep).sum()), floor=self.floor)
+        return GradientBatch(batch.ids[keep], batch.grads[keep], batch.versions[keep],
+                             [h for h, k in zip(batch.handles, keep.tolist(), strict=True) if k])
 
     def apply(self, batch: GradientBatch, lr: float) -> int:
         """One backbone step at learning rate ``lr`` from ``batch`` (ids (k,) int64, grads
@@ -207,14 +230,16 @@ class Gear:
     cache: None means ttl 0, never reuse a feature; accumulator: where dL/dX goes.
     Exactly one of ``slow`` (the slow gear and the source it reads the accumulator's means from)
     and ``weights`` is given. ``fallback``: with ``slow``, a second source the slow gear drains
-    after the first, where the accumulator queues means while its backend is down.
+    after the first, where the accumulator queues means while its backend is down. ``leader``:
+    with ``weights``, this trainer (rank 0) starts the job's timeline in :meth:`begin`; the
+    others :meth:`sync` to it afterwards.
     """
 
     def __init__(self, backbone: nn.Module, cache: FeatureCache | None,
                  accumulator: GradientSink, device: torch.device, *,
                  slow: tuple[SlowGear, GradientSource] | None = None,
                  weights: WeightChannel | None = None, sync_every: int = 10,
-                 fallback: GradientSource | None = None) -> None:
+                 fallback: GradientSource | None = None, leader: bool = True) -> None:
         if (slow is None) == (weights is None):
             raise ValueError("give exactly one of slow (in-process) and weights (external)")
         if fallback is not None and slow is None:
@@ -223,6 +248,7 @@ class Gear:
         self.device = device
         self.slow, self.weights, self.sync_every = slow, weights, sync_every
         self.fallback = fallback
+        self.leader = leader
         # In one process the fast and slow gear share one tally, so it tells all the work.
         self.counts = slow[0].counts if slow else GearCounts()
         self._version = 0
@@ -248,8 +274,11 @@ class Gear:
         The cache and, when this process owns the slow gear, the accumulator restore their own
         state (:meth:`~bridge.protocols.CheckpointState.restore_checkpoint_state`): in-process
         ones exactly, so a resumed run repeats the uninterrupted one; shared ones roll back
-        what outlasted the checkpoint. An external slow gear owns the gradient state itself;
-        the fast gear then takes the newest published weights.
+        what outlasted the checkpoint. With an external slow gear the leader discards the
+        job's gradient state and resets the weight channel to this backbone (the checkpoint's,
+        or the initial one), which the slow gear then goes back to: rows, backbone and queued
+        gradients all restart from the same step. The other trainers call :meth:`sync` once
+        the leader is done.
         """
         version = -1
         if state is not None:
@@ -266,8 +295,10 @@ class Gear:
         if self.slow is not None:
             self.accumulator.restore_checkpoint_state(
                 state["accumulator"] if state else None, version)
-        if self.weights is not None:
-            self.sync()
+        elif self.leader:
+            self.accumulator.restore_checkpoint_state(None, version)
+            model = getattr(self.backbone, "module", self.backbone)
+            self._version = self.weights.reset(model, max(version, 0))
 
     def features(self, ids: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
         """ids int64 (B,), images uint8 (B, C, H, W) -> features float32 (B, dim), no grad.
@@ -332,35 +363,75 @@ class Gear:
 
 
 def run_slow_worker(slow: SlowGear, source: GradientSource, weights: WeightChannel,
-                    group: SlowGearGroup, *, lr_at_step: Callable[[int], float],
+                    group: SlowGearGroup, *, start: int, lr_at_step: Callable[[int], float],
                     publish_every: int, should_stop: Callable[[], bool], max_steps: int = 0,
                     idle_exit_s: float = 0.0, block_ms: int = 500) -> int:
     """The loop of an ``xcls gear slow`` process: read ready means from ``source``, step the
     backbone at ``lr_at_step(steps)``, publish its weights every ``publish_every`` steps
     (rank 0) and once more at the end. Stops after ``max_steps`` backbone steps (0: never),
     after ``idle_exit_s`` seconds without a gradient (0: never), or once ``should_stop()``.
-    Every rank of ``group`` runs it; returns the backbone steps taken."""
-    steps, published, last_work = 0, slow.version, time.monotonic()
+    Every rank of ``group`` runs it; returns the backbone steps taken.
+
+    ``start``: the published version the backbone was loaded from (-1: none was published).
+    When the trainers reset the channel (they started or rolled back, :meth:`Gear.begin`), the
+    published version is no longer the one this worker last loaded or published: all ranks
+    load the reset weights, drop their optimizer state and go on from there
+    (:func:`follow_reset`); from then on means of an older version are from the discarded
+    steps and are acked without being applied (:meth:`SlowGear.drop_stale`). Publications
+    never overwrite a reset (``replaces``)."""
+    steps, last_work = 0, time.monotonic()
+    base = published = start
     while not (max_steps and steps >= max_steps):
-        batch = source.read(slow.max_items, block_ms)
-        if len(batch):
+        read = source.read(slow.max_items, block_ms)
+        if len(read):
             last_work = time.monotonic()
         busy = not idle_exit_s or time.monotonic() - last_work <= idle_exit_s
-        # One vote per round keeps the ranks in step: all apply, all stop, or none.
-        total, stopping, anyone_busy = group.agree(len(batch), should_stop(), busy)
-        before = slow.version
+        newest = weights.published_version() if group.rank == 0 else None
+        reset = newest is not None and newest != base
+        batch = slow.drop_stale(read)
+        # One vote per round keeps the ranks in step: all apply, all stop, all follow a
+        # reset, or none.
+        total, stopping, anyone_busy, resetting = group.agree(len(batch), should_stop(), busy,
+                                                              reset)
+        if resetting:
+            loaded = follow_reset(slow, weights, group)
+            if loaded < 0:  # not loaded: keep what was read for later (it is re-delivered)
+                read = batch = empty_batch(read.grads.shape[1])
+            else:
+                base = published = loaded
+            batch = slow.drop_stale(batch)
+            total = group.agree(len(batch), False, True)[0]
         if total:
+            before = slow.version
             slow.apply(batch, lr_at_step(steps))  # alone, only rejected ids take no step
-            if len(batch):
-                # Rejected ids are acked too: re-delivering them would only reject them again.
-                source.ack(batch)
-        if slow.version != before:
-            steps += 1
-            if group.rank == 0 and steps % publish_every == 0 and \
-                    weights.publish(slow.backbone, slow.version):
-                published = slow.version
+            if slow.version != before:
+                steps += 1
+                if group.rank == 0 and steps % publish_every == 0 and \
+                        weights.publish(slow.backbone, slow.version, replaces=base):
+                    base = published = slow.version
+        if len(read):
+            # Rejected and stale means are acked too: re-delivered, they would be dropped again.
+            source.ack(read)
         if stopping or not anyone_busy:
             break
     if group.rank == 0 and slow.version != published:
-        weights.publish(slow.backbone, slow.version)
+        weights.publish(slow.backbone, slow.version, replaces=base)
     return steps
+
+
+def follow_reset(slow: SlowGear, weights: WeightChannel, group: SlowGearGroup) -> int:
+    """Every rank of ``group``: take the weights the trainers reset the channel to (rank 0
+    loads them, the others get rank 0's), start the optimizer over, continue the version
+    count from there. Returns the version, or -1 when rank 0 could not load them (the caller
+    tries again next round)."""
+    loaded = weights.load_into(slow.backbone, -1) if group.rank == 0 else None
+    version = group.from_rank0(-1 if loaded is None else loaded)
+    if version < 0:
+        return -1
+    group.broadcast_state(slow.backbone)
+    # The momentum belongs to the discarded steps.
+    slow.optimizer.state.clear()
+    slow.version = slow.floor = version
+    slow.counts.resets += 1
+    log.info("slow_gear_reset version=%d rank=%d", version, group.rank)
+    return version

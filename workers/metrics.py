@@ -146,7 +146,9 @@ def watch_slow_gear(slow: SlowGear, stream: GradientSource) -> None:
     SCRAPED.watch("xcls_slow_gear", lambda: {
         "samples_applied": slow.counts.slow_forwards,
         "samples_rejected": slow.counts.rejected,
-        "batches_applied": slow.counts.slow_steps})
+        "batches_applied": slow.counts.slow_steps,
+        "samples_stale": slow.counts.stale,
+        "resets": slow.counts.resets})
     SCRAPED.watch("xcls_slow_gear", lambda: {"version": slow.version}, counter=False)
     if hasattr(stream, "metrics"):
         SCRAPED.watch("xcls_slow_gear_stream", lambda: stream.metrics.as_dict())
@@ -159,12 +161,18 @@ class CountedWeightChannel:
     def __init__(self, channel: WeightChannel) -> None:
         self.channel = channel
 
-    def publish(self, model: nn.Module, version: int) -> bool:
-        ok = self.channel.publish(model, version)
+    def publish(self, model: nn.Module, version: int, replaces: int | None = None) -> bool:
+        ok = self.channel.publish(model, version, replaces)
         PUBLICATIONS.labels("ok" if ok else "failed").inc()
         if ok:
             PUBLISHED_VERSION.set(version)
         return ok
+
+    def reset(self, model: nn.Module, version: int) -> int:
+        return self.channel.reset(model, version)
+
+    def published_version(self) -> int | None:
+        return self.channel.published_version()
 
     def load_into(self, model: nn.Module, newer_than: int) -> int | None:
         return self.channel.load_into(model, newer_than)

@@ -170,6 +170,10 @@ class Trainer:
         resumed = self._resumed or {}
         if self.gear is not None:
             self.gear.begin(resumed.get("gear"))
+            if self.gear.weights is not None:
+                # the leader has reset the job's weights to ours: take its version
+                self._barrier()
+                self.gear.sync()
         if self.build_graph is not None and current_graph_version(self.client, self.table) == 0:
             self._rebuild_graph()
         result = TrainResult(steps=self.step, last_loss=math.nan)

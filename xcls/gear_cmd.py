@@ -107,6 +107,7 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
     signal.signal(signal.SIGINT, on_signal)
     steps = run_slow_worker(
         worker.slow, worker.consumer, CountedWeightChannel(worker.weights), worker.group,
+        start=worker.start,
         # No cosine decay: this worker does not know how long the trainers will run.
         lr_at_step=lambda step: lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, 0,
                                       "constant"),
@@ -117,7 +118,8 @@ def _slow_loop(cfg: ExperimentConfig, args: argparse.Namespace,
     # the "\n" let two ranks' lines run together.
     sys.stdout.write(f"slow gear rank {rank}/{world}: {steps} backbone steps, "
                      f"{c.slow_forwards} means applied, {c.rejected} rejected, "
-                     f"{worker.consumer.metrics.corrupt} malformed, version {slow.version}, "
+                     f"{worker.consumer.metrics.corrupt} malformed, {c.resets} resets "
+                     f"followed, version {slow.version}, "
                      f"weights {weights_digest(slow.backbone)}\n")
     sys.stdout.flush()
     return 0

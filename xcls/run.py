@@ -177,7 +177,7 @@ def build_run(cfg: ExperimentConfig,
         eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
         rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
         resume=cfg.train.resume, keep_checkpoints=cfg.train.keep_checkpoints)
-    gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, world)
+    gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, (rank, world))
     try:
         trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
                           optimizer=optimizer, head=head, train_set=train_set,
@@ -305,11 +305,12 @@ def build_cache(g: GearConfig, dim: int, out_dir: Path,
 
 def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                train_set: Dataset, device: torch.device, out_dir: Path,
-               world: int) -> Gear | None:
+               ranks: tuple[int, int]) -> Gear | None:
     """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
 
     model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters,
-    stepped by an in-process slow gear at the lr the trainer passes to ``Gear.backward``.
+    stepped by an in-process slow gear at the lr the trainer passes to ``Gear.backward``;
+    ranks: (this trainer's rank, world size).
     """
     from bridge import (
         GearBackend,
@@ -324,6 +325,7 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
     g = cfg.gear
     if not g.enabled:
         return None
+    rank, world = ranks
     if g.slow == SlowGearMode.LOCAL and world > 1:
         raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
                           "alone, which data-parallel workers cannot share; use "
@@ -333,15 +335,14 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
     cache = build_cache(g, dim, out_dir, client)
     if client is not None:
         # While Redis is down an in-process slow gear trains from the accumulator's fallback;
-        # an external one cannot reach it, so its fast gears drop what Redis cannot take.
-        room = DEFAULT_FALLBACK_SAMPLES if g.slow == SlowGearMode.LOCAL else 0
+        # an external one cannot reach it, so its means wait there until Redis is back.
         accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix,
-                                               fallback_samples=room)
+                                               fallback_samples=DEFAULT_FALLBACK_SAMPLES)
     else:
         accumulator = MemoryGradientAccumulator(dim, g.m)
     if g.slow == SlowGearMode.EXTERNAL:
         return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
-                    sync_every=g.sync_every)
+                    sync_every=g.sync_every, leader=rank == 0)
     source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
     backbone = getattr(model, "module", model)
     slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
@@ -351,12 +352,14 @@ def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.O
 
 @dataclass
 class SlowWorker:
-    """An ``xcls gear slow`` process's parts, built from a config."""
+    """An ``xcls gear slow`` process's parts, built from a config; ``start``: the published
+    version its backbone was loaded from (-1: none was published)."""
 
     slow: SlowGear
     consumer: RedisGradientConsumer
     weights: WeightStore
     group: SlowGearGroup
+    start: int
 
 
 def build_slow_worker(cfg: ExperimentConfig, placement: tuple[int, int, torch.device], *,
@@ -395,4 +398,4 @@ def build_slow_worker(cfg: ExperimentConfig, placement: tuple[int, int, torch.de
                                    min_idle_ms=min_idle_ms)
     slow = SlowGear(backbone, optimizer, train_set, device, cfg.gear.slow_batch, version,
                     group if world > 1 else None)
-    return SlowWorker(slow, reader, weights, group)
+    return SlowWorker(slow, reader, weights, group, -1 if start is None else start)
