@@ -32,7 +32,7 @@ from ams.errors import (
     TableNotFound,
     shorten,
 )
-from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists
+from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
 from ams.optim import RowUpdate, SparseMomentumSGD, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
 from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage
@@ -602,11 +602,18 @@ class ShardStore:
     def _stage_graph(self, table: ShardTable, positions: torch.Tensor,
                      offsets: torch.Tensor | None, neighbors: torch.Tensor, version: int,
                      step: int) -> None:
-        """Collect one part of a full graph; install the graph when every row has its list."""
+        """Collect one part of a full graph; install the graph when every row has its list.
+
+        Fixed-width parts of one width are written straight into the (owned, k) table of the
+        graph's id dtype as they arrive, so staging a graph sent in int64 blocks costs the
+        finished table and no copy of the parts; any other mix is kept as parts and assembled
+        at the end."""
         owned = table.rows.shape[0]
+        num_classes = table.spec.num_rows
         staged = table.staged_graph
         if staged is None or staged["version"] != version:
             staged = table.staged_graph = {"version": version, "step": step, "parts": [],
+                                           "lists": None,
                                            "covered": torch.zeros(owned, dtype=torch.bool)}
         seen = staged["covered"][positions]
         if positions.numel() and bool(seen.all()):
@@ -614,11 +621,26 @@ class ShardStore:
         if bool(seen.any()):
             raise InvalidArgument(f"ids: some rows already have a list in graph version "
                                   f"{version}; each row is sent once per version")
+        lists = staged["lists"]
+        if offsets is None and not staged["parts"] and (
+                lists is None or lists.shape[1] == neighbors.shape[1]):
+            if lists is None:
+                lists = staged["lists"] = torch.empty((owned, neighbors.shape[1]),
+                                                      dtype=id_dtype(num_classes))
+            lists[positions] = neighbors.to(lists.dtype)
+        else:
+            if lists is not None:  # another layout or width after all: keep what came as a part
+                before = staged["covered"].nonzero().squeeze(1)
+                staged["parts"].append((before, None, lists[before]))
+                staged["lists"] = None
+            staged["parts"].append((positions, offsets, neighbors))
         staged["covered"][positions] = True
-        staged["parts"].append((positions, offsets, neighbors))
         if not bool(staged["covered"].all()):
             return
-        graph = NeighborTable.from_parts(staged["parts"], owned, num_classes=table.spec.num_rows)
+        if staged["lists"] is not None:
+            graph = NeighborTable(None, staged["lists"], num_classes=num_classes)
+        else:
+            graph = NeighborTable.from_parts(staged["parts"], owned, num_classes=num_classes)
         graph.version, graph.step = version, staged["step"]
         table.graph, table.staged_graph = graph, None
 

@@ -297,6 +297,38 @@ def test_full_graph_arrives_in_parts_and_installs_when_complete():
     assert send(torch.arange(24, 25), 2) == 2
 
 
+@pytest.mark.parametrize("third", ["fixed", "csr", "wider"])
+def test_full_graph_in_fixed_width_parts_then_any_layout(third):
+    store = make_store(1, 2)  # owns 25 rows: ids 1, 3, ..., 49
+    mine = owned(store)
+    width = 4 if third == "wider" else 3
+    lists = torch.stack([(mine + 2 * j) % N for j in range(width)], dim=1)  # int64
+    expected = {int(i): lists[r, :3].tolist() for r, i in enumerate(mine)}
+
+    def send(rows, layout):
+        part = lists[rows, :width if layout == "wider" else 3]
+        if layout == "csr":
+            short = part[:, :2]  # lists of 2: the table becomes CSR
+            for r in rows.tolist():
+                expected[int(mine[r])] = short[rows.tolist().index(r)].tolist()
+            offsets = torch.arange(0, 2 * rows.numel() + 1, 2)
+            return store.set_neighbors("fc", mine[rows], offsets, short.reshape(-1), 1, step=0,
+                                       replace_all=True)
+        if layout == "wider":
+            for r in rows.tolist():
+                expected[int(mine[r])] = lists[r].tolist()
+        return store.set_neighbors("fc", mine[rows], None, part, 1, step=0, replace_all=True)
+
+    assert send(torch.arange(0, 8), "fixed") == 0
+    assert send(torch.arange(8, 16), "fixed") == 0
+    assert send(torch.arange(16, 25), third) == 1
+    for i, want in expected.items():  # against the lists as sent, row by row
+        offsets, got = store.neighbors("fc", torch.tensor([i]))
+        assert got.reshape(-1).tolist() == want
+    offsets, got = store.neighbors("fc", mine)
+    assert got.dtype == torch.int32 and (offsets is None) == (third == "fixed")
+
+
 def test_client_sends_big_graphs_in_chunks(monkeypatch):
     import ams
     import ams.client
