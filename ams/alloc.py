@@ -37,7 +37,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _libc_function(name: str) -> Callable[..., int] | None:
+def libc_function(name: str) -> Callable[..., int] | None:
     """glibc's function ``name``, or None where there is no glibc."""
     return getattr(_libc(), name, None)
 
@@ -47,7 +47,7 @@ def keep_large_buffers(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <
     global _done, _trim_threshold
     if _done:
         return True
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
@@ -71,7 +71,7 @@ def release_free_memory() -> None:
     is lowered for one malloc and free on this thread (the one that made the scratch). A no-op
     where there is no glibc.
     """
-    functions = [_libc_function(name) for name in ("mallopt", "malloc", "free", "malloc_trim")]
+    functions = [libc_function(name) for name in ("mallopt", "malloc", "free", "malloc_trim")]
     if None in functions:
         return
     mallopt, malloc, free, trim = functions

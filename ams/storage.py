@@ -26,6 +26,7 @@ returns when the copy is dropped, and a crash leaves none behind. Pure: no gRPC.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -47,6 +48,7 @@ from typing import Protocol
 import torch
 
 from ams import sharding
+from ams.alloc import libc_function
 from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
 
 log = logging.getLogger(__name__)
@@ -95,11 +97,21 @@ class MappedFiles:
 
     home: Path
     maps: list[mmap.mmap] = field(default_factory=list)
+    _beyond_memory: bool | None = None
 
     def flush(self) -> None:
         """Write every dirty page to the files and wait until it is written (msync)."""
         for m in self.maps:
             m.flush()
+
+    def beyond_memory(self) -> bool:
+        """Whether the files are too large to stay in the page cache: more than half the
+        machine's memory (the rest goes to processes and other files)."""
+        if self._beyond_memory is None:
+            memory = _physical_memory_bytes()
+            self._beyond_memory = memory is not None and \
+                sum(len(m) for m in self.maps) > memory // 2
+        return self._beyond_memory
 
 
 @dataclass
@@ -508,6 +520,29 @@ def _random_access(m: mmap.mmap) -> None:
     which on a table larger than RAM would evict useful rows for neighbours nobody asked for."""
     if hasattr(mmap, "MADV_RANDOM"):
         m.madvise(mmap.MADV_RANDOM)
+
+
+def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
+    """Ask the kernel to start reading the pages that hold rows ``positions`` (int64 (m,)) of
+    an mmap table, all at once (madvise WILLNEED), before they are copied. A copy that faults
+    its pages in one after another waits for one disk read at a time; started together, the
+    reads overlap (benchmarks/RESULTS.md, "Scale"). Only for tables beyond memory: on a table
+    the page cache holds, the calls would cost more than the copy."""
+    if tensors.files is None or positions.numel() == 0 or not tensors.files.beyond_memory():
+        return
+    madvise = libc_function("madvise")
+    if madvise is None:
+        return
+    for tensor in (tensors.rows, tensors.state, tensors.row_clock):
+        if tensor.numel() == 0:
+            continue
+        row_bytes = tensor.stride(0) * tensor.element_size()
+        first = positions * row_bytes // mmap.PAGESIZE
+        last = (positions * row_bytes + row_bytes - 1) // mmap.PAGESIZE
+        base = tensor.data_ptr()
+        for page in torch.unique(torch.cat([first, last])).tolist():
+            madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
+                    mmap.MADV_WILLNEED)
 
 
 def _write_json(path: Path, doc: dict, what: str) -> None:

@@ -35,7 +35,7 @@ from ams.errors import (
 from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
 from ams.optim import RowUpdate, SparseMomentumSGD, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
-from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage
+from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage, prefetch_rows
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
 
 # Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
@@ -406,6 +406,7 @@ class ShardStore:
         positions = self._positions(table, ids)
         self._check_reply(positions.numel() * _row_bytes(table.spec), f"a pull of "
                           f"{positions.numel()} rows", _row_bytes(table.spec), "rows per pull")
+        prefetch_rows(table.tensors, positions)
         with table.lock:
             out = _with_decay_owed(table, rowcopy.gather(table.rows, positions), positions)
             table.counters.pulls += 1
@@ -443,6 +444,7 @@ class ShardStore:
                     "the decay clock")
         if positions.numel() == 0:
             return True
+        prefetch_rows(table.tensors, positions)
         unique, inverse = torch.unique(positions, return_inverse=True)
         summed = torch.zeros((unique.numel(), table.spec.dim), dtype=torch.float32)
         summed.index_add_(0, inverse, grads.to(torch.float32))

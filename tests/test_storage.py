@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -399,3 +400,70 @@ def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkey
     store.close()
     with pytest.raises(ValueError, match="out:"):
         initial_rows(torch.arange(4), D, 1, 0.01, out=torch.empty(4, D + 1))
+
+
+def resident_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """(pages,) bool: which pages of ``tensor``'s mapping are in memory, by mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    nbytes = tensor.numel() * tensor.element_size()
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), vec) == 0
+    return torch.tensor(list(vec), dtype=torch.uint8).bool()
+
+
+def page_out(tensor: torch.Tensor) -> None:
+    """Write ``tensor``'s mapping back and drop it from memory (MADV_PAGEOUT)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    nbytes = tensor.numel() * tensor.element_size()
+    libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), 21)
+
+
+def test_rows_of_a_table_beyond_memory_are_read_ahead_together(tmp_path):
+    from ams.storage import prefetch_rows
+
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
+    store.create_table(TableSpec(name="big", num_rows=50_000, dim=64, seed=1))  # 1,600 pages
+    table = store.table("big")
+    table.files.flush()
+    positions = torch.tensor([5_000, 7_777, 20_000, 49_999])
+    wanted = torch.unique(positions * 64 * 4 // 4096)
+    for _ in range(50):  # pages still being written back are dropped on a later try
+        page_out(table.rows)
+        if resident_pages(table.rows).sum() <= 16 and not resident_pages(table.rows)[wanted].any():
+            break
+        time.sleep(0.02)
+    else:
+        pytest.skip("this kernel keeps the pages (MADV_PAGEOUT)")
+    prefetch_rows(table.tensors, positions)  # fits in memory: nothing is asked for
+    time.sleep(0.2)
+    assert not resident_pages(table.rows)[wanted].any()
+    table.files._beyond_memory = True  # as on a host with less than twice its bytes
+    prefetch_rows(table.tensors, positions)
+    deadline = time.monotonic() + 5
+    while not resident_pages(table.rows)[wanted].all():
+        assert time.monotonic() < deadline, "the pages were not read"
+        time.sleep(0.01)
+    # those pages only: no read-around window of neighbours nobody asked for
+    assert resident_pages(table.rows).sum() <= wanted.numel() + 16
+    store.close()
+
+
+def test_a_table_is_beyond_memory_above_half_the_machine(tmp_path, monkeypatch):
+    import ams.storage as storage
+
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
+    store.create_table(TableSpec(name="t", num_rows=1000, dim=64, seed=1))  # 256,000 row bytes
+    files = store.table("t").files
+    files_bytes = sum(len(m) for m in files.maps)
+    monkeypatch.setattr(storage, "_physical_memory_bytes", lambda: 2 * files_bytes)
+    assert not files.beyond_memory()
+    files._beyond_memory = None
+    monkeypatch.setattr(storage, "_physical_memory_bytes", lambda: 2 * files_bytes - 2)
+    assert files.beyond_memory()
+    store.close()
