@@ -124,9 +124,11 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     # --quick: 20,000 classes in memory, 200,000 in mmap storage, batch 32, k=12
     capacity = {cells[0]: cells for cells in table_rows(done.stdout, "20,000")
-                + table_rows(done.stdout, "200,000") if len(cells) == 9}
+                + table_rows(done.stdout, "200,000") if len(cells) == 11}
     assert {n: cells[1] for n, cells in capacity.items()} == {"20,000": "memory",
                                                               "200,000": "mmap"}
+    # the plan's resident figure beside the measured one (memory storage only)
+    assert 0.5 < float(capacity["20,000"][10]) < 2 and capacity["200,000"][10] == "—"
     steps = [(cells[0], cells[2]) for n in ("20,000", "200,000")
              for cells in table_rows(done.stdout, n) if len(cells) == 7]
     assert sorted(steps) == sorted((n, ams) for n in ("20,000", "200,000")
