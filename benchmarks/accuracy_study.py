@@ -11,6 +11,7 @@ classes (labels + nearest neighbors, filled at random), so the comparison is at 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -20,10 +21,15 @@ from pathlib import Path
 from xcls.config import load_config
 from xcls.run import build_run
 
+# knn variants: how its graph is built and refreshed (docs/scale.md)
+GRAPH_VARIANTS = {"knn": {}, "knn-ivf": {"graph.method": "ivf"},
+                  "knn-touched": {"graph.refresh": "touched"}}
 
-def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
+
+def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
     budget = max(1, round(args.sample_rate * num_classes))
-    out = args.out / kind
+    out = args.out / name
+    kind = "knn" if name in GRAPH_VARIANTS else name
     sets = {
         "data.train": str(args.data / "train"), "data.test": str(args.data / "test"),
         "data.batch_size": args.batch_size, "data.num_workers": args.num_workers,
@@ -41,6 +47,12 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
                 "optim.head_momentum": args.head_momentum, "optim.head_lr": args.head_lr,
                 "optim.head_weight_decay": args.head_weight_decay}
     sets.update({k: v for k, v in optional.items() if v is not None})
+    sets.update(GRAPH_VARIANTS.get(name, {}))
+    if name == "knn-ivf":
+        sets.update({"graph.nprobe": args.nprobe,
+                     **({"graph.nlist": args.nlist} if args.nlist else {})})
+    if name == "knn-touched":
+        sets["graph.full_every"] = args.full_every
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     run = build_run(cfg)
     started = time.perf_counter()
@@ -48,8 +60,10 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     seconds = time.perf_counter() - started
     steps_per_epoch = run.trainer.plan.steps_per_epoch
     means = run.trainer.evaluator.evaluate(rows="class-means") if args.class_means else {}
+    recalls = graph_recalls(out)
     return {
-        "head": kind, "top1": result.eval["top1"], "top5": result.eval["top5"],
+        "head": name, "top1": result.eval["top1"], "top5": result.eval["top5"],
+        "graph_recall": statistics.mean(recalls) if recalls else None,
         "top1_class_means": means.get("top1"),
         "seconds_per_epoch": seconds / max(1e-9, result.steps / steps_per_epoch),
         "active_per_step": statistics.mean(row["active"] for row in result.history),
@@ -63,12 +77,28 @@ def run_head(kind: str, args: argparse.Namespace, num_classes: int) -> dict:
     }
 
 
+def graph_recalls(out: Path) -> list[float]:
+    """recall@k of every ivf graph build the run logged in its graph.csv (none for exact)."""
+    path = out / "graph.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [float(row["recall"]) for row in csv.DictReader(f) if row.get("recall")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True,
                    help="glyph dataset dir with train/ and test/ (xcls data glyphs)")
-    p.add_argument("--heads", default="full,partial,knn", help="comma-separated heads to run")
+    p.add_argument("--heads", default="full,partial,knn",
+                   help="comma-separated heads to run: full, partial, knn, and knn's graph "
+                        "variants knn-ivf (graph.method = ivf) and knn-touched (graph.refresh "
+                        "= touched)")
+    p.add_argument("--nprobe", type=int, default=8, help="knn-ivf: lists each class scans")
+    p.add_argument("--nlist", type=int, default=0, help="knn-ivf: inverted lists (0: auto)")
+    p.add_argument("--full-every", type=int, default=10,
+                   help="knn-touched: a full build after this many touched refreshes")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=0, help="stop each run here (0: all epochs)")
     p.add_argument("--batch-size", type=int, default=128)
@@ -116,13 +146,15 @@ def main() -> int:
           f"logq correction {rows[0]['logq_correction']}\n")
     means = " top-1 by class means |" if args.class_means else ""
     print(f"| head | top-1 (unseen designs) | top-5 |{means} s / epoch | active classes / step "
-          "| rows pulled / step |")
-    print("|---|---:|---:|" + "---:|" * (4 if args.class_means else 3))
+          "| rows pulled / step | graph recall@k (mean of builds) |")
+    print("|---|---:|---:|" + "---:|" * (5 if args.class_means else 4))
     for r in rows:
         means = f" {100 * r['top1_class_means']:.2f} % |" if args.class_means else ""
+        recall = "exact" if r["graph_recall"] is None else f"{r['graph_recall']:.4f}"
+        recall = recall if r["head"] in GRAPH_VARIANTS else "-"
         print(f"| {r['head']} | {100 * r['top1']:.2f} % | {100 * r['top5']:.2f} % |{means} "
               f"{r['seconds_per_epoch']:.0f} | {r['active_per_step']:.0f} | "
-              f"{r['rows_per_step']:.0f} |")
+              f"{r['rows_per_step']:.0f} | {recall} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -172,3 +172,24 @@ def test_bench_scale_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
     assert loss_b == pytest.approx(loss_a, rel=1e-5)
     torch.testing.assert_close(grad_b, grad_a, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-6)
+
+
+def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small,
+                                                                     tmp_path) -> None:
+    done = run_benchmark("accuracy_study.py", "--data", str(glyphs_small), "--heads",
+                         "knn,knn-ivf,knn-touched", "--max-steps", "12", "--rebuild-every", "1",
+                         "--batch-size", "32", "--nlist", "8", "--nprobe", "8",
+                         "--full-every", "2", "--threads", "1", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {cells[0]: cells for name in ("knn", "knn-ivf", "knn-touched")
+            for cells in table_rows(done.stdout, name)}
+    assert set(rows) == {"knn", "knn-ivf", "knn-touched"}, done.stdout
+    # nprobe = nlist scans every list: only the lists' fp16 codes keep the ivf graph from
+    # the exact one, and the recall its builds logged says so
+    assert rows["knn"][-1] == rows["knn-touched"][-1] == "exact"
+    assert 0.99 <= float(rows["knn-ivf"][-1]) <= 1.0
+    import csv
+
+    for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
+        with open(tmp_path / name / "graph.csv", newline="") as f:
+            assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
