@@ -20,7 +20,9 @@ default), ``--shards`` shard processes on loopback:
     backward on fixed random features + push, for ``--steps`` steps after ``--warmup``, over
     gRPC and on the embedded AMS (``ams.connect(local_shards=S)``; an mmap table is reopened
     from the files the processes left, not created again). p50 / p99 milliseconds and rows
-    pulled per second.
+    pulled per second. An mmap table is also stepped embedded with the read-ahead of its rows'
+    pages turned off (``ams.storage.prefetch_rows``), before the run with it: the baseline of
+    what the read-ahead gains.
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
     softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
@@ -98,11 +100,12 @@ class StepTimes:
         return sum(self.rows) / sum(self.seconds)
 
 
-def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace) -> StepTimes:
+def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
+                   seed_offset: int = 0) -> StepTimes:
     margin = CombinedMarginLoss.from_preset("arcface")
     head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
                       seed=args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed + seed_offset)
     features = torch.randn(args.batch, args.dim, generator=generator)
     times = StepTimes()
     for i in range(args.warmup + args.steps):
@@ -208,6 +211,7 @@ class SizeResult:
     rss_graph: list[tuple[int, int]]
     grpc: StepTimes | None = None
     embedded: StepTimes | None = None
+    no_read_ahead: StepTimes | None = None
 
 
 def storage_of(n: int, args: argparse.Namespace) -> str:
@@ -240,6 +244,18 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
                          storage_dir=data_dir / "tables") as client:
             create_table(client, n, args)  # a no-op where the mmap table was reopened
             install_standin_graph(client, n, args.k, args.seed, TABLE)
+            files = [shard.store.table(TABLE).files for shard in client.shards]
+            if storage == "mmap":
+                # read-ahead off, then on (as it is for any table beyond half the memory;
+                # forced for a smaller one); the baseline first, so that the read-ahead run
+                # does not find its pages cached
+                print(f"N={n:,}: knn steps embedded, no read-ahead", file=sys.stderr,
+                      flush=True)
+                for f in files:
+                    f._beyond_memory = False
+                result.no_read_ahead = knn_head_steps(client, n, args, seed_offset=1)
+                for f in files:
+                    f._beyond_memory = True
             result.embedded = knn_head_steps(client, n, args)
     return result
 
@@ -293,13 +309,16 @@ def capacity_table(results: list[SizeResult], baseline: int,
 def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]:
     lines = ["| N | storage | AMS | p50 ms | p99 ms | rows pulled/s | p50 vs smallest N |",
              "|---:|---|---|---:|---:|---:|---:|"]
-    for mode in ("grpc", "embedded"):
+    for mode in ("grpc", "embedded", "no_read_ahead"):
         timed = [r for r in results if getattr(r, mode) is not None]
         if not timed:
             continue
         first = getattr(timed[0], mode).quantile(0.5)
-        label = f"gRPC ({args.shards} processes)" if mode == "grpc" \
-            else f"embedded ({args.shards} shards)"
+        if mode == "no_read_ahead":  # against the embedded step at the smallest N, as above
+            first = next(r.embedded for r in results if r.embedded).quantile(0.5)
+        label = {"grpc": f"gRPC ({args.shards} processes)",
+                 "embedded": f"embedded ({args.shards} shards)",
+                 "no_read_ahead": f"embedded ({args.shards} shards), no read-ahead"}[mode]
         for r in timed:
             t: StepTimes = getattr(r, mode)
             lines.append(f"| {r.n:,} | {r.storage} | {label} | {ms(t.quantile(0.5))} "

@@ -131,8 +131,10 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     assert 0.5 < float(capacity["20,000"][10]) < 2 and capacity["200,000"][10] == "—"
     steps = [(cells[0], cells[2]) for n in ("20,000", "200,000")
              for cells in table_rows(done.stdout, n) if len(cells) == 7]
-    assert sorted(steps) == sorted((n, ams) for n in ("20,000", "200,000")
-                                   for ams in ("gRPC (4 processes)", "embedded (4 shards)"))
+    assert sorted(steps) == sorted(
+        [(n, ams) for n in ("20,000", "200,000")
+         for ams in ("gRPC (4 processes)", "embedded (4 shards)")]
+        + [("200,000", "embedded (4 shards), no read-ahead")])
     heads = [cells[1] for cells in table_rows(done.stdout, "20,000") if len(cells) == 6]
     assert heads == ["full softmax (blocked, exact)", "knn (k=12, budget 384)"]
 
