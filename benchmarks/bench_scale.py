@@ -275,29 +275,34 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:,.1f}"
 
 
-def planned_at_rest(r: SizeResult, args: argparse.Namespace) -> int:
-    """What ``xcls plan`` says shard 0 holds in RAM at rest for this table and graph."""
+def planned_at_rest(r: SizeResult, args: argparse.Namespace) -> tuple[int, int]:
+    """What ``xcls plan`` says shard 0 holds in RAM at rest: (the table alone, with the
+    graph)."""
     job = Job(num_classes=r.n, dim=args.dim, dtype="float16", momentum=0.0, shards=args.shards,
               head="knn", budget=args.batch * args.k, graph_k=args.k, storage=r.storage)
-    return shard_memory(job, load_rates()).at_rest
+    memory = shard_memory(job, load_rates())
+    return memory.at_rest - memory.graph, memory.at_rest
 
 
 def capacity_table(results: list[SizeResult], baseline: int,
                    args: argparse.Namespace) -> list[str]:
     lines = ["| N | storage | create s | per shard after create: anon + file GiB (max) "
              "| + graph GiB (max) | all shards GiB | B/class (all) | B/class (above baseline) "
-             "| graph install s | shard 0: `xcls plan` at rest GiB | measured / plan |",
+             "| graph install s | shard 0: `xcls plan` at rest GiB | measured / plan: after "
+             "create, + graph |",
              "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         created = max(r.rss_created, key=sum)
         graphed = max(r.rss_graph, key=sum)
         total = sum(sum(x) for x in r.rss_graph)
         above = total - baseline * len(r.rss_graph)
-        planned = planned_at_rest(r, args)
+        table_only, planned = planned_at_rest(r, args)
         # mmap: the mapped rows resident at that moment are page cache, which the plan
         # counts as files, not as the shard's memory
-        measured = sum(r.rss_graph[0]) if r.storage == "memory" else None
-        ratio = f"{measured / planned:.2f}" if measured is not None else "—"
+        ratio = "—"
+        if r.storage == "memory":
+            ratio = (f"{sum(r.rss_created[0]) / table_only:.2f}, "
+                     f"{sum(r.rss_graph[0]) / planned:.2f}")
         lines.append(
             f"| {r.n:,} | {r.storage} | {r.create_s:,.1f} | {gib(created[0])} + "
             f"{gib(created[1])} | {gib(graphed[0])} + {gib(graphed[1])} | {gib(total)} "
