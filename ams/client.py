@@ -201,7 +201,7 @@ class RemoteShard:
                 "state_bytes": t.state_bytes, "pulls": t.pulls, "pushes": t.pushes,
                 "rows_pulled": t.rows_pulled, "rows_pushed": t.rows_pushed,
                 "graph_version": t.graph_version, "graph_step": t.graph_step,
-                "graph_k": t.graph_k,
+                "graph_k": t.graph_k, "graph_bytes": t.graph_bytes,
             }
         return {"address": self.address, "shard_id": reply.shard_id,
                 "num_shards": reply.num_shards, "last_snapshot_step": reply.last_snapshot_step,

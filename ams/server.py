@@ -108,7 +108,7 @@ class ShardServicer(pb_grpc.ShardServicer):
                 row_bytes=t["row_bytes"], state_bytes=t["state_bytes"], pulls=t["pulls"],
                 pushes=t["pushes"], rows_pulled=t["rows_pulled"], rows_pushed=t["rows_pushed"],
                 graph_version=t["graph_version"], graph_step=t["graph_step"],
-                graph_k=t["graph_k"])
+                graph_k=t["graph_k"], graph_bytes=t["graph_bytes"])
         return reply
 
     @rpc_method

@@ -153,7 +153,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("spec", "owned_rows", "row_bytes", "state_bytes", "pulls", "pushes", "rows_pulled", "rows_pushed", "graph_version", "graph_step", "graph_k")
+    __slots__ = ("spec", "owned_rows", "row_bytes", "state_bytes", "pulls", "pushes", "rows_pulled", "rows_pushed", "graph_version", "graph_step", "graph_k", "graph_bytes")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     OWNED_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class TableStats(_message.Message):
     GRAPH_VERSION_FIELD_NUMBER: _ClassVar[int]
     GRAPH_STEP_FIELD_NUMBER: _ClassVar[int]
     GRAPH_K_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_BYTES_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     owned_rows: int
     row_bytes: int
@@ -176,7 +177,8 @@ class TableStats(_message.Message):
     graph_version: int
     graph_step: int
     graph_k: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., owned_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., graph_version: _Optional[int] = ..., graph_step: _Optional[int] = ..., graph_k: _Optional[int] = ...) -> None: ...
+    graph_bytes: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., owned_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., graph_version: _Optional[int] = ..., graph_step: _Optional[int] = ..., graph_k: _Optional[int] = ..., graph_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation", "storage")

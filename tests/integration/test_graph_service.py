@@ -127,6 +127,8 @@ def test_compact_lists_over_the_wire(shard_cluster):
         return stub.Neighbors(pb.NeighborsRequest(table="fc", ids=codec.encode(
             torch.tensor(ids))))
 
+    (stats,) = client.stats()
+    assert stats["tables"]["fc"]["graph_bytes"] == N * K * 4  # int32, no offsets
     reply = ask([3, 599, 3])
     assert not reply.HasField("offsets")
     assert (reply.neighbors.dtype, list(reply.neighbors.shape)) == (pb.INT32, [3, K])
