@@ -63,7 +63,7 @@ class WeightStore:
         """Store ``model``'s state dict as ``version``. With ``replaces``, only if the published
         version is still that one (-1: none yet), so a :meth:`reset` in between is never
         overwritten. False if Redis is unreachable or the published version moved."""
-        blob = self._encode(model, version)
+        blob = self._blob(self._payload(model), version)
         if not self.guard.usable():
             return False
         try:
@@ -89,12 +89,13 @@ class WeightStore:
         rollback), at ``version`` or, if a version at or above it was published before, one
         above that. Returns the version it was published as; raises BridgeError if Redis
         cannot be reached (training on would mix the discarded steps into the new ones)."""
+        payload = self._payload(model)
         for _ in range(8):
             try:
                 with self.client.pipeline(transaction=True) as pipe:
                     pipe.watch(self.version_key)
                     version = max(version, self._version_in(pipe) + 1)
-                    blob = self._encode(model, version)
+                    blob = self._blob(payload, version)
                     pipe.multi()
                     pipe.set(self.key, blob)
                     pipe.set(self.version_key, str(version).encode())
@@ -117,10 +118,13 @@ class WeightStore:
             return -1
 
     @staticmethod
-    def _encode(model: nn.Module, version: int) -> bytes:
+    def _payload(model: nn.Module) -> bytes:
         buf = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-        payload = buf.getvalue()
+        return buf.getvalue()
+
+    @staticmethod
+    def _blob(payload: bytes, version: int) -> bytes:
         return _WEIGHTS_HEADER.pack(_WEIGHTS_MAGIC, version,
                                     hashlib.sha256(payload).digest()) + payload
 
