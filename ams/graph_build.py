@@ -35,6 +35,7 @@ from ams.graph import (
     knn,
     list_recall,
     refresh_neighbors,
+    resolve_block_rows,
     resolve_device,
     resolve_low_precision,
     resolve_nlist,
@@ -83,7 +84,7 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
                 seed: int = 0, builders: int = 1, builder_index: int | None = None,
                 version: int | None = None, device: str | None = None,
                 low_precision: bool | None = None, resume_dir: Path | None = None,
-                query_block_rows: int = 4096, key_block_rows: int = 4096,
+                query_block_rows: int | None = None, key_block_rows: int | None = None,
                 progress: bool = False) -> GraphBuildReport:
     """Top-k lists of every class of ``table`` (the class itself first), stored with the
     owning shards.
@@ -132,6 +133,8 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
                           nprobe=nprobe, recall_queries=recall_queries, seed=seed,
                           device=device, progress=progress, started=started)
     dev = resolve_device(device)
+    query_block_rows = resolve_block_rows(query_block_rows, dev)
+    key_block_rows = resolve_block_rows(key_block_rows, dev)
     if (builders == 1 and resume_dir is None and not resolve_low_precision(low_precision, dev)
             and spec.num_rows * spec.dim * 4 <= IN_MEMORY_BUILD_BYTES):
         # One process builds everything in fp32 and the rows fit: hold them all and score each

@@ -31,7 +31,14 @@ import faiss
 import numpy as np
 import torch
 
-from ams.graph import IvfIndex, knn, resolve_device, resolve_nlist, sample_ids
+from ams.graph import (
+    IvfIndex,
+    knn,
+    resolve_block_rows,
+    resolve_device,
+    resolve_nlist,
+    sample_ids,
+)
 from ams.graph.ivf import DEFAULT_NPROBE, TRAIN_ROWS_PER_LIST
 
 
@@ -83,7 +90,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--no-faiss", action="store_true",
                         help="skip the faiss-cpu baseline (its columns print as -)")
-    parser.add_argument("--block-size", type=int, default=4096, help="xcls query/key block")
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="xcls query/key block rows (0: the device's default, "
+                             "ams.graph.resolve_block_rows)")
     parser.add_argument("--recall-queries", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--method", choices=("exact", "ivf"), default="exact")
@@ -96,9 +105,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     try:
-        resolve_device(args.device)
+        args.block_size = resolve_block_rows(args.block_size or None,
+                                             resolve_device(args.device))
     except ValueError as err:
-        parser.error(f"--device {err}")
+        parser.error(f"--device/--block-size: {err}")
     if args.method == "ivf":
         bench_ivf(args)
         return

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ams.graph.knn import (
     concat_results,
+    resolve_block_rows,
     resolve_device,
     resolve_low_precision,
     search_pass,
@@ -62,8 +63,8 @@ def build_shard_neighbors(
     scan: Scan,
     k: int,
     *,
-    query_block_rows: int = 4096,
-    key_block_rows: int = 4096,
+    query_block_rows: int | None = None,
+    key_block_rows: int | None = None,
     pass_memory_bytes: int = 1 << 30,
     device: str | torch.device | None = None,
     low_precision: bool | None = None,
@@ -80,8 +81,10 @@ def build_shard_neighbors(
             arrival). Called once for the home shard (its rows then stay in memory) and once
             per pass for every other shard.
         k: list length, the class itself first.
-        query_block_rows: rows per query block, the unit of resume.
-        key_block_rows: key rows scored at a time (score memory query_block_rows x this).
+        query_block_rows: rows per query block, the unit of resume (None: the device's
+            default, ``ams.graph.resolve_block_rows``).
+        key_block_rows: key rows scored at a time (score memory query_block_rows x this;
+            None: the device's default).
         pass_memory_bytes: budget for the query blocks that ride on one pass over the shards.
         device, low_precision: see ``knn``.
         resume_dir: where finished query blocks are kept (None: no resume).
@@ -91,6 +94,10 @@ def build_shard_neighbors(
         ids (n,) int64 of the home shard's rows in scan order, neighbors (n, k) int64,
         scores (n, k) float32 (padding -1 / -inf when fewer than k rows exist).
     """
+    dev = resolve_device(device)
+    low = resolve_low_precision(low_precision, dev)
+    query_block_rows = resolve_block_rows(query_block_rows, dev)
+    key_block_rows = resolve_block_rows(key_block_rows, dev)
     home_ids, home_rows = _collect(scan(home_shard))
     n, dim = home_rows.shape
     starts = list(range(0, n, query_block_rows))
@@ -103,8 +110,6 @@ def build_shard_neighbors(
                 results[i] = found
     pending = [i for i in range(len(starts)) if i not in results]
 
-    dev = resolve_device(device)
-    low = resolve_low_precision(low_precision, dev)
     per_block = query_block_rows * _query_row_bytes(dim, k, low)
     blocks_per_pass = max(1, pass_memory_bytes // per_block)
     bar = tqdm(total=len(starts), initial=len(results), unit="block", disable=not progress,
@@ -143,8 +148,8 @@ def refresh_neighbors(
     scan_all: Iterable[tuple[Tensor, Tensor]],
     k: int,
     *,
-    query_block_rows: int = 4096,
-    key_block_rows: int = 4096,
+    query_block_rows: int | None = None,
+    key_block_rows: int | None = None,
     device: str | torch.device | None = None,
     low_precision: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -161,8 +166,10 @@ def refresh_neighbors(
     Returns neighbors (m, k) int64 and scores (m, k) float32, equal to those rows of a full
     build.
     """
-    query_blocks = list(split_blocks(query_ids, query_rows, query_block_rows))
-    found = search_pass(query_blocks, scan_all, k, device=device, low_precision=low_precision,
+    dev = resolve_device(device)
+    query_blocks = list(split_blocks(query_ids, query_rows,
+                                     resolve_block_rows(query_block_rows, dev)))
+    found = search_pass(query_blocks, scan_all, k, device=dev, low_precision=low_precision,
                         key_block_rows=key_block_rows)
     return concat_results(found, k)
 
