@@ -105,10 +105,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     try:
-        args.block_size = resolve_block_rows(args.block_size or None,
-                                             resolve_device(args.device))
+        device = resolve_device(args.device)
     except ValueError as err:
-        parser.error(f"--device/--block-size: {err}")
+        parser.error(f"--device {err}")
+    try:
+        args.block_size = resolve_block_rows(args.block_size or None, device)
+    except ValueError as err:
+        parser.error(f"--block-size: {err}")
     if args.method == "ivf":
         bench_ivf(args)
         return

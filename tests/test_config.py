@@ -96,6 +96,11 @@ def test_print_documents_each_field_above_it():
     ("[ams]\naddresses = '127.0.0.1:1'\n", "ams.addresses: expected a list"),
     ("[ams]\naddresses = [1]\n", "ams.addresses[0]: expected a string"),
     ("[ams]\nstorage = 'disk'\n", "ams.storage: 'disk' is not one of 'memory', 'mmap'"),
+    ("[comm]\ncompression = 'zip'\n", "comm.compression: 'zip' is not one of 'none', 'topk'"),
+    ("[comm]\ndensity = 0\n", "comm.density: must be in (0, 1], got 0"),
+    ("[comm]\ndensity = 1.5\n", "comm.density: must be in (0, 1], got 1.5"),
+    ("[comm]\nwarmup_steps = -1\n", "comm.warmup_steps: must be >= 0"),
+    ("[comm]\ndense_below = 'small'\n", "comm.dense_below: expected an integer"),
     ("head = 3\n", "head: expected a table"),
     ("[head\nkind = 'knn'\n", "not valid TOML"),
 ])

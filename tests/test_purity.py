@@ -8,7 +8,7 @@ import sys
 import pytest
 
 PURE = ["ams.store", "ams.storage", "ams.optim", "ams.sharding", "ams.rowinit", "ams.snapshot",
-        "ams.graph", "ams.lease", "ams.plan", "workers.losses"]
+        "ams.graph", "ams.lease", "ams.plan", "workers.losses", "workers.comm"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -37,6 +37,7 @@ from ams.graph.churn import neighbor_turnover
 from ams.graph_build import GraphBuildReport, current_graph_version
 from workers import checkpoint
 from workers.batch_plan import Batch, BatchPlan
+from workers.comm import TopkCompressor
 from workers.evaluation import Evaluator
 from workers.gear import Gear
 from workers.heads import ActiveBatch, ClassifierHead, HeadStep
@@ -124,14 +125,17 @@ class Trainer:
     head: full / partial / knn; build_graph: ``build_graph(step)`` builds or refreshes the
     neighbor graph and reports it (``ams.graph_build.GraphUpdater.update``; None when the head
     needs none); rank/world: torch.distributed position; gear: gear mode
-    (``workers.gear``), None for plain training.
+    (``workers.gear``), None for plain training; compressor: the top-k gradient compression
+    hook registered on the DDP wrapper, whose residuals are checkpointed per rank (None:
+    dense all-reduce).
     """
 
     def __init__(self, *, client: ShardedClient, table: str, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, head: ClassifierHead, train_set: Dataset,
                  test_set: Dataset | None, options: LoopOptions, device: torch.device,
                  build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
-                 world: int = 1, gear: Gear | None = None) -> None:
+                 world: int = 1, gear: Gear | None = None,
+                 compressor: TopkCompressor | None = None) -> None:
         self.client, self.table = client, table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
         self.train_set, self.test_set = train_set, test_set
@@ -139,6 +143,7 @@ class Trainer:
         self.build_graph = build_graph
         self.rank, self.world = rank, world
         self.gear = gear
+        self.compressor = compressor
         watch_gear(gear)  # its cache and accumulator counters, read at scrape time
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
         total = self.plan.steps_per_epoch * options.epochs
@@ -371,6 +376,7 @@ class Trainer:
             "selector_rng": self.head.sampler_state(),
             "world": self.world,
             "gear": self.gear.state_dict() if self.gear is not None else None,
+            "comm": self.compressor.state_dict() if self.compressor is not None else None,
         })
         self._barrier()
         if self.rank == 0:
@@ -409,6 +415,14 @@ class Trainer:
             self._resumed = {**private, "prepared": [ActiveBatch.from_dict(a)
                                                      for a in private["prepared"]]}
             self.head.load_sampler_state(private["selector_rng"])
+            if self.compressor is not None and private.get("comm") is not None:
+                self.compressor.load_state_dict(private["comm"])
+        elif self.compressor is not None:
+            # Another worker count: the residuals were other ranks' unsent gradients.
+            log.warning("compression_residuals_dropped saved_world=%s world=%d",
+                        private.get("world") if private else None, self.world)
+        if self.compressor is not None:
+            self.compressor.step = self.step
         log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
         record_resume()
         return True

@@ -234,6 +234,21 @@ class GearConfig:
 
 
 @dataclass
+class CommConfig:
+    compression: str = "none"
+    """how the backbone's gradients travel between workers: none (DDP's dense all-reduce) |
+    topk (each layer's largest entries, with error feedback and momentum correction,
+    workers.comm; optim.momentum then runs in it, not in the optimizer). CPU or fp32 only:
+    not with train.amp on CUDA"""
+    density: float = 0.01
+    """topk: share of each layer's entries sent per step, in (0, 1] (1: dense)"""
+    warmup_steps: int = 0
+    """topk: steps sent dense first, >= 0"""
+    dense_below: int = 128
+    """topk: layers with fewer entries (biases, norms) are always sent dense, >= 0"""
+
+
+@dataclass
 class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -243,6 +258,7 @@ class ExperimentConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     gear: GearConfig = field(default_factory=GearConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 CHOICES = {
@@ -259,6 +275,7 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     from ams.graph import GraphMethod, GraphRefresh
     from ams.storage import StorageKind
     from bridge import GearBackend
+    from workers.comm import Compression
     from workers.gear import SlowGearMode
     from workers.heads import HeadKind
     from workers.losses import Margin
@@ -266,7 +283,8 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     return {"head.kind": HeadKind, "head.margin": Margin, "ams.dtype": RowDtype,
             "graph.method": GraphMethod, "graph.refresh": GraphRefresh,
             "ams.state_dtype": RowDtype, "ams.storage": StorageKind,
-            "gear.backend": GearBackend, "gear.slow": SlowGearMode}
+            "gear.backend": GearBackend, "gear.slow": SlowGearMode,
+            "comm.compression": Compression}
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
             "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
@@ -275,7 +293,8 @@ NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
                 "optim.weight_decay", "optim.head_weight_decay", "optim.warmup_steps",
                 "graph.rebuild_every", "graph.nlist", "graph.full_every",
                 "train.max_steps", "train.seed", "train.prefetch_depth", "train.threads",
-                "train.eval_every", "train.checkpoint_every", "gear.ttl"}
+                "train.eval_every", "train.checkpoint_every", "gear.ttl",
+                "comm.warmup_steps", "comm.dense_below"}
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
@@ -365,6 +384,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
                           f"got {cfg.gear.prefix!r}")
     _check_scheduler(cfg.ams)
+    if not 0 < cfg.comm.density <= 1:
+        raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
     if not 0 <= cfg.optim.head_momentum < 1:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a 
 
     from ams.client import ShardedClient
     from bridge import FeatureCache, RedisGradientConsumer, WeightStore
+    from workers.comm import TopkCompressor
     from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageDataset
     from workers.gear import Gear, SlowGear, SlowGearGroup
     from workers.trainer import Trainer
@@ -149,6 +150,7 @@ def build_run(cfg: ExperimentConfig,
     backbone, optimizer = build_backbone_and_optimizer(cfg, meta, device)
     gpu_ids = [device.index] if device.type == "cuda" else None
     model = DistributedDataParallel(backbone, device_ids=gpu_ids) if world > 1 else backbone
+    compressor = build_compressor(cfg, backbone, model, optimizer, device)
     margin = CombinedMarginLoss.from_preset(cfg.head.margin, s=cfg.head.scale)
     budget = cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, num_classes)
     head = build_head(cfg.head.kind, client, cfg.ams.table, num_classes, margin,
@@ -182,11 +184,42 @@ def build_run(cfg: ExperimentConfig,
         trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
                           optimizer=optimizer, head=head, train_set=train_set,
                           test_set=test_set, options=options, device=device,
-                          build_graph=build_graph, rank=rank, world=world, gear=gear)
+                          build_graph=build_graph, rank=rank, world=world, gear=gear,
+                          compressor=compressor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     (out_dir / "config.toml").write_text(to_toml(cfg))
     return Run(cfg, trainer, client, train_set, backbone)
+
+
+def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Module,
+                     optimizer: torch.optim.Optimizer,
+                     device: torch.device) -> TopkCompressor | None:
+    """``cfg.comm``'s gradient compression registered on the DDP wrapper ``model`` of
+    ``backbone`` (None: dense all-reduce, or a lone worker, which sends nothing). The
+    compressor takes over ``optimizer``'s momentum (momentum correction runs before the
+    gradients are sparsified, so the optimizer must not apply it again)."""
+    from workers.comm import Compression, TopkCompressor
+
+    if cfg.comm.compression == Compression.NONE:
+        return None
+    if cfg.gear.enabled:
+        raise ConfigError("comm.compression: gear mode steps the backbone in the slow gear, "
+                          "which takes no compressed gradients; set comm.compression=none")
+    if device.type == "cuda" and cfg.train.amp:
+        raise ConfigError("comm.compression: top-k does not take AMP's scaled gradients "
+                          "(a changing loss scale would corrupt the kept residuals); set "
+                          "train.amp=false")
+    if model is backbone:
+        return None
+    compressor = TopkCompressor(backbone, density=cfg.comm.density,
+                                momentum=cfg.optim.momentum,
+                                warmup_steps=cfg.comm.warmup_steps,
+                                dense_below=cfg.comm.dense_below)
+    model.register_comm_hook(None, compressor.hook)
+    for group in optimizer.param_groups:
+        group["momentum"] = 0.0
+    return compressor
 
 
 # How long a worker waits for every shard to register with the scheduler: the shards may start

@@ -134,6 +134,32 @@ def test_cluster_trains_then_resumes_with_fewer_workers(glyphs_small, no_orphans
     assert (out / CHECKPOINTS / f"step-{30:012d}" / "worker.pt").exists()
 
 
+def test_two_workers_with_topk_compression_learn_and_resume_with_their_residuals(
+        glyphs_small, no_orphans):
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=10)
+    topk = ("--set", "comm.compression=topk", "--set", "comm.density=0.05",
+            "--set", "comm.warmup_steps=2")
+    first = subprocess.run(cluster_cmd(config, 2, *topk), capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rank1 = torch.load(out / CHECKPOINTS / f"step-{10:012d}" / "rank-00001.pt",
+                       weights_only=True)["comm"]
+    # rank 1's unsent gradients of the backbone's sparse layers are kept for its next step
+    assert rank1["step"] == 10 and rank1["residual"]
+    assert any(bool(t.abs().sum() > 0) for t in rank1["residual"].values())
+
+    second = subprocess.run(cluster_cmd(config, 2, *topk, "--set", "train.max_steps=20"),
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed step=10" in second.stderr
+    assert "compression_residuals_dropped" not in second.stderr
+    losses = [float(r["loss"]) for r in train_rows(out)]
+    assert [int(r["step"]) for r in train_rows(out)] == [5, 10, 15, 20]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
 def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     tmp = no_orphans
     out = tmp / "run"
