@@ -3,6 +3,8 @@ for integration tests."""
 
 from __future__ import annotations
 
+import os
+import signal
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -43,3 +45,29 @@ def module_cluster(tmp_path_factory):
     factory = ClusterFactory(tmp_path_factory.mktemp("cluster"))
     yield factory
     factory.close()
+
+
+def our_processes(tag: Path) -> list[int]:
+    """Pids of live processes whose command line mentions ``tag`` (this test's tmp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if str(tag) in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def no_orphans(tmp_path):
+    """Fails the test if any process it started outlives it (and kills those, by pid)."""
+    yield tmp_path
+    left = our_processes(tmp_path)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"

@@ -96,11 +96,12 @@ def test_bench_graph_refuses_cuda_without_a_gpu() -> None:
     assert "--device cuda: no CUDA device is available" in done.stderr
 
 
-def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, tmp_path) -> None:
+def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, no_orphans) -> None:
     """Shards killed and paused under a training job: every fault is followed by a shard
     restart and a rollback, and the final rows, momentum and backbone equal those of the
     fault-free run bit for bit (no acknowledged push lost outside the snapshot contract, none
-    applied twice)."""
+    applied twice). The job's shards and workers are gone afterwards, also after a timeout."""
+    tmp_path = no_orphans
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick",
                            "--data", str(glyphs_small), "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=420)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ams.snapshot import read_piece
+from tests.integration.conftest import our_processes
 
 CHECKPOINTS = "checkpoints"
 
@@ -56,32 +57,6 @@ out_dir = "{out}"
 def cluster_cmd(config: Path, workers: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "xcls", "cluster", "up", str(config), "--shards", "2",
             "--workers", str(workers), *extra]
-
-
-def our_processes(tag: Path) -> list[int]:
-    """Pids of live processes whose command line mentions ``tag`` (this test's tmp dir)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if str(tag) in cmdline and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-@pytest.fixture
-def no_orphans(tmp_path):
-    """Fails the test if any process it started outlives it (and kills those, by pid)."""
-    yield tmp_path
-    left = our_processes(tmp_path)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes left running: {left}"
 
 
 def pushes_per_shard(output: str) -> list[int]:
