@@ -403,7 +403,13 @@ class Trainer:
             return False
         shared, private = checkpoint.load(out, step, self.rank)
         self._unwrapped().load_state_dict(shared["backbone"])
+        # The momentum is this run's own: top-k compression moves it out of the optimizer, so
+        # a checkpoint saved with or without compression must not bring its setting along.
+        momenta = [group.get("momentum") for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(shared["optimizer"])
+        for group, momentum in zip(self.optimizer.param_groups, momenta, strict=True):
+            if momentum is not None:
+                group["momentum"] = momentum
         if self._scaler and shared.get("scaler"):
             self._scaler.load_state_dict(shared["scaler"])
         self.step = shared["step"]
