@@ -11,6 +11,7 @@ from ams.graph import (
     TopKAccumulator,
     assign_shards,
     build_shard_neighbors,
+    fused_filter,
     knn,
     refresh_neighbors,
     ring_order,
@@ -276,3 +277,30 @@ def test_partial_refresh_equals_rows_of_full_build():
         cut = np.sort(ref[p])[::-1]
         if cut[6] - cut[7] > 1e-4:
             assert set(neigh[i].tolist()) == set(full_ids[p].tolist())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused_filter.triton is not None),
+                    reason="the fused filter needs CUDA and Triton")
+@pytest.mark.parametrize("q, b, d", [(300, 517, 128), (129, 40, 20)])
+def test_fused_filter_returns_the_pairs_a_float64_compare_returns(q, b, d):
+    g = torch.Generator().manual_seed(q)
+    queries = torch.nn.functional.normalize(torch.randn(q, d, generator=g), dim=1)
+    keys = torch.nn.functional.normalize(torch.randn(b, d, generator=g), dim=1)
+    query_ids = torch.arange(q) + 7
+    key_ids = torch.arange(b)  # ids 7.. are shared: those pairs must be skipped
+    threshold = torch.rand(q, generator=g) * 0.4 - 0.1
+    dev = torch.device("cuda", torch.cuda.current_device())
+    found = fused_filter.FusedFilter(q * b, dev).candidates(
+        queries.half().to(dev), keys.half().to(dev), query_ids.to(dev), key_ids.to(dev),
+        threshold.to(dev))
+    rows, cols = (t.cpu() for t in found)
+    scores = queries.half().double() @ keys.half().double().T
+    expect = (scores >= threshold.double()[:, None]) & (query_ids[:, None] != key_ids[None, :])
+    got = torch.zeros(q, b, dtype=torch.bool)
+    got[rows, cols] = True
+    assert rows.numel() == int(got.sum())  # no pair twice
+    borderline = (scores - threshold.double()[:, None]).abs() < 1e-5
+    assert bool(((got == expect) | borderline).all())
+    assert fused_filter.FusedFilter(3, dev).candidates(
+        queries.half().to(dev), keys.half().to(dev), query_ids.to(dev), key_ids.to(dev),
+        threshold.to(dev)) is None  # more than its capacity: the caller scores unfused

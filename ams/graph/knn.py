@@ -15,6 +15,8 @@ How a key block is consumed (see ``TopKAccumulator.update``):
   CPU costs about twice the matmul): the max of each group of 8 columns is compared to the
   threshold and only passing groups are opened. Passing keys are queued and merged into the
   running lists in batches (one padded topk per ~q*k candidates, not per block).
+* On CUDA with Triton, once every list of a query block is full the score block is not written
+  at all: ``ams.graph.fused_filter`` scores tiles in registers and emits only the passing keys.
 * Low precision (fp16, TensorCore on CUDA): the score block is computed in fp16, candidates are
   re-scored exactly in fp32 before they enter the running list. The margin ``2**-8`` bounds the
   fp16 score error of unit rows (inputs rounded to 11-bit mantissa: |err| <= 2 * 2**-11 * sum|q_j
@@ -36,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
+
+from ams.graph import fused_filter
 
 LOW_PRECISION_DTYPE = torch.float16
 # Bound on |fp16 score - fp32 score| for unit-norm rows, with room to spare; see module docstring.
@@ -101,6 +105,7 @@ class ScoreBuffer:
     def __init__(self) -> None:
         self._flat: Tensor | None = None
         self._queue: tuple[Tensor, Tensor, Tensor] | None = None
+        self._fused: fused_filter.FusedFilter | None = None
 
     def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A contiguous (rows, cols) view of the score buffer; contents undefined."""
@@ -121,6 +126,14 @@ class ScoreBuffer:
                      torch.empty(capacity, device=device))
             self._queue = queue
         return queue
+
+    def fused(self, capacity: int, device: torch.device) -> fused_filter.FusedFilter:
+        """The fused filter's candidate buffers, for at least ``capacity`` candidates."""
+        fused = self._fused
+        if fused is None or fused.device != device or fused.capacity < capacity:
+            fused = fused_filter.FusedFilter(capacity, device)
+            self._fused = fused
+        return fused
 
 
 class KeyBlock:
@@ -246,6 +259,16 @@ class TopKAccumulator:
         if q == 0 or b == 0:
             return
         low = self.low_precision
+        if low and self._full and fused_filter.available(self.device):
+            fused = self._buffer.fused(self._ids.numel(), self.device)
+            found = fused.candidates(self._query_low, keys.low, self._query_ids, keys.ids,
+                                     (self._threshold - LOW_PRECISION_MARGIN).view(-1))
+            if found is not None:  # else more passed than a queue holds: score unfused
+                rows, cols = found
+                if rows.numel():
+                    self._queue_candidates(rows, keys.ids[cols],
+                                           self._exact_scores(rows, keys.rows, cols))
+                return
         query_mat = self._query_low if low else self._query_rows
         key_mat = keys.low if low else keys.rows
         scores = self._buffer.get(q, b, query_mat.dtype, self.device)
@@ -301,16 +324,20 @@ class TopKAccumulator:
         if rows.numel() == 0:
             return
         exact = self._exact_scores(rows, keys.rows, cols) if low else values
+        self._queue_candidates(rows, keys.ids[cols], exact)
+
+    def _queue_candidates(self, rows: Tensor, cand_ids: Tensor, exact: Tensor) -> None:
+        """Queue (query row, key id, exact score) candidates, each (c,), for the next merge."""
         n, capacity = rows.numel(), self._ids.numel()
         if self._queued + n > capacity:
             self._merge_queue()
         if n > capacity:  # more than a queue's worth at once (early blocks): merge directly
-            self._merge_candidates(rows, keys.ids[cols], exact)
+            self._merge_candidates(rows, cand_ids, exact)
             return
         queue_rows, queue_ids, queue_scores = self._buffer.queue(capacity, self.device)
         end = self._queued + n
         queue_rows[self._queued:end] = rows
-        torch.index_select(keys.ids, 0, cols, out=queue_ids[self._queued:end])
+        queue_ids[self._queued:end] = cand_ids
         queue_scores[self._queued:end] = exact
         self._queued = end
 
