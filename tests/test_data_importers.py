@@ -20,42 +20,91 @@ def _png(value, size=(10, 8), mode="RGB"):
     return buf.getvalue()
 
 
-def _record(payload: bytes) -> bytes:
-    pad = (-len(payload)) % 4
-    return struct.pack("<II", RECORDIO_MAGIC, len(payload)) + payload + b"\0" * pad
+def _jpeg(value, size=(8, 8), mode="RGB"):
+    buf = io.BytesIO()
+    Image.new(mode, size, value).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
 
 
-def _write_rec(tmp_path, images_labels, header=True, multi_label=False):
-    """insightface layout: record 0 is a header whose label (id, id2) is the image range."""
-    rec, idx = bytearray(), []
-    entries = []
+def _pack(label, image: bytes, index: int) -> bytes:
+    """MXNet's recordio.pack: IRHeader <IfQQ (flag, label, id, id2); an array label becomes
+    flag = its length, label 0, and its float32 values before the image."""
+    if isinstance(label, (int, float)):
+        return struct.pack("<IfQQ", 0, float(label), index, 0) + image
+    values = np.asarray(label, dtype=np.float32)
+    return struct.pack("<IfQQ", values.size, 0.0, index, 0) + values.tobytes() + image
+
+
+def _write_rec(tmp_path, images_labels, header=True):
+    """A .rec/.idx pair byte for byte as MXNet's MXIndexedRecordIO writes it (magic, length
+    word, payload, padding to 4 bytes; '.idx' lines 'index<TAB>offset'), in insightface's
+    layout: record 0 is a header whose labels are (first identity record, end of identity
+    records), the images are 1..n, and one record per identity follows them."""
     n = len(images_labels)
+    firsts = [float(np.asarray(label).reshape(-1)[0]) for _, label in images_labels]
+    identities = sorted({int(v) for v in firsts if np.isfinite(v)})
+    entries = []
     if header:
-        entries.append((0, struct.pack("<IfQQ", 0, float(n + 1), n + 1, n + 1)))
-    for i, (image, label) in enumerate(images_labels, start=1):
-        if multi_label:
-            head = struct.pack("<IfQQ", 2, 0.0, i, 0) + struct.pack("<ff", label, 7.0)
-        else:
-            head = struct.pack("<IfQQ", 0, float(label), i, 0)
-        entries.append((i, head + image))
+        entries.append((0, _pack([n + 1, n + 1 + len(identities)], b"", 0)))
+    for i, (image, label) in enumerate(images_labels, start=1 if header else 0):
+        entries.append((i, _pack(label, image, i)))
+    if header:
+        for j, identity in enumerate(identities):
+            entries.append((n + 1 + j, _pack([1.0 + identity, 2.0 + identity], b"", n + 1 + j)))
+    rec, idx = bytearray(), []
     for key, payload in entries:
         idx.append(f"{key}\t{len(rec)}")
-        rec += _record(payload)
+        rec += struct.pack("<II", RECORDIO_MAGIC, len(payload)) + payload
+        rec += b"\0" * ((-len(payload)) % 4)
     (tmp_path / "train.rec").write_bytes(bytes(rec))
     (tmp_path / "train.idx").write_text("\n".join(idx) + "\n")
     return tmp_path / "train.rec"
 
 
-@pytest.mark.parametrize("multi_label", [False, True])
-def test_rec_round_trip(tmp_path, multi_label):
-    items = [(_png((i * 20, 0, 0)), i % 3) for i in range(7)]
-    rec = _write_rec(tmp_path, items, multi_label=multi_label)
-    meta = import_recordio(rec, tmp_path / "ds", size=8, channels=3)
-    assert meta.num_samples == 7 and meta.num_classes == 3
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rec_in_insightface_layout(tmp_path, workers):
+    # Scalar and array labels mixed; JPEGs of the dataset's size, and PNGs of another size.
+    items = []
+    for i in range(9):
+        image = _jpeg((i * 20, 0, 0)) if i % 2 else _png((i * 20, 0, 0))
+        items.append((image, float(i % 4) if i % 3 else [float(i % 4), 0.5, 7.0]))
+    rec = _write_rec(tmp_path, items)
+    meta = import_recordio(rec, tmp_path / "ds", size=8, channels=3, workers=workers)
+    assert meta.num_samples == 9 and meta.num_classes == 4  # identity records not imported
     ds = LmdbImageDataset(tmp_path / "ds")
-    _, image, label = ds[4]
-    assert image.shape == (3, 8, 8) and int(label) == 4 % 3
-    assert int(image[0, 0, 0]) == 80
+    assert ds.labels().tolist() == [i % 4 for i in range(9)]
+    for i, (image, _) in enumerate(items):
+        _, stored = ds.read_record(i)
+        if i % 2:
+            assert stored == image  # the JPEG is kept byte for byte
+        else:
+            assert stored[:8] == b"\x89PNG\r\n\x1a\n" and stored != image  # resized
+        _, pixels, _ = ds[i]
+        assert pixels.shape == (3, 8, 8)
+        assert abs(int(pixels[0, 4, 4]) - i * 20) <= 3  # JPEG is lossy
+
+
+def test_rec_without_header_imports_every_record(tmp_path):
+    # Record 0 is an image (flag 0), not a header.
+    rec = _write_rec(tmp_path, [(_png(1), 0), (_png(2), 1), (_png(3), 1)], header=False)
+    meta = import_recordio(rec, tmp_path / "ds", size=8, channels=3)
+    assert meta.num_samples == 3 and meta.num_classes == 2
+
+
+@pytest.mark.parametrize("label", [-1.0, 2.5, float("nan"), [float("inf"), 1.0]])
+def test_rec_label_that_is_not_a_class(tmp_path, label):
+    rec = _write_rec(tmp_path, [(_png(1), 0.0), (_png(2), label)])
+    with pytest.raises(DatasetError, match="record 2 has label .* whole number"):
+        import_recordio(rec, tmp_path / "ds", size=8, channels=3)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_rec_header_range_past_the_index(tmp_path):
+    rec = _write_rec(tmp_path, [(_png(1), 0), (_png(2), 1)])
+    lines = (tmp_path / "train.idx").read_text().splitlines()
+    (tmp_path / "train.idx").write_text("\n".join(lines[:2]) + "\n")  # record 2 dropped
+    with pytest.raises(DatasetError, match="no record 2"):
+        import_recordio(rec, tmp_path / "ds", size=8, channels=3)
 
 
 def test_rec_bad_magic(tmp_path):
@@ -69,7 +118,8 @@ def test_rec_bad_magic(tmp_path):
 
 def test_rec_truncated(tmp_path):
     rec = _write_rec(tmp_path, [(_png(1), 0), (_png(2), 1)])
-    rec.write_bytes(rec.read_bytes()[:-30])
+    offset = int((tmp_path / "train.idx").read_text().splitlines()[2].split("\t")[1])
+    rec.write_bytes(rec.read_bytes()[:offset + 40])  # the file ends inside image record 2
     with pytest.raises(DatasetError, match="truncated"):
         import_recordio(rec, tmp_path / "ds", size=8, channels=3)
     assert not (tmp_path / "ds").exists()

@@ -47,7 +47,7 @@ def cmd_folder(args: argparse.Namespace) -> int:
 
 def cmd_rec(args: argparse.Namespace) -> int:
     return _run(import_recordio, args.rec, args.out, size=args.size, channels=args.channels,
-                idx=args.idx, split=args.split, overwrite=args.overwrite)
+                idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.workers)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -110,9 +110,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     f.set_defaults(func=cmd_folder)
 
     r = sub.add_parser("rec", help="import an insightface train.rec/train.idx (no mxnet needed)",
-                       description="Reads MXNet RecordIO as insightface writes it (header record "
-                       "0 holding the image index range, then one image per record).")
+                       description="Reads MXNet RecordIO as insightface writes it (MS1M, "
+                       "Glint360K, WebFace: header record 0 whose labels give the image range, "
+                       "then one image per record, its class a float or the first of a float "
+                       "array). Records are read by their .idx offsets and decoded in --workers "
+                       "processes; JPEGs that already have --size are kept byte for byte.")
     r.add_argument("rec", help="path to train.rec")
+    r.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="decode processes (default: number of cores)")
     r.add_argument("--idx", help="path to train.idx (default: next to the .rec)")
     _add_output_options(r)
     r.add_argument("--channels", type=int, choices=(1, 3), default=3,

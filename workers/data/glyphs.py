@@ -175,7 +175,7 @@ def build_glyph_dataset(out: str | Path, *, num_classes: int, size: int = 32,
             for split, names in (("train", plan.train), ("test", plan.test)):
                 for name in names:
                     for png in rendered.get((name, plan.code_point), []):
-                        writers[split].add_png(png, label)
+                        writers[split].add_encoded(png, label)
                         counts[split] += 1
                         designs_used[split].add(name)
         metas = {split: w.close() for split, w in writers.items()}

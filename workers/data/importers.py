@@ -5,30 +5,38 @@
   mxnet. A record is ``<II`` (magic 0xced7230a, lrecord: continuation flag in the top 3 bits,
   length in the low 29) then the payload padded to 4 bytes. The payload starts with IRHeader
   ``<IfQQ`` (flag, label, id, id2); ``flag`` > 0 means ``flag`` float labels follow (the first is
-  the class). Then the encoded image. insightface puts a header at index 0 whose label field
-  ``(id, id2)`` gives the range of image indices: records ``1 .. id-1`` are images.
+  the class). Then the encoded image. insightface puts a header at index 0 with ``flag`` > 0
+  whose first label is the end of the image range: records ``1 .. end-1`` are images.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from multiprocessing import Pool
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from workers.data.errors import DatasetError
-from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageWriter
+from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageWriter, encode_png
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 RECORDIO_MAGIC = 0xCED7230A
 IR_HEADER = struct.Struct("<IfQQ")
+# Records per task of the decode pool: large enough to amortize the pickling.
+_CHUNK = 256
 
 
 def load_image(data: bytes | Path, size: int, channels: int, where: str) -> np.ndarray:
@@ -64,12 +72,13 @@ def import_folder(root: str | os.PathLike, out: str | os.PathLike, *, size: int,
     return writer.close_metadata
 
 
-def _read_record(data: bytes, offset: int, path: Path) -> bytes:
-    """The payload of the record starting at ``offset``."""
-    if offset + 8 > len(data):
+def _read_record(f: BinaryIO, file_size: int, offset: int, path: Path) -> bytes:
+    """The payload of the record starting at ``offset`` of the open file ``f``."""
+    if offset < 0 or offset + 8 > file_size:
         raise DatasetError(f"{path}: record at offset {offset} lies past the end of the file "
-                           f"({len(data)} bytes)")
-    magic, lrecord = struct.unpack_from("<II", data, offset)
+                           f"({file_size} bytes)")
+    f.seek(offset)
+    magic, lrecord = struct.unpack("<II", f.read(8))
     if magic != RECORDIO_MAGIC:
         raise DatasetError(f"{path}: bad RecordIO magic {magic:#x} at offset {offset} "
                            f"(expected {RECORDIO_MAGIC:#x})")
@@ -77,28 +86,38 @@ def _read_record(data: bytes, offset: int, path: Path) -> bytes:
     if cflag != 0:
         raise DatasetError(f"{path}: record at offset {offset} is split (cflag {cflag}); "
                            "multi-part records are not supported")
-    if offset + 8 + length > len(data):
+    if offset + 8 + length > file_size:
         raise DatasetError(f"{path}: record at offset {offset} is truncated: needs {length} "
-                           f"bytes, file ends after {len(data) - offset - 8}")
-    return data[offset + 8:offset + 8 + length]
+                           f"bytes, file ends after {file_size - offset - 8}")
+    return f.read(length)
 
 
-def _unpack(payload: bytes, path: Path, index: int) -> tuple[float, tuple[int, int], bytes]:
-    """``(label, (id, id2), image bytes)`` of one record payload."""
+def _unpack(payload: bytes, path: Path, index: int) -> tuple[int, tuple[float, ...], bytes]:
+    """``(flag, labels, image bytes)`` of one record payload, as MXNet's ``recordio.unpack``
+    reads it: ``flag`` 0 gives the header's one float label, ``flag`` > 0 the ``flag`` floats
+    after the header."""
     if len(payload) < IR_HEADER.size:
         raise DatasetError(f"{path}: record {index} is shorter than its IRHeader")
-    flag, label, id1, id2 = IR_HEADER.unpack_from(payload)
+    flag, label, _, _ = IR_HEADER.unpack_from(payload)
     start = IR_HEADER.size
-    if flag > 0:
-        if len(payload) < start + 4 * flag:
-            raise DatasetError(f"{path}: record {index} says {flag} labels but is too short")
-        label = struct.unpack_from("<f", payload, start)[0]
-        start += 4 * flag
-    return label, (id1, id2), payload[start:]
+    if flag == 0:
+        return flag, (label,), payload[start:]
+    if len(payload) < start + 4 * flag:
+        raise DatasetError(f"{path}: record {index} says {flag} labels but is too short")
+    return flag, struct.unpack_from(f"<{flag}f", payload, start), payload[start + 4 * flag:]
+
+
+def _class_of(labels: tuple[float, ...], path: Path, index: int) -> int:
+    """The class of an image record: its label, or the first of its labels (insightface)."""
+    value = labels[0]
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise DatasetError(f"{path}: record {index} has label {value}; a class must be a "
+                           "whole number >= 0")
+    return int(value)
 
 
 def read_index(idx_path: Path) -> dict[int, int]:
-    """``index -> byte offset`` from an insightface ``.idx`` file (``index\\toffset`` lines)."""
+    """``index -> byte offset`` from an insightface ``.idx`` file (``index\toffset`` lines)."""
     index = {}
     for lineno, line in enumerate(idx_path.read_text().splitlines(), 1):
         if not line.strip():
@@ -112,36 +131,103 @@ def read_index(idx_path: Path) -> dict[int, int]:
     return index
 
 
+def image_keys(f: BinaryIO, file_size: int, index: dict[int, int], path: Path) -> list[int]:
+    """The record indices that hold images. insightface's files (MS1M, Glint360K, WebFace)
+    start with a header record 0 whose ``flag`` > 0 labels are ``(end, ...)``: images are
+    indices ``1 .. end-1`` and the records after them describe identities. Without such a
+    header every record is an image (arcface_torch reads them the same way)."""
+    if 0 in index:
+        flag, labels, _ = _unpack(_read_record(f, file_size, index[0], path), path, 0)
+        if flag > 0:
+            end = labels[0]
+            if not math.isfinite(end) or end < 1 or end != int(end):
+                raise DatasetError(f"{path}: header record 0 gives image range end {end}")
+            missing = [k for k in range(1, int(end)) if k not in index]
+            if missing:
+                raise DatasetError(f"{path}: header record 0 says images are 1..{int(end) - 1}, "
+                                   f"but the index has no record {missing[0]} "
+                                   f"({len(missing)} missing)")
+            return list(range(1, int(end)))
+    return sorted(index)
+
+
+def _encode_records(rec: Path, records: list[tuple[int, int]], size: int, channels: int
+                    ) -> list[tuple[int, bytes]]:
+    """(class, encoded image) of each (index, offset) record: the original JPEG or PNG bytes
+    when the image already has the dataset's size and colour mode, else resized to PNG."""
+    out = []
+    file_size = rec.stat().st_size
+    with rec.open("rb") as f:
+        for index, offset in records:
+            _, labels, image = _unpack(_read_record(f, file_size, offset, rec), rec, index)
+            out.append((_class_of(labels, rec, index),
+                        encoded_image(image, size, channels, f"{rec} record {index}")))
+    return out
+
+
+def encoded_image(data: bytes, size: int, channels: int, where: str) -> bytes:
+    """``data`` itself if it is a JPEG or PNG of ``size`` x ``size`` in the dataset's colour
+    mode (8-bit L or RGB); otherwise the image decoded, resized and encoded as PNG."""
+    mode = "L" if channels == 1 else "RGB"
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only
+            if img.format in ("JPEG", "PNG") and img.size == (size, size) and img.mode == mode:
+                return data
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DatasetError(f"{where}: not a readable image ({exc})") from exc
+    return encode_png(load_image(data, size, channels, where))
+
+
 def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int,
                     channels: int, idx: str | os.PathLike | None = None, split: str = "train",
-                    overwrite: bool = False) -> DatasetMetadata:
-    """Import an insightface/MXNet ``.rec`` (with its ``.idx``, default: same stem)."""
+                    overwrite: bool = False, workers: int = 1) -> DatasetMetadata:
+    """Import an insightface/MXNet ``.rec`` (with its ``.idx``, default: same stem).
+
+    Records are read by their ``.idx`` offsets, never the whole file at once; ``workers``
+    processes decode (and, where the size differs, resize) them, and the dataset keeps the
+    original JPEG bytes of images that already have its size.
+    """
     rec = Path(rec)
     idx_path = Path(idx) if idx else rec.with_suffix(".idx")
     for p in (rec, idx_path):
         if not p.is_file():
             raise DatasetError(f"{p}: file not found")
-    data = rec.read_bytes()
+    if workers < 1:
+        raise DatasetError(f"workers must be >= 1, got {workers}")
     index = read_index(idx_path)
     if not index:
         raise DatasetError(f"{idx_path}: index is empty")
-    keys = sorted(index)
-    label0, (id1, id2), _ = _unpack(_read_record(data, index[keys[0]], rec), rec, keys[0])
-    if keys[0] == 0 and label0 > 0:
-        # insightface header record: images are indices 1 .. id1-1.
-        keys = [k for k in keys if 1 <= k < id1]
-    records = []
-    for k in keys:
-        label, _, image = _unpack(_read_record(data, index[k], rec), rec, k)
-        records.append((k, int(label), image))
-    labels = sorted({lab for _, lab, _ in records})
-    if labels and labels[0] < 0:
-        raise DatasetError(f"{rec}: negative label {labels[0]}")
-    num_classes = labels[-1] + 1
+    file_size = rec.stat().st_size
+    with rec.open("rb") as f:
+        keys = image_keys(f, file_size, index, rec)
+        # The class list must be known before the first write: one pass over the headers.
+        classes = [_class_of(_unpack(_read_record(f, file_size, index[k], rec), rec, k)[1],
+                             rec, k)
+                   for k in tqdm(keys, desc="read labels", unit="rec", leave=False)]
+    if not keys:
+        raise DatasetError(f"{rec}: no image records")
+    num_classes = max(classes) + 1
+    chunks = [[(k, index[k]) for k in keys[i:i + _CHUNK]] for i in range(0, len(keys), _CHUNK)]
+    encode = partial(_encode_records, rec, size=size, channels=channels)
     with LmdbImageWriter(out, height=size, width=size, channels=channels,
                          class_names=[str(i) for i in range(num_classes)], split=split,
                          sources={"importer": "recordio", "rec": str(rec)},
-                         overwrite=overwrite) as writer:
-        for k, label, image in tqdm(records, desc="import rec", unit="img"):
-            writer.add(load_image(image, size, channels, f"{rec} record {k}"), label)
+                         overwrite=overwrite) as writer, \
+            _pool(workers) as pool:
+        bar = tqdm(total=len(keys), desc="import rec", unit="img")
+        for chunk in (pool.imap(encode, chunks) if pool else map(encode, chunks)):
+            for label, image in chunk:
+                writer.add_encoded(image, label)
+            bar.update(len(chunk))
+        bar.close()
     return writer.close_metadata
+
+
+@contextmanager
+def _pool(workers: int) -> Iterator[Pool | None]:
+    """A process pool of ``workers`` (None for one: decode in this process)."""
+    if workers == 1:
+        yield None
+        return
+    with Pool(workers) as pool:
+        yield pool

@@ -4,7 +4,8 @@ Layout (``docs/data.md`` is the reference): a directory holding one LMDB environ
 named databases.
 
 * ``samples``: key = sample id as 8-byte big-endian unsigned (so LMDB's byte order is numeric
-  order), value = ``RECORD_HEADER`` + PNG bytes. Sample ids are dense: ``0 .. num_samples-1``.
+  order), value = ``RECORD_HEADER`` + PNG bytes (or JPEG bytes, kept as imported). Sample ids
+  are dense: ``0 .. num_samples-1``.
 * ``meta``: ``b"metadata"`` = UTF-8 JSON (format name and version, counts, image size, class
   names, split, sources, labels checksum); ``b"labels"`` = every sample's label as little-endian
   int64, in sample-id order (samplers and class counts need them without decoding images).
@@ -51,6 +52,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # PNG colour types we store: 0 = grayscale (1 channel), 2 = RGB (3 channels).
 PNG_COLOR_TYPE_TO_CHANNELS = {0: 1, 2: 3}
 CHANNELS_TO_PIL_MODE = {1: "L", 3: "RGB"}
+PIL_MODE_TO_CHANNELS = {mode: channels for channels, mode in CHANNELS_TO_PIL_MODE.items()}
+JPEG_SIGNATURE = b"\xff\xd8"
 
 
 @dataclass
@@ -138,6 +141,22 @@ def png_header(data: bytes) -> tuple[int, int, int]:
     return height, width, PNG_COLOR_TYPE_TO_CHANNELS[color_type]
 
 
+def jpeg_header(data: bytes) -> tuple[int, int, int]:
+    """``(height, width, channels)`` of a JPEG read from its header without decoding it.
+
+    Raises DatasetError if ``data`` is not a grayscale or RGB (YCbCr) JPEG.
+    """
+    if data[:2] != JPEG_SIGNATURE:
+        raise DatasetError("bytes are neither a PNG nor a JPEG image")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format != "JPEG" or img.mode not in PIL_MODE_TO_CHANNELS:
+                raise DatasetError(f"JPEG must be grayscale or RGB, got mode {img.mode}")
+            return img.height, img.width, PIL_MODE_TO_CHANNELS[img.mode]
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DatasetError(f"JPEG header does not read ({exc})") from exc
+
+
 class LmdbImageWriter:
     """Writes a dataset atomically: records go to ``PATH.tmp-<pid>``, renamed on ``close()``.
 
@@ -190,16 +209,15 @@ class LmdbImageWriter:
 
     def add(self, image: np.ndarray, label: int) -> int:
         """Encode ``image`` (uint8 [H, W] or [H, W, 3]) as PNG and add it; returns its sample id."""
-        return self.add_png(encode_png(image), label)
+        return self.add_encoded(encode_png(image), label)
 
-    def add_png(self, png: bytes, label: int) -> int:
-        """Add already-encoded PNG bytes; returns the new sample id.
-
-        The PNG's size and channel count must match the dataset's (checked from its header).
-        """
+    def add_encoded(self, data: bytes, label: int) -> int:
+        """Add already-encoded PNG or baseline JPEG bytes as they are (an imported JPEG is not
+        re-encoded); returns the new sample id. Size and channels must match the dataset's
+        (checked from the image header, without decoding)."""
         sample_id = len(self._labels)
         try:
-            size = png_header(png)
+            size = png_header(data) if data[:8] == PNG_SIGNATURE else jpeg_header(data)
         except DatasetError as exc:
             raise DatasetError(f"sample {sample_id}: {exc}") from exc
         if size != (self.height, self.width, self.channels):
@@ -208,9 +226,9 @@ class LmdbImageWriter:
         if not 0 <= label < len(self.class_names):
             raise DatasetError(f"sample {sample_id}: label {label} outside "
                                f"[0, {len(self.class_names)})")
-        header = RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, label, len(png),
-                                    zlib.crc32(png))
-        self._pending.append((_key(sample_id), header + png))
+        header = RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, label, len(data),
+                                    zlib.crc32(data))
+        self._pending.append((_key(sample_id), header + data))
         self._labels.append(label)
         if len(self._pending) >= self.batch_size:
             self._flush()
@@ -408,7 +426,8 @@ class LmdbImageDataset(Dataset):
         return label, payload
 
     def decode(self, sample_id: int, png: bytes) -> torch.Tensor:
-        """Decode PNG bytes to uint8 [C, H, W], checking size and channels against metadata."""
+        """Decode PNG or JPEG bytes to uint8 [C, H, W], checking size and channels against
+        metadata."""
         m = self.metadata
         try:
             with Image.open(io.BytesIO(png)) as img:
