@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import version
 
 from xcls.logs import setup_logging
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train classifiers with millions of classes: model server (AMS), KNN "
         "softmax, gear bridge. Run 'xcls COMMAND --help' for each command.",
     )
+    parser.add_argument("--version", action="version", version=f"xcls {version('xcls')}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-vv: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")

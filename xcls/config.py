@@ -463,6 +463,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def example_configs() -> list[Path]:
+    """The example experiment configs installed with the package (``xcls/configs/*.toml``)."""
+    return sorted((Path(__file__).parent / "configs").glob("*.toml"))
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a TOML experiment file (None: all defaults), apply overrides, validate."""
     data: dict = {}

@@ -1,4 +1,4 @@
-"""``xcls train``, ``xcls eval``, ``xcls export`` and ``xcls config print``.
+"""``xcls train``, ``xcls eval``, ``xcls export`` and ``xcls config print|examples``.
 
 The objects a config describes are built by ``xcls.run``; this module parses arguments, calls
 it, and prints.
@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from xcls.config import ConfigError, ExperimentConfig, load_config, to_toml
+from xcls.config import ConfigError, ExperimentConfig, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import Run, build_run, worker_placement
 
@@ -76,6 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "does. With no CONFIG: the defaults.")
     _config_args(p, required=False)
     p.set_defaults(func=run_config_print)
+    p = cmds.add_parser("examples", help="list the example configs installed with xcls",
+                        description="Print the path of each example config that ships with "
+                        "xcls (also in the source tree under configs/). Copy one and edit it, "
+                        "or pass its path to 'xcls train'.")
+    p.set_defaults(func=run_config_examples)
     config.set_defaults(func=lambda args: config.print_help() or 2)
 
 
@@ -88,6 +93,12 @@ def _load(args: argparse.Namespace) -> ExperimentConfig:
 
 def run_config_print(args: argparse.Namespace) -> int:
     print(to_toml(_load(args)), end="")
+    return 0
+
+
+def run_config_examples(args: argparse.Namespace) -> int:
+    for path in example_configs():
+        print(path)
     return 0
 
 

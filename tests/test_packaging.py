@@ -1,0 +1,83 @@
+"""What a user installing the wheel gets: its files, its requirements, and the version."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from xcls.config import example_configs, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _runtime_requirements() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def _lower_bound(requirements: list[str], name: str) -> tuple[int, ...]:
+    spec = next(r for r in requirements if re.fullmatch(rf"{re.escape(name)}>=[\d.]+", r))
+    return tuple(int(p) for p in spec.split(">=")[1].split("."))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    for package in ("ams", "workers", "bridge", "xcls"):
+        shutil.copytree(ROOT / package, src / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out), str(src)], check=True, capture_output=True)
+    return zipfile.ZipFile(next(out.glob("xcls-*.whl")))
+
+
+def test_wheel_ships_the_example_configs_and_the_stubs(wheel):
+    names = set(wheel.namelist())
+    shipped = {f"xcls/configs/{p.name}" for p in example_configs()}
+    assert shipped and shipped <= names
+    assert {"ams/api/shard_pb2.py", "ams/api/shard_pb2_grpc.py", "ams/plan_rates.json"} <= names
+
+
+def test_wheel_requirements_have_no_pins_and_no_code_generator(wheel):
+    metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    requires = [line.split(":", 1)[1].strip() for line in
+                wheel.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    runtime = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in runtime if "==" in r], "exact pins break users' environments"
+    assert not [r for r in runtime if r.startswith("grpcio-tools")]  # code generation only
+    assert [r for r in runtime if r.startswith("tensorboard")]
+
+
+def test_lower_bounds_match_what_the_stubs_check_at_import():
+    stub = (ROOT / "ams" / "api" / "shard_pb2.py").read_text()
+    major, minor, patch = (int(x) for x in re.search(
+        r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", stub).groups())
+    grpc_stub = (ROOT / "ams" / "api" / "shard_pb2_grpc.py").read_text()
+    grpc_version = tuple(int(x) for x in re.search(
+        r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub).group(1).split("."))
+    requirements = _runtime_requirements()
+    assert _lower_bound(requirements, "protobuf") == (major, minor, patch)
+    assert _lower_bound(requirements, "grpcio") == grpc_version
+    assert _lower_bound(requirements, "grpcio-health-checking") == grpc_version
+
+
+def test_version_and_examples_from_the_command_line():
+    version = subprocess.run([sys.executable, "-m", "xcls", "--version"], check=True,
+                             capture_output=True, text=True).stdout.split()
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version == ["xcls", meta]
+    listed = subprocess.run([sys.executable, "-m", "xcls", "config", "examples"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    assert listed and [Path(p) for p in listed] == example_configs()
+    for path in listed:
+        load_config(path)  # every shipped example is a valid config
