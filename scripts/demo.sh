@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/env.sh
 start=$(date +%s)
 data=data/glyphs-2k
 if [ ! -f "$data/summary.json" ]; then

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Set up xcls on a fresh Debian/Ubuntu machine (idempotent; re-running is cheap):
+#   * the Python environment (scripts/env.sh): an active virtual environment or $PYTHON if
+#     given, else the project's .venv, created here (with python3-venv from apt if the system
+#     Python lacks it). The .venv sees the system's packages, so an installed torch is used.
 #   * torch: kept if already importable (GPU hosts bring their own build); otherwise
 #     ${XCLS_TORCH_SPEC:-torch==2.13.0} is installed
 #   * xcls itself, editable, with the dev extra (pytest, hypothesis, ruff, tensorboard)
@@ -8,8 +11,29 @@
 # Set XCLS_SKIP_APT=1 to skip the Debian packages (then install them yourself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+apt_install() {  # Debian packages, as root or through sudo
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing Debian packages: $*"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" \
+    >/dev/null
+}
+
+if [ -n "${XCLS_VENV:-}" ] && [ ! -x "$XCLS_VENV/bin/python" ]; then
+  # Debian's and Ubuntu's python3 refuse 'pip install' (PEP 668) and ship venv's pip in
+  # python3-venv: without it, 'python3 -m venv' fails.
+  echo "setup: creating $XCLS_VENV"
+  if ! python3 -m venv --system-site-packages "$XCLS_VENV" >/dev/null 2>&1; then
+    rm -rf "$XCLS_VENV"
+    apt_install python3-venv
+    python3 -m venv --system-site-packages "$XCLS_VENV"
+  fi
+fi
+PY=$XCLS_PY
 
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
@@ -30,12 +54,7 @@ if [ "${XCLS_SKIP_APT:-0}" != "1" ]; then
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    echo "setup: installing Debian packages: ${missing[*]}"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-      "${missing[@]}" >/dev/null
+    apt_install "${missing[@]}"
   fi
 fi
 echo "setup: done"

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
-"$PY" -m ruff check .
-exec "$PY" -m pytest -q "$@"
+source scripts/env.sh
+"$XCLS_PY" -m ruff check .
+exec "$XCLS_PY" -m pytest -q "$@"

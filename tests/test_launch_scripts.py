@@ -143,3 +143,21 @@ def test_worker_with_a_scheduler_and_metrics():
 def test_worker_bad_args(argv, message):
     out = run(WORKER, "--dry-run", *argv)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("env, expect_py, expect_venv", [
+    ({"VIRTUAL_ENV": "/opt/mine"}, "/opt/mine/bin/python", ""),
+    ({"PYTHON": "/usr/bin/python3.12"}, "/usr/bin/python3.12", ""),
+    ({}, str(ROOT / ".venv" / "bin" / "python"), str(ROOT / ".venv")),
+])
+def test_setup_scripts_pick_the_python_environment(env, expect_py, expect_venv):
+    """setup.sh, demo.sh and test.sh share scripts/env.sh: an active virtual environment, then
+    $PYTHON, then the project's .venv, whose bin/ then comes first on PATH."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
+    out = subprocess.run(
+        ["bash", "-c", f'source {ROOT}/scripts/env.sh; echo "$XCLS_PY"; echo "${{XCLS_VENV:-}}";'
+         ' echo "${PATH%%:*}"'],
+        cwd="/", capture_output=True, text=True, check=True,
+        env={**clean, **env}).stdout.splitlines()
+    assert out[0] == expect_py and out[1] == expect_venv
+    assert (out[2] == f"{expect_venv}/bin") == bool(expect_venv)

@@ -1,0 +1,15 @@
+# Sourced by setup.sh, demo.sh and test.sh: the Python environment they use.
+#   * an active virtual environment ($VIRTUAL_ENV), else
+#   * $PYTHON if set (a Python you manage yourself), else
+#   * the project's own .venv (setup.sh creates it), put first on PATH so that 'xcls' and
+#     'python3' in the commands and in every process they start are that environment's.
+# Sets XCLS_PY (the interpreter) and, for the project .venv, XCLS_VENV.
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  XCLS_PY="$VIRTUAL_ENV/bin/python"
+elif [ -n "${PYTHON:-}" ]; then
+  XCLS_PY="$PYTHON"
+else
+  XCLS_VENV="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
+  XCLS_PY="$XCLS_VENV/bin/python"
+  export PATH="$XCLS_VENV/bin:$PATH"
+fi
