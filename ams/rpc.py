@@ -71,14 +71,18 @@ def start_serving(server: grpc.Server, service_name: str, host: str, port: int,
                   ) -> tuple[int, health.HealthServicer]:
     """Bind ``server`` (its services already added) to ``host:port`` (TLS with
     ``credentials``), add the gRPC health service, start, and report ``service_name`` SERVING.
-    Returns (the bound port, the health servicer)."""
+    Returns (the bound port, the health servicer); OSError if the address cannot be bound."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials is not None \
-        else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials is not None \
+            else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's way of saying the bind failed
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use, or the address is not "
+                      "one of this host's")
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

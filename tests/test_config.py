@@ -139,10 +139,11 @@ def test_cli_config_print_and_errors(tmp_path):
     bad = write(tmp_path, "[model]\ndim = -3\n")
     out = subprocess.run([sys.executable, "-m", "xcls", "train", str(bad)], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode != 0 and "model.dim: must be > 0" in out.stderr
+    assert out.returncode == 2 and "model.dim: must be > 0" in out.stderr
+    assert "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, "-m", "xcls", "train", str(write(tmp_path, ""))],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "data.train" in out.stderr
+    assert out.returncode == 2 and "data.train" in out.stderr
 
 
 @pytest.mark.parametrize("url,written,secret", [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -177,3 +179,11 @@ def test_folder_non_image(tmp_path):
     with pytest.raises(DatasetError, match="x.jpg: not a readable image"):
         import_folder(tmp_path / "src", tmp_path / "ds", size=6, channels=1)
     assert not (tmp_path / "ds").exists()
+
+
+def test_cli_refuses_a_missing_rec_with_exit_code_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "xcls", "data", "rec", str(tmp_path / "no.rec"),
+                          "--out", str(tmp_path / "ds"), "--processes", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"error: {tmp_path / 'no.rec'}: file not found"

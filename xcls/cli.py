@@ -9,6 +9,12 @@ from importlib.metadata import version
 
 from xcls.logs import setup_logging
 
+# Exit codes, the same in every command: 0 done; 2 refused before starting (bad arguments,
+# config, files or data, a port in use, a service unreachable), one line on stderr, as
+# argparse does; 1 a failure while running, in the log. Workers also use 75 (train.py: ask
+# torchrun for a restart) and shards 3 (a lost lease).
+EXIT_BAD_INPUT = 2
+
 # Module paths of subcommand groups; each defines add_parser(subparsers) and sets
 # ``func`` (taking the parsed args, returning an exit code) on the parsers it adds.
 COMMAND_MODULES = [
@@ -45,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(-1 if args.quiet else args.verbose)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except SystemExit as e:
+        if isinstance(e.code, str):  # a command refusing its input, in one line
+            print(e.code, file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
 
 
 if __name__ == "__main__":

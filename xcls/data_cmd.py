@@ -22,7 +22,7 @@ def _run(fn, *args, **kwargs) -> int:  # noqa: ANN001 - fn is any importer/build
         fn(*args, **kwargs)
     except DatasetError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
@@ -31,7 +31,7 @@ def cmd_glyphs(args: argparse.Namespace) -> int:
         summary = build_glyph_dataset(
             args.out, num_classes=args.classes, size=args.size, min_designs=args.min_designs,
             test_designs=args.test_designs, variants=args.variants, seed=args.seed,
-            workers=args.workers, font_dirs=tuple(args.font_dir or DEFAULT_FONT_DIRS),
+            workers=args.processes, font_dirs=tuple(args.font_dir or DEFAULT_FONT_DIRS),
             cache_dir=args.cache_dir,
             overwrite=args.overwrite)
         print(f"wrote {args.out}/train ({summary['images']['train']} images) and "
@@ -47,7 +47,7 @@ def cmd_folder(args: argparse.Namespace) -> int:
 
 def cmd_rec(args: argparse.Namespace) -> int:
     return _run(import_recordio, args.rec, args.out, size=args.size, channels=args.channels,
-                idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.workers)
+                idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.processes)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -91,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "scale/shift changes (default 2)")
     g.add_argument("--out", required=True, help="output directory")
     g.add_argument("--seed", type=int, default=0, help="seed for class choice and held-out designs")
-    g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    g.add_argument("--processes", type=int, default=os.cpu_count() or 1,
                    help="render processes (default: number of cores)")
     g.add_argument("--font-dir", action="append", default=[],
                    help="where to look for fonts (repeatable; default /usr/share/fonts)")
@@ -113,10 +113,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        description="Reads MXNet RecordIO as insightface writes it (MS1M, "
                        "Glint360K, WebFace: header record 0 whose labels give the image range, "
                        "then one image per record, its class a float or the first of a float "
-                       "array). Records are read by their .idx offsets and decoded in --workers "
+                       "array). Records are read by their .idx offsets and decoded in --processes "
                        "processes; JPEGs that already have --size are kept byte for byte.")
     r.add_argument("rec", help="path to train.rec")
-    r.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    r.add_argument("--processes", type=int, default=os.cpu_count() or 1,
                    help="decode processes (default: number of cores)")
     r.add_argument("--idx", help="path to train.idx (default: next to the .rec)")
     _add_output_options(r)

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from xcls.cli_help import DefaultsHelpFormatter
 from xcls.config import ConfigError, ExperimentConfig, load_config
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import build_slow_worker, worker_placement
@@ -47,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gear.backend=redis). Stops on SIGTERM/SIGINT after publishing. Under torchrun "
         "(torchrun --nproc-per-node N -m xcls gear slow CONFIG) the N processes train one "
         "backbone data-parallel, their gradients summed every step; rank 0 publishes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("config", type=Path, help="the experiment TOML file the trainers use")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set gear.prefix=job7 (repeatable)")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xcls.cli_help import DefaultsHelpFormatter
+
 log = logging.getLogger("xcls.graph")
 
 
@@ -25,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(twice as fast). --method ivf puts every row in a faiss inverted-file index of "
         "--nlist lists (float16 rows) and searches --nprobe lists per class; it logs the "
         "recall of a sample of the lists against an exact search.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--ams", required=True, metavar="ADDR[,ADDR...]",
                    help="the shards' host:port, in shard order")
     p.add_argument("--table", required=True, help="table name, e.g. fc")

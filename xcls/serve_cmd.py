@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from xcls.cli_help import DefaultsHelpFormatter
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Class id c lives on shard c mod S. Stops cleanly on SIGTERM/SIGINT: health turns "
         "NOT_SERVING, in-flight pushes finish, mmap tables are written out and kept "
         "(--storage), exit code 0.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--shard-id", type=int, required=True, help="this shard's index I, 0-based")
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S in all")
     _add_listen_args(p, "anything but loopback needs --auth-token-file or TLS")
@@ -63,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "pieces and remove older ones; 0 keeps all")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to let in-flight calls finish on shutdown")
-    p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--rpc-threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads per request; requests already run in parallel "
                         "handler threads, and parallel kernels stall each other on busy cores")
@@ -115,7 +116,7 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
         "not renewed within the TTL (a dead or hung member) moves the generation on, which "
         "makes the workers roll back to their newest checkpoint. State lives in memory: after "
         "a restart the members register again.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S the job has")
     _add_listen_args(p, "anything but loopback needs --auth-token-file")
     p.add_argument("--lease-ttl", type=float, default=10.0,
@@ -145,8 +146,11 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from ams.scheduler import create_scheduler_server
 
     serve_metrics_from_args(args)
-    running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
-                                      host=args.host, port=args.port, token=token)
+    try:
+        running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
+                                          host=args.host, port=args.port, token=token)
+    except OSError as e:
+        raise SystemExit(f"error: {e}") from None
     _write_port_file(args.port_file, running.port)
     log.info("listening scheduler host=%s port=%d num_shards=%d lease_ttl_s=%g auth=%s",
              args.host, running.port, args.num_shards, args.lease_ttl, bool(token))
@@ -335,11 +339,15 @@ def _serve(args: argparse.Namespace, store: ShardStore, restored: int, token: st
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)
 
-    running = create_server(
-        store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
-        tls_cert=_read_secret(args.tls_cert, "TLS certificate") if tls else None,
-        tls_key=_read_secret(args.tls_key, "TLS key") if tls else None,
-        max_workers=args.workers, keep_snapshots=args.keep_snapshots, restored_step=restored)
+    try:
+        running = create_server(
+            store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
+            tls_cert=_read_secret(args.tls_cert, "TLS certificate") if tls else None,
+            tls_key=_read_secret(args.tls_key, "TLS key") if tls else None,
+            max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots,
+            restored_step=restored)
+    except OSError as e:
+        raise SystemExit(f"error: {e}") from None
     _write_port_file(args.port_file, running.port)
     log.info("listening shard=%d/%d host=%s port=%d tls=%s auth=%s", args.shard_id,
              args.num_shards, args.host, running.port, tls, bool(token))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -309,8 +310,20 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
 def test_cli_rejects_bad_arguments(args, needle):
     out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", *args],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert needle in out.stderr + out.stdout
+    assert out.returncode == 2  # refused input: the same code in every command
+    assert needle in out.stderr + out.stdout and "Traceback" not in out.stderr
+
+
+def test_cli_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
+                              "--num-shards", "1", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
 
 
 def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_path):
