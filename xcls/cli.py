@@ -7,6 +7,7 @@ import importlib
 import sys
 from importlib.metadata import version
 
+from xcls.config import ConfigError
 from xcls.logs import setup_logging
 
 # Exit codes, the same in every command: 0 done; 2 refused before starting (bad arguments,
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(-1 if args.quiet else args.verbose)
     try:
         return int(args.func(args) or 0)
+    except ConfigError as e:  # a flag, a config key or a file they name
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except SystemExit as e:
         if isinstance(e.code, str):  # a command refusing its input, in one line
             print(e.code, file=sys.stderr)

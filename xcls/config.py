@@ -132,6 +132,9 @@ class AmsConfig:
     snapshot)"""
     token_file: str = ""
     """file with the shards' shared secret (empty: none)"""
+    tls_ca_file: str = ""
+    """PEM certificate of the authority that signed the shards' TLS certificates ('xcls serve
+    shard --tls-cert'); empty: the shards are reached in plaintext"""
     scheduler: str = ""
     """host:port of an 'xcls serve scheduler' to find the shards through and keep a lease with,
     instead of addresses (a lost shard or worker then rolls training back); empty: none"""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from xcls.cli_help import DefaultsHelpFormatter
+from xcls.secret_files import read_secret
 
 log = logging.getLogger("xcls.graph")
 
@@ -47,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume-dir", type=Path,
                    help="keep finished query blocks here so an interrupted build resumes")
     p.add_argument("--auth-token-file", type=Path, help="shared secret of the shards")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM certificate of the authority that signed the shards' TLS "
+                        "certificates (shards started with --tls-cert)")
     p.add_argument("--connect-timeout", type=float, default=30.0,
                    help="seconds to wait for every shard to answer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,9 +85,12 @@ def run_build(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --k {args.k} must be >= 1")
     if args.builders < 1:
         raise SystemExit(f"error: --builders {args.builders} must be >= 1")
-    token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
+    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
+        if args.auth_token_file else None
+    tls_ca = read_secret(args.tls_ca, "--tls-ca") if args.tls_ca else None
     try:
-        client = ams.connect(args.ams, token=token, ready_timeout=args.connect_timeout)
+        client = ams.connect(args.ams, token=token, tls_ca=tls_ca,
+                             ready_timeout=args.connect_timeout)
     except AmsError as e:
         raise SystemExit(f"error: {e}") from None
     with client:
@@ -115,7 +122,8 @@ def _spawn_builders(args: argparse.Namespace, version: int) -> int:
             str(version), "--step", str(args.step), "--no-progress"]
     for flag, value in (("--nprobe", args.nprobe), ("--device", args.device),
                         ("--resume-dir", args.resume_dir),
-                        ("--auth-token-file", args.auth_token_file)):
+                        ("--auth-token-file", args.auth_token_file),
+                        ("--tls-ca", args.tls_ca)):
         if value is not None:
             base += [flag, str(value)]
     procs = [subprocess.Popen([*base, "--builder-index", str(i)])

@@ -20,6 +20,7 @@ from xcls.config import (
     redact_url_password,
     to_toml,
 )
+from xcls.secret_files import read_secret
 
 if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
     import redis
@@ -139,9 +140,13 @@ def build_run(cfg: ExperimentConfig,
 
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    token = Path(cfg.ams.token_file).read_text().strip() if cfg.ams.token_file else None
+    token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
+        if cfg.ams.token_file else None
+    tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
+        if cfg.ams.tls_ca_file else None
     # A training worker keeps a lease; eval and export (no placement) only find the shards.
-    client = connect_ams(cfg, out_dir, token, lease_rank=rank if placement is not None else None)
+    client = connect_ams(cfg, out_dir, token, lease_rank=rank if placement is not None else None,
+                         tls_ca=tls_ca)
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
                         momentum=cfg.optim.head_momentum,
@@ -228,10 +233,11 @@ SHARDS_WAIT_S = 300.0
 
 
 def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
-                lease_rank: int | None = None) -> ShardedClient:
+                lease_rank: int | None = None, tls_ca: bytes | None = None) -> ShardedClient:
     """The AMS client ``cfg.ams`` asks for: the shards at ``ams.addresses``, the shards the
     scheduler at ``ams.scheduler`` knows (once all have registered), or shards in process.
 
+    ``tls_ca``: PEM of the authority that signed the shards' certificates (None: plaintext).
     With a scheduler, ``lease_rank`` (a training worker's global rank) keeps a worker lease
     until the process exits; once the scheduler loses a shard or worker, the client is
     invalidated, every later call raises ShardRestarted, and the group rolls back.
@@ -246,7 +252,7 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
 
     if not cfg.ams.scheduler:
         if cfg.ams.addresses:
-            return ams.connect(cfg.ams.addresses, token=token)
+            return ams.connect(cfg.ams.addresses, token=token, tls_ca=tls_ca)
         client = ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
                              keep_snapshots=cfg.train.snapshots_to_keep,
                              storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables")
@@ -262,7 +268,7 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
 
     scheduler = SchedulerClient(cfg.ams.scheduler, token=token)
     shard_map = scheduler.wait_for_shards(timeout=SHARDS_WAIT_S)
-    client = ams.connect(list(shard_map.addresses), token=token)
+    client = ams.connect(list(shard_map.addresses), token=token, tls_ca=tls_ca)
     if lease_rank is None:
         scheduler.close()
         return client

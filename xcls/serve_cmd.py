@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from xcls.cli_help import DefaultsHelpFormatter
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
+from xcls.secret_files import read_secret
 
 if TYPE_CHECKING:
     from ams.scheduler import LeaseKeeper
@@ -138,7 +139,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --port {args.port} must be in 0..65535")
     if not args.lease_ttl > 0:
         raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0")
-    token = _read_secret(args.auth_token_file, "auth token file").decode().strip() \
+    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     if not _is_loopback(args.host) and not token and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
@@ -224,16 +225,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _read_secret(path: Path, what: str) -> bytes:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read {what} {path}: {e.strerror}") from None
-    if not data.strip():
-        raise SystemExit(f"error: {what} {path} is empty")
-    return data
-
-
 def run_shard(args: argparse.Namespace) -> int:
     if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
@@ -242,7 +233,7 @@ def run_shard(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --port {args.port} must be in 0..65535")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("error: --tls-cert and --tls-key go together")
-    token = _read_secret(args.auth_token_file, "auth token file").decode().strip() \
+    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     tls = args.tls_cert is not None
     if not _is_loopback(args.host) and not (token or tls) and not args.insecure:
@@ -342,8 +333,8 @@ def _serve(args: argparse.Namespace, store: ShardStore, restored: int, token: st
     try:
         running = create_server(
             store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
-            tls_cert=_read_secret(args.tls_cert, "TLS certificate") if tls else None,
-            tls_key=_read_secret(args.tls_key, "TLS key") if tls else None,
+            tls_cert=read_secret(args.tls_cert, "--tls-cert") if tls else None,
+            tls_key=read_secret(args.tls_key, "--tls-key") if tls else None,
             max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots,
             restored_step=restored)
     except OSError as e:

@@ -15,6 +15,8 @@ import ams
 from ams import codec, errors
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from xcls.config import load_config
+from xcls.run import connect_ams
 
 N, D = 1000, 16
 
@@ -356,3 +358,14 @@ def test_tls_and_token(shard_cluster, tmp_path):
     client.close()
     with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
         ams.connect([proc.address], token="t0k3n", ready_timeout=2)
+    # The commands and the trainer reach TLS shards too: --tls-ca, ams.tls_ca_file.
+    built = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams",
+                            proc.address, "--table", "fc", "--k", "3", "--tls-ca", str(cert),
+                            "--auth-token-file", str(token_file), "--no-progress"],
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    cfg = load_config(None, [f"ams.addresses=['{proc.address}']", f"ams.tls_ca_file={cert}",
+                             f"ams.token_file={token_file}"])
+    trainer_client = connect_ams(cfg, tmp_path, "t0k3n", tls_ca=cert.read_bytes())
+    assert trainer_client.neighbors("fc", torch.tensor([4])).shape == (1, 3)  # the built graph
+    trainer_client.close()
