@@ -8,18 +8,27 @@ Usage: scripts/launch_worker.sh [options] (--ams ADDR[,ADDR...] | --scheduler HO
                                 [XCLS_TRAIN_ARGS...]
 
 Run 'xcls train CONFIG' under torchrun on this host: NPROC_PER_NODE workers here, NNODES hosts
-in all, data-parallel over NCCL (gloo without CUDA). Run it on every worker host with its own
---node-rank; node 0's address is the --master-addr of all. The shards (scripts/launch_server.sh)
-must be serving first. Arguments after CONFIG go to 'xcls train', e.g. --set train.epochs=5.
+in all, data-parallel over NCCL (gloo without CUDA). The shards (scripts/launch_server.sh) must
+be serving first. Arguments after CONFIG go to 'xcls train', e.g. --set train.epochs=5.
+
+Two ways for the hosts to meet (torchrun's rendezvous):
+  * c10d (--rdzv-endpoint HOST:PORT): every host runs the same command; torchrun assigns the
+    ranks, and --nnodes MIN:MAX lets hosts join or leave (the job restarts from its newest
+    checkpoint at the new size). Recommended.
+  * static (--master-addr, no --rdzv-endpoint): each host gives its own --node-rank; node 0's
+    address is the --master-addr of all; --nnodes is a fixed number.
 
 Options (each falls back to the environment variable named, then the default):
   --ams ADDR,...          shard host:port list in shard order          AMS_ADDRESSES
   --scheduler HOST:PORT   find the shards through the job's scheduler  AMS_SCHEDULER
                           and keep a lease with it (a lost shard or
                           worker rolls training back); give this or --ams
-  --token-file FILE       the shards' shared secret                    AMS_TOKEN_FILE (none)
-  --nnodes N              worker hosts in all                          NNODES (1)
-  --node-rank R           this host's index, 0..N-1                    NODE_RANK (0)
+  --auth-token-file FILE  the shards' shared secret                    AMS_TOKEN_FILE (none)
+  --rdzv-endpoint H:P     c10d rendezvous (a host all can reach; any   RDZV_ENDPOINT (none:
+                          free port)                                   static)
+  --rdzv-id ID            job id; the same on every host, new per job  RDZV_ID (xcls)
+  --nnodes N|MIN:MAX      worker hosts in all (MIN:MAX: c10d only)     NNODES (1)
+  --node-rank R           static: this host's index, 0..N-1            NODE_RANK (0)
   --master-addr HOST      address of node 0, reachable from all nodes  MASTER_ADDR (127.0.0.1)
   --master-port PORT      rendezvous port on node 0                    MASTER_PORT (29500)
   --nproc-per-node G      workers on this host: a number, or 'gpu'     NPROC_PER_NODE (gpu)
@@ -28,18 +37,21 @@ Options (each falls back to the environment variable named, then the default):
                           after a rollback (a lost shard: exit 75)
   --metrics-port PORT     Prometheus /metrics of local rank r on       METRICS_PORT (none)
                           PORT + r, every interface
+  --torchrun ARG          one more argument for torchrun, repeatable,
+                          e.g. --torchrun --monitor-interval=1
   --dry-run               print the command instead of running it
   -h, --help              this help
 
 Environment: PYTHON  the Python that has xcls and torch installed (default: python3)
 
-Example, two hosts with 8 GPUs each, shards on s0..s3:
-  host A: scripts/launch_worker.sh --nnodes 2 --node-rank 0 --master-addr hostA \
-            --ams s0:7001,s1:7001,s2:7001,s3:7001 --token-file /etc/xcls/token exp.toml
-  host B: the same with --node-rank 1
+Example, two to four hosts with 8 GPUs each, shards on s0..s3; on every host:
+  scripts/launch_worker.sh --nnodes 2:4 --rdzv-endpoint hostA:29400 --rdzv-id exp1 \
+      --ams s0:7001,s1:7001,s2:7001,s3:7001 --auth-token-file /etc/xcls/token exp.toml
   With a scheduler (scripts/launch_server.sh --help) instead of the shard list:
-  host A: scripts/launch_worker.sh --nnodes 2 --node-rank 0 --master-addr hostA \
-            --scheduler sched:7000 --token-file /etc/xcls/token exp.toml
+  scripts/launch_worker.sh --nnodes 2 --rdzv-endpoint hostA:29400 --rdzv-id exp1 \
+      --scheduler sched:7000 --auth-token-file /etc/xcls/token exp.toml
+  Static, two hosts: --nnodes 2 --node-rank 0 --master-addr hostA on host A, --node-rank 1 on B.
+NCCL on several hosts: README.md, "NCCL".
 EOF
 }
 
@@ -53,6 +65,10 @@ node_rank=${NODE_RANK:-0}
 master_addr=${MASTER_ADDR:-127.0.0.1}
 master_port=${MASTER_PORT:-29500}
 nproc=${NPROC_PER_NODE:-gpu}
+rdzv_endpoint=${RDZV_ENDPOINT:-}
+rdzv_id=${RDZV_ID:-xcls}
+torchrun_args=()
+static_args=0  # --node-rank / --master-* given on the command line
 dry_run=0
 config=""
 train_args=()
@@ -77,11 +93,14 @@ while (($#)); do
         --scheduler) need_value "$1" $#; scheduler=$2; shift 2 ;;
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
         --max-restarts) need_value "$1" $#; max_restarts=$2; shift 2 ;;
-        --token-file) need_value "$1" $#; token=$2; shift 2 ;;
+        --auth-token-file) need_value "$1" $#; token=$2; shift 2 ;;
+        --rdzv-endpoint) need_value "$1" $#; rdzv_endpoint=$2; shift 2 ;;
+        --rdzv-id) need_value "$1" $#; rdzv_id=$2; shift 2 ;;
+        --torchrun) need_value "$1" $#; torchrun_args+=("$2"); shift 2 ;;
         --nnodes) need_value "$1" $#; nnodes=$2; shift 2 ;;
-        --node-rank) need_value "$1" $#; node_rank=$2; shift 2 ;;
-        --master-addr) need_value "$1" $#; master_addr=$2; shift 2 ;;
-        --master-port) need_value "$1" $#; master_port=$2; shift 2 ;;
+        --node-rank) need_value "$1" $#; node_rank=$2; static_args=1; shift 2 ;;
+        --master-addr) need_value "$1" $#; master_addr=$2; static_args=1; shift 2 ;;
+        --master-port) need_value "$1" $#; master_port=$2; static_args=1; shift 2 ;;
         --nproc-per-node) need_value "$1" $#; nproc=$2; shift 2 ;;
         -*) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) config=$1; shift ;;
@@ -105,15 +124,39 @@ if [[ -n $scheduler ]] && ! [[ $scheduler =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
     echo "error: --scheduler must be HOST:PORT, got '$scheduler'" >&2
     exit 2
 fi
-for pair in "--nnodes:$nnodes" "--node-rank:$node_rank" "--master-port:$master_port" \
-        "--max-restarts:$max_restarts" \
+if [[ -n $rdzv_endpoint ]]; then
+    if ((static_args)); then
+        echo "error: --node-rank, --master-addr and --master-port are for the static" \
+            "rendezvous; with --rdzv-endpoint torchrun assigns the ranks" >&2
+        exit 2
+    fi
+    if ! [[ $rdzv_endpoint =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
+        echo "error: --rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'" >&2
+        exit 2
+    fi
+    if ! [[ $nnodes =~ ^[0-9]+(:[0-9]+)?$ ]] \
+            || ((${nnodes%%:*} < 1 || ${nnodes%%:*} > ${nnodes##*:})); then
+        echo "error: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '$nnodes'" >&2
+        exit 2
+    fi
+elif [[ $nnodes == *:* ]]; then
+    echo "error: --nnodes $nnodes: MIN:MAX needs the c10d rendezvous (--rdzv-endpoint)" >&2
+    exit 2
+fi
+if [[ -z $rdzv_id || $rdzv_id =~ [[:space:]] ]]; then
+    echo "error: --rdzv-id must be a non-empty word, got '$rdzv_id'" >&2
+    exit 2
+fi
+numbers=("--node-rank:$node_rank" "--master-port:$master_port")
+[[ -n $rdzv_endpoint ]] || numbers+=("--nnodes:$nnodes")  # MIN:MAX was checked above
+for pair in "${numbers[@]}" "--max-restarts:$max_restarts" \
         ${metrics_port:+"--metrics-port:$metrics_port"}; do
     if ! [[ ${pair#*:} =~ ^[0-9]+$ ]]; then
         echo "error: ${pair%%:*} must be a number, got '${pair#*:}'" >&2
         exit 2
     fi
 done
-if ((node_rank >= nnodes)); then
+if [[ -z $rdzv_endpoint ]] && ((node_rank >= nnodes)); then
     echo "error: --node-rank $node_rank must be below --nnodes $nnodes" >&2
     exit 2
 fi
@@ -122,10 +165,14 @@ if ! [[ $nproc =~ ^([0-9]+|gpu)$ ]]; then
     exit 2
 fi
 
-cmd=("${PYTHON:-python3}" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$node_rank"
-     --master-addr "$master_addr" --master-port "$master_port" --nproc-per-node "$nproc"
-     --max-restarts "$max_restarts"
-     -m xcls train "$config")
+cmd=("${PYTHON:-python3}" -m torch.distributed.run --nnodes "$nnodes")
+if [[ -n $rdzv_endpoint ]]; then
+    cmd+=(--rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
+else
+    cmd+=(--node-rank "$node_rank" --master-addr "$master_addr" --master-port "$master_port")
+fi
+cmd+=(--nproc-per-node "$nproc" --max-restarts "$max_restarts" "${torchrun_args[@]}"
+      -m xcls train "$config")
 if [[ -n $scheduler ]]; then
     cmd+=(--set "ams.scheduler=$scheduler")
 else

@@ -19,7 +19,7 @@ WORKER = ROOT / "scripts" / "launch_worker.sh"
 # the variables launch_worker.sh reads, cleared so the caller's environment cannot leak in
 WORKER_ENV = ("AMS_ADDRESSES", "AMS_SCHEDULER", "AMS_TOKEN_FILE", "NNODES", "NODE_RANK",
               "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "METRICS_PORT", "MAX_RESTARTS",
-              "PYTHON")
+              "RDZV_ENDPOINT", "RDZV_ID", "PYTHON")
 
 
 def run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -88,7 +88,7 @@ def test_server_bad_args(argv, message):
 
 def test_worker_dry_run_is_a_valid_torchrun_command():
     argv = dry_run(WORKER, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
-                   "--nproc-per-node", "8", "--ams", "s0:7001,s1:7001", "--token-file",
+                   "--nproc-per-node", "8", "--ams", "s0:7001,s1:7001", "--auth-token-file",
                    "/etc/xcls/token", "exp.toml", "--set", "train.epochs=3")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     launch = torchrun_parser().parse_args(argv[3:])
@@ -104,6 +104,21 @@ def test_worker_dry_run_is_a_valid_torchrun_command():
 
     cfg = load_config(None, args.overrides)  # the overrides are valid config fields
     assert cfg.ams.addresses == ["s0:7001", "s1:7001"]
+
+
+def test_worker_c10d_rendezvous_is_elastic_and_passes_torchrun_flags():
+    argv = dry_run(WORKER, "--nnodes", "2:4", "--rdzv-endpoint", "hostA:29400", "--rdzv-id",
+                   "exp1", "--torchrun", "--monitor-interval=1", "--max-restarts", "5",
+                   "--scheduler", "sched:7000", "exp.toml")
+    launch = torchrun_parser().parse_args(argv[3:])
+    assert (launch.nnodes, launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_id) == (
+        "2:4", "c10d", "hostA:29400", "exp1")
+    assert launch.monitor_interval == 1 and launch.max_restarts == 5
+    assert "--node-rank" not in argv and "--master-addr" not in argv  # c10d assigns ranks
+    assert xcls_args(launch.training_script_args).overrides == ["ams.scheduler=sched:7000"]
+    env = dry_run(WORKER, "exp.toml", AMS_ADDRESSES="h:1", RDZV_ENDPOINT="r:1", NNODES="1:3")
+    launch = torchrun_parser().parse_args(env[3:])
+    assert (launch.nnodes, launch.rdzv_endpoint, launch.rdzv_id) == ("1:3", "r:1", "xcls")
 
 
 def test_worker_reads_the_environment():
@@ -139,6 +154,13 @@ def test_worker_with_a_scheduler_and_metrics():
     (["--ams", "h:1", "--node-rank", "2", "--nnodes", "2", "e.toml"], "must be below"),
     (["--ams", "h:1", "--nproc-per-node", "many", "e.toml"], "number or 'gpu'"),
     (["--ams", "h:1", "--frobnicate", "e.toml"], "unknown option"),
+    (["--ams", "h:1", "--nnodes", "1:2", "e.toml"], "needs the c10d rendezvous"),
+    (["--ams", "h:1", "--rdzv-endpoint", "r:1", "--nnodes", "3:2", "e.toml"], "MIN <= MAX"),
+    (["--ams", "h:1", "--rdzv-endpoint", "r", "e.toml"], "--rdzv-endpoint must be HOST:PORT"),
+    (["--ams", "h:1", "--rdzv-endpoint", "r:1", "--node-rank", "1", "e.toml"],
+     "torchrun assigns the ranks"),
+    (["--ams", "h:1", "--rdzv-id", "", "e.toml"], "--rdzv-id must be a non-empty word"),
+    (["--ams", "h:1", "--torchrun"], "needs a value"),
 ])
 def test_worker_bad_args(argv, message):
     out = run(WORKER, "--dry-run", *argv)
