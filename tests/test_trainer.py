@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,7 +160,7 @@ def final_state(out: Path, step: int):
     return shared["backbone"], rows
 
 
-def test_resume_after_kill_is_bit_identical(glyphs_small, tmp_path):
+def test_resume_after_kill_or_sigterm_is_bit_identical(glyphs_small, tmp_path):
     args = overrides(glyphs_small, tmp_path, **{"train.max_steps": 36,
                                                 "train.checkpoint_every": 12,
                                                 "graph.rebuild_every": 10,
@@ -183,14 +184,31 @@ def test_resume_after_kill_is_bit_identical(glyphs_small, tmp_path):
     subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
                     f"train.out_dir={crashed}"], check=True, timeout=600, capture_output=True)
 
+    # SIGTERM: the run checkpoints the step it is at (between the periodic ones) and exits 143
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen([*cmd, *sum((["--set", a] for a in args), []), "--set",
+                             f"train.out_dir={stopped}"], stderr=subprocess.PIPE, text=True)
+    marker = stopped / "checkpoints" / f"step-{12:012d}" / "worker.pt"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    code, err = proc.wait(timeout=120), proc.stderr.read()
+    assert code == 143, err
+    step = int(re.search(r"stopped by SIGTERM after step (\d+)", err).group(1))
+    assert 12 <= step < 36 and (stopped / "checkpoints" / f"step-{step:012d}").is_dir()
+    subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
+                    f"train.out_dir={stopped}"], check=True, timeout=600, capture_output=True)
+
     a_backbone, a_rows = final_state(straight, 36)
-    b_backbone, b_rows = final_state(crashed, 36)
-    assert a_backbone.keys() == b_backbone.keys()
-    for key in a_backbone:
-        assert torch.equal(a_backbone[key], b_backbone[key]), key
-    for a, b in zip(a_rows, b_rows, strict=True):
-        assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
-        assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
+    for resumed in (crashed, stopped):
+        b_backbone, b_rows = final_state(resumed, 36)
+        assert a_backbone.keys() == b_backbone.keys()
+        for key in a_backbone:
+            assert torch.equal(a_backbone[key], b_backbone[key]), key
+        for a, b in zip(a_rows, b_rows, strict=True):
+            assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
+            assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
 
 
 def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):

@@ -47,6 +47,7 @@ from workers.prefetch import Prefetcher, PreparedBatch
 from workers.row_update import RowUpdater
 from workers.run_log import RunLog
 from workers.schedule import lr_at
+from workers.termination import TerminationRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class TrainResult:
     last_loss: float
     history: list[dict] = field(default_factory=list)
     eval: dict = field(default_factory=dict)
+    # stopped early on SIGTERM, after a checkpoint of ``steps`` (run again to resume)
+    terminated: bool = False
 
 
 def step_backbone(features: torch.Tensor, feature_grad: torch.Tensor,
@@ -161,6 +164,7 @@ class Trainer:
         self.position = (0, 0)  # (epoch, samples consumed in it)
         self._resumed: dict | None = None  # this rank's private checkpoint part
         self._prefetcher: Prefetcher | None = None
+        self._checkpointed_step = -1  # the step of this process's newest checkpoint
         # evenly spaced ids: a fixed sample without a permutation of all N (100M) per rebuild
         n = head.num_classes
         self._graph_probe = torch.unique(
@@ -205,35 +209,45 @@ class Trainer:
                    disable=not (self.rank == 0 and sys.stderr.isatty()))
         self.backbone.train()
         window = _Window()
-        try:
-            for prepared in self._prefetcher:
-                if self.step >= self.total_steps:
-                    break
-                epoch = epoch_of.pop(self.step)
+        with TerminationRequest() as termination:
+            try:
+                for prepared in self._prefetcher:
+                    if self.step >= self.total_steps:
+                        break
+                    epoch = epoch_of.pop(self.step)
 
-                # one step: features -> head -> rows update -> backbone
-                out = self._step(prepared)
-                self.step += 1
-                self.position = self.plan.advance(self.position)
-                result.last_loss = out.loss
-                window.add(out.loss, prepared.batch[1].shape[0] * self.world)
-                bar.update(1)
+                    # one step: features -> head -> rows update -> backbone
+                    out = self._step(prepared)
+                    self.step += 1
+                    self.position = self.plan.advance(self.position)
+                    result.last_loss = out.loss
+                    window.add(out.loss, prepared.batch[1].shape[0] * self.world)
+                    bar.update(1)
 
-                # timing and logging
-                if self.step % self.options.log_every == 0 or self.step == self.total_steps:
-                    row = self._log_window(epoch, out, window)
-                    result.history.append(row)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", ips=f"{row['images_per_s']:.0f}")
-                    window = _Window()
+                    # timing and logging
+                    if self.step % self.options.log_every == 0 or self.step == self.total_steps:
+                        row = self._log_window(epoch, out, window)
+                        result.history.append(row)
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", ips=f"{row['images_per_s']:.0f}")
+                        window = _Window()
 
-                # between steps: graph rebuild, checkpoint, evaluation
-                self._boundary(end_of_epoch=self.position[1] == 0, result=result)
-                self._prefetcher.step_done()
-        finally:
-            bar.close()
-            self._prefetcher.close()
+                    # between steps: graph rebuild, checkpoint, evaluation
+                    self._boundary(end_of_epoch=self.position[1] == 0, result=result)
+                    if termination.agreed(self.world, self.device):
+                        if self._checkpointed_step != self.step:
+                            self.save_checkpoint()
+                        log.warning("terminated step=%d reason=SIGTERM checkpoint=saved", self.step)
+                        result.terminated = True
+                        break
+                    self._prefetcher.step_done()
+            finally:
+                bar.close()
+                self._prefetcher.close()
+        if result.terminated:
+            result.steps = self.step
+            return result
 
-        # termination: a final evaluation unless the last boundary made one
+        # the end: a final evaluation unless the last boundary made one
         result.steps = self.step
         if self.rank == 0 and self.test_set is not None and not result.eval:
             result.eval = self.evaluator.evaluate()
@@ -392,6 +406,7 @@ class Trainer:
             log.info("checkpoint step=%d dir=%s", self.step,
                      checkpoint.checkpoint_dir(out, self.step))
         self._barrier()
+        self._checkpointed_step = self.step
 
     def try_resume(self) -> bool:
         """Continue from the newest checkpoint in out_dir (and the AMS snapshot of its step).

@@ -13,7 +13,8 @@ from xcls.logs import setup_logging
 # Exit codes, the same in every command: 0 done; 2 refused before starting (bad arguments,
 # config, files or data, a port in use, a service unreachable), one line on stderr, as
 # argparse does; 1 a failure while running, in the log. Workers also use 75 (train.py: ask
-# torchrun for a restart) and shards 3 (a lost lease).
+# torchrun for a restart) and 143 (stopped by SIGTERM after a checkpoint), shards 3 (a lost
+# lease).
 EXIT_BAD_INPUT = 2
 
 # Module paths of subcommand groups; each defines add_parser(subparsers) and sets

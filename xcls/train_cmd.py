@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from workers.termination import EXIT_TERMINATED
 from xcls.config import ConfigError, ExperimentConfig, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import Run, build_run, worker_placement
@@ -148,6 +149,11 @@ def run_train(args: argparse.Namespace) -> int:
         except (ConfigError, AmsError, DatasetError, BridgeError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if result.terminated:
+        if rank == 0:
+            print(f"stopped by SIGTERM after step {result.steps}, checkpoint saved; run the "
+                  "same command to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     if rank == 0:
         line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}"
         if result.eval:

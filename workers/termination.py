@@ -1,0 +1,54 @@
+"""SIGTERM during training: stop at the next step boundary that every rank agrees on.
+
+A scheduler, ``docker stop`` or torchrun shutting its group down sends SIGTERM and, after a
+grace period, SIGKILL. Stopping at once would lose every step since the last checkpoint, and
+ranks that stop at different steps would leave checkpoints no resume can combine. So the
+handler only records the request; at each step boundary the ranks take the max of their flags
+(one tiny all-reduce), and all of them stop, checkpoint, after the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+# The exit code of a worker that stopped on SIGTERM after checkpointing (128 + SIGTERM, as a
+# shell reports a process that the signal ended).
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class TerminationRequest:
+    """Records SIGTERM while installed (a context manager; a no-op off the main thread, where
+    Python cannot install handlers)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: object = None
+        self._installed = False
+
+    def __enter__(self) -> TerminationRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._record)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def agreed(self, world: int, device: torch.device) -> bool:
+        """Whether any rank has been asked to stop; every rank of the group must call it at
+        the same step (a collective when ``world`` > 1)."""
+        if world == 1:
+            return self.requested
+        flag = torch.tensor([int(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
