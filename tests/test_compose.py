@@ -5,6 +5,8 @@ other (shard ids and count, addresses in shard order, volumes, secrets, mounted 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,9 +123,38 @@ def test_volumes_secrets_and_mounts_exist():
 
 def test_dockerfile_installs_the_package_and_runs_xcls():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.\d+", text, re.M)
-    assert re.search(r"pip install .*torch", text)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.\d+", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert re.search(r"import torch.*\n.*pip install .*torch", text)  # kept when the base has it
+    # the dependencies are installed from pyproject.toml before the sources are copied
+    deps = text.index("pip install -r /tmp/requirements.txt")
     for package in ("ams", "workers", "bridge", "xcls"):
-        assert re.search(rf"^COPY {package} ", text, re.M), package
-    assert re.search(r"^RUN pip install \.$", text, re.M)
+        match = re.search(rf"^COPY {package} ", text, re.M)
+        assert match and match.start() > deps, package
+    assert re.search(r"^RUN pip install --no-deps \.$", text, re.M)
     assert 'ENTRYPOINT ["xcls"]' in text and re.search(r"^WORKDIR /work$", text, re.M)
+
+
+def test_compose_files_match_the_compose_specification():
+    out = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                          "vendor.compose-spec", str(ROOT / "docker-compose.yml"),
+                          str(ROOT / "docker-compose.gpu.yml")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_shards_restart_and_get_time_to_restore():
+    for name in [*SHARDS, "scheduler"]:
+        assert SERVICES[name]["restart"] == "on-failure", name
+    for name in SHARDS:
+        assert SERVICES[name]["healthcheck"]["start_period"] == "120s", name
+
+
+def test_gpu_variant_builds_on_cuda_and_reserves_the_gpus():
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
+    for name in ("worker", "graph-build"):
+        assert name in SERVICES
+        assert gpu[name]["build"]["args"]["BASE_IMAGE"].startswith("pytorch/pytorch:")
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert set(gpu) <= set(SERVICES)
