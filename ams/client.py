@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ams import codec, rowcopy, sharding
 from ams.alloc import keep_large_buffers
@@ -44,6 +45,7 @@ from ams.wire import (
     INCARNATION_KEY,
     MAX_REPLY_PAYLOAD_BYTES,
     REQUEST_BYTES,
+    SHARD_SERVICE_NAME,
 )
 
 log = logging.getLogger(__name__)
@@ -145,10 +147,28 @@ class RemoteShard:
         return reply.incarnation
 
     def wait_ready(self, timeout: float) -> None:
+        """Return once the shard's health says SERVING (a shard restoring its snapshot is up
+        but NOT_SERVING); Unavailable after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise Unavailable(f"shard {self.address} not reachable within {timeout:.0f}s") from None
+        health_check = health_pb2_grpc.HealthStub(self.channel).Check
+        request = health_pb2.HealthCheckRequest(service=SHARD_SERVICE_NAME)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                status = health_check(request, timeout=max(remaining, 0.1)).status
+            except grpc.RpcError as e:
+                raise Unavailable(f"shard {self.address}: health check failed: "
+                                  f"{e.code().name}") from None
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            if remaining <= 0:
+                raise Unavailable(f"shard {self.address} not serving within {timeout:.0f}s "
+                                  "(still restoring its snapshot?)")
+            time.sleep(min(0.1, remaining))
 
     def create_table(self, spec: TableSpec) -> bool:
         reply = self._call("CreateTable", pb.CreateTableRequest(spec=codec.spec_to_wire(spec)))

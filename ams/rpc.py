@@ -67,10 +67,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def start_serving(server: grpc.Server, service_name: str, host: str, port: int,
-                  credentials: grpc.ServerCredentials | None = None
+                  credentials: grpc.ServerCredentials | None = None, serving: bool = True
                   ) -> tuple[int, health.HealthServicer]:
     """Bind ``server`` (its services already added) to ``host:port`` (TLS with
-    ``credentials``), add the gRPC health service, start, and report ``service_name`` SERVING.
+    ``credentials``), add the gRPC health service, start, and report ``service_name`` SERVING
+    (NOT_SERVING with ``serving=False``: the caller sets it once it is ready).
     Returns (the bound port, the health servicer); OSError if the address cannot be bound."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -84,6 +85,8 @@ def start_serving(server: grpc.Server, service_name: str, host: str, port: int,
         raise OSError(f"cannot listen on {address}: the port is in use, or the address is not "
                       "one of this host's")
     server.start()
+    status = health_pb2.HealthCheckResponse.SERVING if serving \
+        else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(name, status)
     return bound, health_servicer

@@ -7,6 +7,7 @@ store's message, and the store is untouched.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from ams import codec, snapshot
 from ams.alloc import keep_large_buffers
@@ -25,11 +26,9 @@ from ams.errors import AmsError, FailedPrecondition
 from ams.metrics import instrument_store
 from ams.rpc import TokenAuthInterceptor, rpc_method, start_serving
 from ams.store import ShardStore
-from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY
+from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, SHARD_SERVICE_NAME
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "xcls.ams.Shard"
 
 
 class ShardServicer(pb_grpc.ShardServicer):
@@ -217,6 +216,32 @@ class IncarnationInterceptor(grpc.ServerInterceptor):
         return refuse
 
 
+class ReadinessGate(grpc.ServerInterceptor):
+    """Refuses the shard's calls with UNAVAILABLE until ``open`` (health checks pass): a shard
+    binds its port before it restores its snapshot, so that a health check tells "starting"
+    (NOT_SERVING) from "dead" (no answer), and no call sees a half-restored table."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = threading.Event()
+        if ready:
+            self.ready.set()
+
+    def open(self) -> None:
+        self.ready.set()
+
+    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
+        handler = continuation(handler_call_details)
+        if handler is None or self.ready.is_set() or _is_health_check(handler_call_details):
+            return handler
+
+        def refuse(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "the shard is restoring its snapshot; it serves once health says "
+                          "SERVING")
+
+        return _with_behavior(handler, lambda _behavior: refuse)
+
+
 @dataclass
 class RunningServer:
     """A started shard server; ``stop`` drains in-flight calls first."""
@@ -227,6 +252,15 @@ class RunningServer:
     health: health.HealthServicer
     incarnation: str
     """This start of the shard (uuid4 hex); see ``IncarnationInterceptor``."""
+    gate: ReadinessGate
+
+    def mark_ready(self, restored_step: int = -1) -> None:
+        """Serve: the store is complete (restored from ``restored_step``, -1: none); health
+        turns SERVING and the shard's calls are let through."""
+        self.servicer.last_snapshot_step = restored_step
+        self.gate.open()
+        for name in ("", SHARD_SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float = 30.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -237,15 +271,19 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                   data_dir: Path | None = None, token: str | None = None,
                   tls_cert: bytes | None = None, tls_key: bytes | None = None,
                   max_workers: int = 16, keep_snapshots: int = 0,
-                  restored_step: int = -1) -> RunningServer:
+                  restored_step: int = -1, ready: bool = True) -> RunningServer:
     """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``).
-    ``keep_snapshots``, ``restored_step``: see ``ShardServicer``.
+    ``keep_snapshots``, ``restored_step``: see ``ShardServicer``. ``ready=False``: bound and
+    answering health checks (NOT_SERVING), the shard's calls refused with UNAVAILABLE, until
+    ``RunningServer.mark_ready`` (after a restore).
     Every start is a new incarnation (``RunningServer.incarnation``)."""
     keep_large_buffers()
     incarnation = uuid.uuid4().hex
     # auth first: an unauthenticated caller learns nothing, not even the incarnation
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
     interceptors.append(IncarnationInterceptor(incarnation, store.shard_id, store.num_shards))
+    gate = ReadinessGate(ready)
+    interceptors.insert(1 if token else 0, gate)  # after auth: strangers learn nothing
     interceptors.insert(0, instrument_store(store))  # first: it sees every refusal
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=GRPC_OPTIONS)
@@ -253,6 +291,7 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     pb_grpc.add_ShardServicer_to_server(servicer, server)
     credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)]) \
         if tls_cert is not None else None
-    bound, health_servicer = start_serving(server, SERVICE_NAME, host, port, credentials)
+    bound, health_servicer = start_serving(server, SHARD_SERVICE_NAME, host, port, credentials,
+                                           serving=ready)
     log.info("incarnation shard=%d incarnation=%s", store.shard_id, incarnation)
-    return RunningServer(server, bound, servicer, health_servicer, incarnation)
+    return RunningServer(server, bound, servicer, health_servicer, incarnation, gate)

@@ -13,6 +13,8 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# The gRPC service name of a shard, under which its health is reported too.
+SHARD_SERVICE_NAME = "xcls.ams.Shard"
 # Call metadata: the shard process (incarnation) a reply comes from, and the one a caller
 # expects; a shard refuses a call that expects another with ABORTED (ams.server).
 INCARNATION_KEY = "xcls-incarnation"

@@ -255,8 +255,7 @@ def run_shard(args: argparse.Namespace) -> int:
     store = _open_store(args)
     try:
         serve_metrics_from_args(args)
-        restored = _restore_at_start(args, store)
-        return _serve(args, store, restored, token, tls)
+        return _serve(args, store, token, tls)
     finally:
         _close_store(store)
 
@@ -322,9 +321,9 @@ def _restore_at_start(args: argparse.Namespace, store: ShardStore) -> int:
     return restored
 
 
-def _serve(args: argparse.Namespace, store: ShardStore, restored: int, token: str | None,
-           tls: bool) -> int:
-    """Serve ``store`` until SIGTERM/SIGINT (exit code 0) or a lost lease."""
+def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: bool) -> int:
+    """Bind, restore ``--restore`` (health NOT_SERVING meanwhile), then serve ``store`` until
+    SIGTERM/SIGINT (exit code 0) or a lost lease."""
     from ams.server import create_server
 
     if args.data_dir is not None:
@@ -335,13 +334,19 @@ def _serve(args: argparse.Namespace, store: ShardStore, restored: int, token: st
             store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
             tls_cert=read_secret(args.tls_cert, "--tls-cert") if tls else None,
             tls_key=read_secret(args.tls_key, "--tls-key") if tls else None,
-            max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots,
-            restored_step=restored)
+            max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots, ready=False)
     except OSError as e:
         raise SystemExit(f"error: {e}") from None
     _write_port_file(args.port_file, running.port)
     log.info("listening shard=%d/%d host=%s port=%d tls=%s auth=%s", args.shard_id,
              args.num_shards, args.host, running.port, tls, bool(token))
+    try:
+        restored = _restore_at_start(args, store)
+    except BaseException:
+        running.stop(0)
+        raise
+    running.mark_ready(restored)
+    log.info("serving shard=%d/%d restored_step=%d", args.shard_id, args.num_shards, restored)
 
     stop = _stop_on_signal()
     lease = None

@@ -152,14 +152,14 @@ def shard_serving(address: str, *, tls_ca: bytes | None = None, timeout: float =
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from ams.server import SERVICE_NAME
+    from ams.wire import SHARD_SERVICE_NAME
 
     channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca)) \
         if tls_ca is not None else grpc.insecure_channel(address)
     with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=SHARD_SERVICE_NAME), timeout=timeout)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -15,6 +16,8 @@ import ams
 from ams import codec, errors
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.server import create_server
+from ams.store import ShardStore
 from xcls.config import load_config
 from xcls.run import connect_ams
 
@@ -369,3 +372,29 @@ def test_tls_and_token(shard_cluster, tmp_path):
     trainer_client = connect_ams(cfg, tmp_path, "t0k3n", tls_ca=cert.read_bytes())
     assert trainer_client.neighbors("fc", torch.tensor([4])).shape == (1, 3)  # the built graph
     trainer_client.close()
+
+
+def test_a_restoring_shard_says_not_serving_and_refuses_calls_until_ready():
+    """A shard binds before it restores its snapshot: health NOT_SERVING (so a check tells
+    starting from dead), every shard call UNAVAILABLE, clients wait for SERVING."""
+    running = create_server(ShardStore(0, 1), ready=False)
+    address = f"127.0.0.1:{running.port}"
+    channel = grpc.insecure_channel(address)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="xcls.ams.Shard")
+        assert health.Check(request).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.ShardStub(channel).Stats(pb.StatsRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "restoring its snapshot" in refused.value.details()
+        with pytest.raises(errors.Unavailable, match="not serving within"):
+            ams.connect([address], ready_timeout=0.5)
+        threading.Timer(0.3, running.mark_ready, args=(7,)).start()
+        client = ams.connect([address], ready_timeout=30)  # waits until SERVING
+        assert health.Check(request).status == health_pb2.HealthCheckResponse.SERVING
+        assert client.stats()[0]["last_snapshot_step"] == 7
+        client.close()
+    finally:
+        channel.close()
+        running.stop(0)
