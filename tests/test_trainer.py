@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
@@ -82,6 +84,36 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
         clf.predict(torch.zeros(2, 1, 32, 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         clf.predict(torch.zeros(2, 1, 24, 24))
+
+    # xcls predict: image files in, the Classifier's top-k out, one JSON line per image
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"img{i}.png")
+        Image.fromarray(images[i, 0].numpy()).save(paths[-1])
+    out = subprocess.run([sys.executable, "-m", "xcls", "predict", str(tmp_path / "exp"),
+                          *map(str, paths), "--topk", "3"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["image"] for line in lines] == [str(p) for p in paths]
+    assert [line["ids"] for line in lines] == ids[:3, :3].tolist()
+    assert [line["classes"] for line in lines] == clf.names(ids[:3, :3])
+    out = subprocess.run([sys.executable, "-m", "xcls", "predict", str(tmp_path / "exp"),
+                          str(tmp_path / "missing.png")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "missing.png: not a readable image" in out.stderr
+
+    # --rows-dtype float16: unit rows in half the bytes, the same top-1 on nearly every image
+    out = subprocess.run([sys.executable, "-m", "xcls", "export", "--rows-dtype", "float16",
+                          "--out", str(tmp_path / "exp16"), str(tmp_path / "run" / "config.toml")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    half = Classifier.load(tmp_path / "exp16")
+    assert half.rows.dtype == torch.float16
+    unit = torch.nn.functional.normalize(clf.rows.double(), dim=1)
+    torch.testing.assert_close(half.rows.double(), unit, atol=2e-3, rtol=0)
+    ids16, _ = half.predict(images, topk=1)
+    assert float((ids16[:, 0] == ids[:, 0]).float().mean()) >= 0.98
 
     # --rows class-means: each row is the class's mean direction over the training images,
     # here recomputed sample by sample in float64 with the exported backbone

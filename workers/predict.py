@@ -64,6 +64,7 @@ def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor,
 
 
 ROW_SOURCES = ("trained", "class-means")
+ROW_DTYPES = ("float32", "float16")
 
 
 def class_means(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classes: int,
@@ -93,20 +94,28 @@ def class_means(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classe
 def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torch.Tensor,
                  torch.Tensor]], *, backbone_name: str, num_classes: int, dim: int,
                  image_size: int, channels: int, class_names: list[str], step: int,
-                 config_toml: str, row_source: str = "trained") -> Path:
+                 config_toml: str, row_source: str = "trained",
+                 rows_dtype: str = "float32") -> Path:
     """Write an export directory (see the module docstring) from a trained backbone and the
     class rows streamed as (ids, rows) blocks; ``row_source`` (one of ``ROW_SOURCES``) says
-    what the rows are and is recorded in export.json. ``config_toml`` is written as given: the
-    caller redacts its secrets (``xcls.config.to_toml`` does), an export being shared."""
+    what the rows are and is recorded in export.json. ``rows_dtype`` "float16" stores the rows
+    L2-normalized in half the bytes (classification is by cosine, so nothing else changes).
+    ``config_toml`` is written as given: the caller redacts its secrets
+    (``xcls.config.to_toml`` does), an export being shared."""
+    if rows_dtype not in ROW_DTYPES:
+        raise ValueError(f"rows_dtype {rows_dtype!r}: one of {ROW_DTYPES}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
     save_file(state, str(out / "backbone.safetensors"))
-    rows = np.lib.format.open_memmap(out / "rows.npy", mode="w+", dtype=np.float32,
+    rows = np.lib.format.open_memmap(out / "rows.npy", mode="w+", dtype=np.dtype(rows_dtype),
                                      shape=(num_classes, dim))
     seen = 0
     for ids, block in rows_blocks:
-        rows[ids.numpy()] = block.float().numpy()
+        block = block.float()
+        if rows_dtype == "float16":
+            block = F.normalize(block, dim=1)  # unit rows: fp16 keeps ~3 digits of each
+        rows[ids.numpy()] = block.numpy().astype(rows_dtype)
         seen += ids.numel()
     rows.flush()
     del rows
@@ -127,6 +136,8 @@ class Classifier:
 
     def __init__(self, backbone: Backbone, rows: torch.Tensor, class_names: list[str],
                  image_size: int, channels: int, device: str = "cpu") -> None:
+        """``rows`` (num_classes, dim) float32 or float16, on the CPU (may be memory-mapped):
+        scored block by block on ``device``."""
         self.backbone = backbone.to(device).eval()
         self.rows = rows
         self.class_names = class_names
@@ -135,8 +146,12 @@ class Classifier:
         self.device = device
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu") -> Classifier:
-        """Open an export directory written by ``xcls export``."""
+    def load(cls, path: str | Path, device: str = "auto") -> Classifier:
+        """Open an export directory written by ``xcls export``. The class rows stay
+        memory-mapped (pages are read as the search reaches them); the backbone and the search
+        run on ``device`` ("auto": CUDA when there is one)."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         path = Path(path)
         try:
             meta = json.loads((path / "export.json").read_text())
@@ -149,7 +164,8 @@ class Classifier:
         backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],
                                   meta["image_size"])
         backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
-        rows = torch.from_numpy(np.load(path / "rows.npy", mmap_mode="r").copy())
+        # copy-on-write mapping: a writable array for torch, nothing read until used
+        rows = torch.from_numpy(np.load(path / "rows.npy", mmap_mode="c"))
         if tuple(rows.shape) != (meta["num_classes"], meta["dim"]):
             raise ValueError(f"{path}: rows.npy is {tuple(rows.shape)}, export.json says "
                              f"({meta['num_classes']}, {meta['dim']})")
@@ -183,7 +199,7 @@ class Classifier:
         n = self.rows.shape[0]
         blocks = ((torch.arange(s, min(s + block_rows, n)), self.rows[s:s + block_rows])
                   for s in range(0, n, block_rows))
-        return nearest_classes(features, blocks, min(topk, n))
+        return nearest_classes(features.to(self.device), blocks, min(topk, n))
 
     def names(self, ids: torch.Tensor) -> list[list[str]]:
         """Class names of predicted ids (N, k)."""

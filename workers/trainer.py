@@ -36,6 +36,7 @@ from ams.client import ShardedClient
 from ams.graph.churn import neighbor_turnover
 from ams.graph_build import GraphBuildReport, current_graph_version
 from workers import checkpoint
+from workers.augment import flip_horizontally
 from workers.batch_plan import Batch, BatchPlan
 from workers.comm import TopkCompressor
 from workers.evaluation import Evaluator
@@ -75,6 +76,7 @@ class LoopOptions:
     checkpoint_every: int = 0
     rebuild_every: int = 0
     seed: int = 0
+    flip: bool = False  # mirror training images left-right with probability 1/2
     amp: bool = True
     resume: bool = True
     keep_checkpoints: int = 2
@@ -201,6 +203,11 @@ class Trainer:
         def batches() -> Iterator[Batch]:
             for u, (e, batch) in enumerate(self._epoch_batches(), start=self.step):
                 epoch_of[u] = e
+                if self.options.flip:
+                    ids, images, labels = batch
+                    images = flip_horizontally(images, seed=self.options.seed, rank=self.rank,
+                                               step=u)
+                    batch = (ids, images, labels)
                 yield batch
 
         self._prefetcher = Prefetcher(batches(), self.head.prepare, self.options.prefetch_depth,

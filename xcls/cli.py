@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "xcls.cluster_cmd",
     "xcls.gear_cmd",
     "xcls.plan_cmd",
+    "xcls.predict_cmd",
 ]
 
 

@@ -43,6 +43,9 @@ class DataConfig:
     """samples per step per worker"""
     num_workers: int = 2
     """DataLoader worker processes (0: load in the training process)"""
+    flip: bool = False
+    """mirror each training image left-right with probability 1/2 (faces, products; not for
+    glyphs, whose mirror image is another character or none)"""
 
 
 @dataclass

@@ -182,7 +182,8 @@ def build_run(cfg: ExperimentConfig,
         head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
         schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
         eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
-        rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, amp=cfg.train.amp,
+        rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, flip=cfg.data.flip,
+        amp=cfg.train.amp,
         resume=cfg.train.resume, keep_checkpoints=cfg.train.keep_checkpoints)
     gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, (rank, world))
     try:

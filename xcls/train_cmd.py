@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _config_args(p)
     p.add_argument("--out", type=Path, required=True, help="export directory")
     _rows_arg(p)
+    p.add_argument("--rows-dtype", choices=("float32", "float16"), default="float32",
+                   help="float16: the class rows L2-normalized in half the bytes (default: "
+                   "float32, as trained)")
     p.set_defaults(func=run_export)
 
     config = sub.add_parser("config", help="inspect experiment configs",
@@ -199,6 +202,7 @@ def run_export(args: argparse.Namespace) -> int:
                        backbone_name=run.cfg.model.backbone, num_classes=meta.num_classes,
                        dim=run.cfg.model.dim, image_size=meta.height, channels=meta.channels,
                        class_names=meta.class_names, step=run.trainer.step,
-                       config_toml=to_toml(run.cfg), row_source=args.rows)
-    print(f"exported step {run.trainer.step} ({args.rows} rows) to {out}")
+                       config_toml=to_toml(run.cfg), row_source=args.rows,
+                       rows_dtype=args.rows_dtype)
+    print(f"exported step {run.trainer.step} ({args.rows} rows, {args.rows_dtype}) to {out}")
     return 0
