@@ -172,9 +172,10 @@ def test_shipped_rates_say_where_they_come_from():
     for name in ("cpu_exact", "cpu_ring", "cpu_ivf", "shard"):
         assert raw[name]["command"].startswith("python benchmarks/plan_rates.py")
         assert raw[name]["machine"]
-    for name in ("gpu_exact", "gpu_ivf"):
-        assert raw[name]["measured"] is False
-        assert "nominal" in raw[name]["basis"] and "nominal" in raw[name]["device"]
+    assert raw["gpu_exact"]["measured"] is True  # timed on an H100
+    assert raw["gpu_exact"]["command"].startswith("python benchmarks/bench_graph.py")
+    assert raw["gpu_ivf"]["measured"] is False
+    assert "nominal" in raw["gpu_ivf"]["basis"] and "nominal" in raw["gpu_ivf"]["device"]
 
 
 def test_malformed_rates_are_one_line_errors(tmp_path):
