@@ -78,7 +78,8 @@ class Rates:
     cpu_exact, cpu_ring, cpu_ivf: this CPU's measured rates of the symmetric in-memory exact
     build, the exact ring build and a faiss IVF build (counted with ``ivf_flops``);
     gpu_exact, gpu_ivf: a GPU's rates (exact measured on an H100, ivf a nominal assumption);
-    cpu, gpu: what each was measured or assumed on. baseline: a shard process's resident bytes with no table;
+    cpu, gpu: what each was measured or assumed on. baseline: a shard process's resident
+    bytes with no table;
     buffers_per_stream: message buffers a shard keeps per client stream;
     snapshot_overhead: a snapshot piece's bytes beyond its tensors, as a fraction of them.
     """
