@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -18,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from workers.data.importers import import_pairs_bin
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
 from workers.schedule import lr_at
@@ -40,10 +42,42 @@ def overrides(data: Path, out: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def glyph_pairs(data: Path, out: Path) -> Path:
+    """A verification pair set from glyphs: a character's training and test designs are the
+    same identity, two characters' test designs different ones (as faces of one person)."""
+    train, test = LmdbImageDataset(data / "train"), LmdbImageDataset(data / "test")
+    first_train = {}
+    for i, label in enumerate(train.labels().tolist()):
+        first_train.setdefault(label, i)
+    by_class = {}
+    for i, label in enumerate(test.labels().tolist()):
+        by_class.setdefault(label, i)
+    classes = sorted(by_class)
+    images, flags = [], []
+    for n, c in enumerate(classes):
+        if n % 2:  # same
+            images += [train.read_record(first_train[c])[1], test.read_record(by_class[c])[1]]
+        else:  # different: the next class's test design
+            other = classes[(n + 1) % len(classes)]
+            images += [test.read_record(by_class[c])[1], test.read_record(by_class[other])[1]]
+        flags.append(bool(n % 2))
+    (out / "pairs.bin").write_bytes(pickle.dumps((images, flags)))
+    meta = train.metadata
+    import_pairs_bin(out / "pairs.bin", out / "pairs", size=meta.height, channels=meta.channels)
+    return out / "pairs"
+
+
 def test_short_run_learns_and_exports(glyphs_small, tmp_path):
-    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{"train.max_steps": 120}))
+    pairs = glyph_pairs(glyphs_small, tmp_path)
+    cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **{
+        "train.max_steps": 120, "data.verification": f"['{pairs}']"}))
     run = build_run(cfg)
     result = run.trainer.train()
+    # face-style verification on pairs of unseen designs, logged with each evaluation
+    assert result.eval["verify_pairs"] > 0.65, result.eval
+    assert 0 <= result.eval["verify_pairs_std"] < 0.5
+    with open(tmp_path / "run" / "eval.csv") as f:
+        assert "verify_pairs" in next(csv.DictReader(f))
     losses = [row["loss"] for row in result.history]
     assert losses[-1] < 0.7 * losses[0], losses
     chance = 1 / 120
@@ -202,45 +236,40 @@ def test_resume_after_kill_or_sigterm_is_bit_identical(glyphs_small, tmp_path):
     subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
                     f"train.out_dir={straight}"], check=True, timeout=600, capture_output=True)
 
-    crashed = tmp_path / "crashed"
-    proc = subprocess.Popen([*cmd, *sum((["--set", a] for a in args), []), "--set",
-                             f"train.out_dir={crashed}"], stderr=subprocess.DEVNULL)
-    marker = crashed / "checkpoints" / f"step-{12:012d}" / "worker.pt"
+    # one run, interrupted twice: SIGKILL after the step-12 checkpoint (it resumes from 12),
+    # then SIGTERM once it is past 12 again (it checkpoints the step it is at, exits 143)
+    run = [*cmd, *sum((["--set", a] for a in args), []), "--set",
+           f"train.out_dir={tmp_path / 'interrupted'}"]
+    checkpoints = tmp_path / "interrupted" / "checkpoints"
+    proc = subprocess.Popen(run, stderr=subprocess.DEVNULL)
+    marker = checkpoints / f"step-{12:012d}" / "worker.pt"
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert marker.exists()
-    assert not (crashed / "checkpoints" / f"step-{36:012d}").exists()
-    subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
-                    f"train.out_dir={crashed}"], check=True, timeout=600, capture_output=True)
+    assert marker.exists() and not (checkpoints / f"step-{36:012d}").exists()
+    shutil.rmtree(checkpoints / f"step-{24:012d}", ignore_errors=True)
 
-    # SIGTERM: the run checkpoints the step it is at (between the periodic ones) and exits 143
-    stopped = tmp_path / "stopped"
-    proc = subprocess.Popen([*cmd, *sum((["--set", a] for a in args), []), "--set",
-                             f"train.out_dir={stopped}"], stderr=subprocess.PIPE, text=True)
-    marker = stopped / "checkpoints" / f"step-{12:012d}" / "worker.pt"
-    deadline = time.monotonic() + 300
+    proc = subprocess.Popen(run, stderr=subprocess.PIPE, text=True)
+    marker = checkpoints / f"step-{24:012d}" / "worker.pt"
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     code, err = proc.wait(timeout=120), proc.stderr.read()
     assert code == 143, err
     step = int(re.search(r"stopped by SIGTERM after step (\d+)", err).group(1))
-    assert 12 <= step < 36 and (stopped / "checkpoints" / f"step-{step:012d}").is_dir()
-    subprocess.run([*cmd, *sum((["--set", a] for a in args), []), "--set",
-                    f"train.out_dir={stopped}"], check=True, timeout=600, capture_output=True)
+    assert 24 <= step < 36 and (checkpoints / f"step-{step:012d}").is_dir()
+    subprocess.run(run, check=True, timeout=600, capture_output=True)
 
     a_backbone, a_rows = final_state(straight, 36)
-    for resumed in (crashed, stopped):
-        b_backbone, b_rows = final_state(resumed, 36)
-        assert a_backbone.keys() == b_backbone.keys()
-        for key in a_backbone:
-            assert torch.equal(a_backbone[key], b_backbone[key]), key
-        for a, b in zip(a_rows, b_rows, strict=True):
-            assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
-            assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
+    b_backbone, b_rows = final_state(tmp_path / "interrupted", 36)
+    assert a_backbone.keys() == b_backbone.keys()
+    for key in a_backbone:
+        assert torch.equal(a_backbone[key], b_backbone[key]), key
+    for a, b in zip(a_rows, b_rows, strict=True):
+        assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
+        assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
 
 
 def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from workers.batch_plan import collate
 from workers.predict import ROW_SOURCES, class_means, images_to_input, nearest_classes
+from workers.verification import kfold_accuracy, pair_scores
 
 
 class RowScanner(Protocol):
@@ -30,16 +31,20 @@ class Evaluator:
 
     client: the AMS client holding ``table``; backbone: the embedding network (not
     DDP-wrapped); train_set / test_set: ``dataset[i]`` -> (id, uint8 image (C, H, W), label);
+    pair_sets: name -> pair dataset (``xcls data bin``: samples 2i and 2i+1 are pair i, both
+    labelled 1 for the same identity, 0 for different ones), scored by ``verify``;
     amp: embed under autocast (CUDA); show_progress: draw a progress bar while embedding.
     """
 
     def __init__(self, client: RowScanner, table: str, backbone: nn.Module, device: torch.device,
                  *, num_classes: int, dim: int, train_set: Dataset, test_set: Dataset | None,
-                 amp: bool = False, show_progress: bool = False) -> None:
+                 pair_sets: dict[str, Dataset] | None = None, amp: bool = False,
+                 show_progress: bool = False) -> None:
         self.client, self.table = client, table
         self.backbone, self.device = backbone, device
         self.num_classes, self.dim = num_classes, dim
         self.train_set, self.test_set = train_set, test_set
+        self.pair_sets = dict(pair_sets or {})
         self.amp, self.show_progress = amp, show_progress
 
     @torch.no_grad()
@@ -93,3 +98,15 @@ class Evaluator:
         hits = ids == labels[:, None]
         return {"top1": float(hits[:, 0].float().mean()),
                 "top5": float(hits.any(1).float().mean()), "samples": int(labels.numel())}
+
+    def verify(self) -> dict:
+        """``{"verify_<name>": accuracy, "verify_<name>_std": ...}`` of each pair set: the
+        10-fold accuracy at the best cosine threshold (``workers.verification``)."""
+        scores = {}
+        for name, pairs in self.pair_sets.items():
+            batches = list(self.embed(pairs))
+            features = torch.cat([f for f, _ in batches])
+            flags = torch.cat([y for _, y in batches])
+            mean, std = kfold_accuracy(pair_scores(features), flags[0::2] == 1)
+            scores[f"verify_{name}"], scores[f"verify_{name}_std"] = mean, std
+        return scores

@@ -140,7 +140,8 @@ class Trainer:
                  test_set: Dataset | None, options: LoopOptions, device: torch.device,
                  build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
                  world: int = 1, gear: Gear | None = None,
-                 compressor: TopkCompressor | None = None) -> None:
+                 compressor: TopkCompressor | None = None,
+                 pair_sets: dict[str, Dataset] | None = None) -> None:
         self.client, self.table = client, table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
         self.train_set, self.test_set = train_set, test_set
@@ -159,8 +160,8 @@ class Trainer:
         self._scaler = torch.amp.GradScaler("cuda") if self._amp else None
         self.evaluator = Evaluator(client, table, self._unwrapped(), device,
                                    num_classes=head.num_classes, dim=client.spec(table).dim,
-                                   train_set=train_set, test_set=test_set, amp=self._amp,
-                                   show_progress=rank == 0)
+                                   train_set=train_set, test_set=test_set,
+                                   pair_sets=pair_sets, amp=self._amp, show_progress=rank == 0)
         self.run_log = RunLog(options.out_dir, enabled=rank == 0)
         self.step = 0
         self.position = (0, 0)  # (epoch, samples consumed in it)
@@ -256,8 +257,8 @@ class Trainer:
 
         # the end: a final evaluation unless the last boundary made one
         result.steps = self.step
-        if self.rank == 0 and self.test_set is not None and not result.eval:
-            result.eval = self.evaluator.evaluate()
+        if not result.eval:
+            self._evaluate(result)
         return result
 
     def _step(self, prepared: PreparedBatch) -> HeadStep:
@@ -343,13 +344,16 @@ class Trainer:
             self._evaluate(result)
 
     def _evaluate(self, result: TrainResult) -> None:
-        """Rank 0 evaluates on the test split (if any) and records it in eval.csv."""
-        if self.rank != 0 or self.test_set is None:
+        """Rank 0 evaluates on the test split and the pair sets (if any) and records it in
+        eval.csv."""
+        if self.rank != 0 or (self.test_set is None and not self.evaluator.pair_sets):
             return
-        result.eval = {"step": self.step, **self.evaluator.evaluate()}
+        result.eval = {"step": self.step, **self.evaluator.evaluate(),
+                       **self.evaluator.verify()}
         self.run_log.record("eval", dict(result.eval))
-        log.info("eval step=%d top1=%.4f top5=%.4f samples=%d", self.step,
-                 result.eval["top1"], result.eval["top5"], result.eval["samples"])
+        log.info("eval step=%d %s", self.step, " ".join(
+            f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in result.eval.items() if key != "step"))
 
     def _rebuild_graph(self) -> None:
         """Rebuild the neighbor graph and record (OUT/graph.csv) how stale the old one was

@@ -46,6 +46,10 @@ class DataConfig:
     flip: bool = False
     """mirror each training image left-right with probability 1/2 (faces, products; not for
     glyphs, whose mirror image is another character or none)"""
+    verification: list[str] = field(default_factory=list)
+    """pair sets ('xcls data bin': LFW, CFP-FP, AgeDB-30) whose face-verification accuracy
+    each evaluation reports as verify_<directory name>: 10-fold, at the best cosine threshold,
+    as insightface reports it"""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from workers.data.errors import DatasetError
 from workers.data.fonts import DEFAULT_FONT_DIRS
 from workers.data.glyphs import build_glyph_dataset
-from workers.data.importers import import_folder, import_recordio
+from workers.data.importers import import_folder, import_pairs_bin, import_recordio
 from workers.data.lmdb_dataset import read_metadata, verify_dataset
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xcls", "fonts")
@@ -48,6 +48,11 @@ def cmd_folder(args: argparse.Namespace) -> int:
 def cmd_rec(args: argparse.Namespace) -> int:
     return _run(import_recordio, args.rec, args.out, size=args.size, channels=args.channels,
                 idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.processes)
+
+
+def cmd_bin(args: argparse.Namespace) -> int:
+    return _run(import_pairs_bin, args.bin, args.out, size=args.size, channels=args.channels,
+                overwrite=args.overwrite)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -123,6 +128,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--channels", type=int, choices=(1, 3), default=3,
                    help="1 = grayscale, 3 = RGB (default 3)")
     r.set_defaults(func=cmd_rec)
+
+    b = sub.add_parser("bin", help="import an insightface verification pair set (.bin)",
+                       description="Reads lfw.bin, cfp_fp.bin, agedb_30.bin and the like (a "
+                       "pickle of 2n encoded images and n same/different flags; nothing in it "
+                       "is run) into a pair dataset for data.verification: samples 2i and 2i+1 "
+                       "are pair i, labelled 1 (same) or 0 (different).")
+    b.add_argument("bin", help="path to the .bin pair file")
+    b.add_argument("--out", required=True, help="dataset directory to create")
+    b.add_argument("--size", type=int, default=112, help="image side in pixels (default 112)")
+    b.add_argument("--channels", type=int, choices=(1, 3), default=3,
+                   help="1 = grayscale, 3 = RGB (default 3)")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    b.set_defaults(func=cmd_bin)
 
     i = sub.add_parser("info", help="print a dataset's metadata",
                        description="Print the metadata record of an LMDB dataset as JSON.")

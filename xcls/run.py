@@ -136,6 +136,7 @@ def build_run(cfg: ExperimentConfig,
     if meta.height != meta.width:
         raise ConfigError(f"data.train: images are {meta.height}x{meta.width}; square images "
                           "are expected")
+    pair_sets = open_pair_sets(cfg.data.verification, meta)
     num_classes = meta.num_classes
 
     out_dir = Path(cfg.train.out_dir)
@@ -191,11 +192,38 @@ def build_run(cfg: ExperimentConfig,
                           optimizer=optimizer, head=head, train_set=train_set,
                           test_set=test_set, options=options, device=device,
                           build_graph=build_graph, rank=rank, world=world, gear=gear,
-                          compressor=compressor)
+                          compressor=compressor, pair_sets=pair_sets)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     (out_dir / "config.toml").write_text(to_toml(cfg))
     return Run(cfg, trainer, client, train_set, backbone)
+
+
+def open_pair_sets(paths: list[str], train: DatasetMetadata) -> dict[str, LmdbImageDataset]:
+    """``data.verification``: name (the directory's name) -> pair dataset, each checked to be
+    one ('xcls data bin') with the training images' size and channels."""
+    from workers.data.errors import DatasetError
+    from workers.data.importers import PAIR_CLASSES
+    from workers.data.lmdb_dataset import LmdbImageDataset
+
+    sets: dict[str, LmdbImageDataset] = {}
+    for path in paths:
+        try:
+            pairs = LmdbImageDataset(path)
+        except DatasetError as e:
+            raise ConfigError(f"data.verification: {e}") from None
+        m, name = pairs.metadata, Path(path).name
+        if tuple(m.class_names) != PAIR_CLASSES or m.num_samples % 2:
+            raise ConfigError(f"data.verification: {path} is not a pair set (import one with "
+                              "'xcls data bin')")
+        if (m.height, m.width, m.channels) != (train.height, train.width, train.channels):
+            raise ConfigError(f"data.verification: {path} has {m.channels}x{m.height}x{m.width}"
+                              f" images, data.train {train.channels}x{train.height}x"
+                              f"{train.width}")
+        if name in sets:
+            raise ConfigError(f"data.verification: two pair sets are named {name!r}")
+        sets[name] = pairs
+    return sets
 
 
 def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Module,

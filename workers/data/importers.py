@@ -1,6 +1,7 @@
 """Importers from common image-classification layouts into the LMDB dataset format.
 
 * ``import_folder``: ``ROOT/<class name>/<image>``, one sub-folder per class.
+* ``import_pairs_bin``: an insightface verification ``.bin`` (LFW, CFP-FP, AgeDB-30 pairs).
 * ``import_recordio``: insightface ``train.rec`` + ``train.idx`` (MXNet RecordIO), read without
   mxnet. A record is ``<II`` (magic 0xced7230a, lrecord: continuation flag in the top 3 bits,
   length in the low 29) then the payload padded to 4 bytes. The payload starts with IRHeader
@@ -11,10 +12,12 @@
 
 from __future__ import annotations
 
+import codecs
 import io
 import logging
 import math
 import os
+import pickle
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -231,3 +234,72 @@ def _pool(workers: int) -> Iterator[Pool | None]:
         return
     with Pool(workers) as pool:
         yield pool
+
+
+# Pair sets: the two images of pair i are samples 2i and 2i+1, both labelled with the pair's
+# flag, so a pair set is an ordinary dataset of two classes.
+PAIR_CLASSES = ("different", "same")
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Reads a pickle of plain data only (lists, tuples, bytes, numbers): a pair file never
+    needs to name a class or function, and loading one that does would run code. The one
+    exception is ``_codecs.encode``, which protocol 2 uses to spell bytes objects."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
+        raise pickle.UnpicklingError(f"it names {module}.{name}; a pair file holds only lists "
+                                     "of image bytes and flags")
+
+
+def _latin1_bytes(text: str, encoding: str) -> bytes:
+    """How protocol 2 rebuilds a bytes object: ``_codecs.encode(text, "latin1")``."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r}: only bytes spelled "
+                                     "in latin1 are read")
+    return codecs.encode(text, "latin1")
+
+
+def read_pairs_bin(path: Path) -> tuple[list[bytes], list[bool]]:
+    """(images, flags) of an insightface verification ``.bin`` (lfw.bin, cfp_fp.bin,
+    agedb_30.bin): a pickle of (list of 2n encoded images, list of n same/different flags),
+    read without running any code it might carry."""
+    try:
+        with open(path, "rb") as f:
+            data = _DataOnlyUnpickler(f, encoding="bytes").load()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read it ({e.strerror})") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise DatasetError(f"{path}: not a pair file ({e})") from None
+    if not (isinstance(data, (tuple, list)) and len(data) == 2):
+        raise DatasetError(f"{path}: expected a pair (images, flags), got {type(data).__name__}")
+    images, flags = data
+    if not isinstance(images, (list, tuple)) or not isinstance(flags, (list, tuple)):
+        raise DatasetError(f"{path}: images and flags must be lists")
+    if len(images) != 2 * len(flags) or not flags:
+        raise DatasetError(f"{path}: {len(images)} images for {len(flags)} pairs (needs 2 per "
+                           "pair, at least one pair)")
+    for i, image in enumerate(images):
+        if not isinstance(image, (bytes, bytearray)):
+            raise DatasetError(f"{path}: image {i} is a {type(image).__name__}, not bytes")
+    for i, flag in enumerate(flags):
+        if flag not in (0, 1) or isinstance(flag, float):
+            raise DatasetError(f"{path}: flag {i} is {flag!r}, not a same/different bool")
+    return [bytes(image) for image in images], [bool(flag) for flag in flags]
+
+
+def import_pairs_bin(path: str | os.PathLike, out: str | os.PathLike, *, size: int,
+                     channels: int, overwrite: bool = False) -> DatasetMetadata:
+    """Import a verification ``.bin`` as a pair dataset: samples 2i and 2i+1 are pair i, both
+    labelled ``PAIR_CLASSES.index(same)``; images already of ``size`` kept as they are."""
+    path = Path(path)
+    images, flags = read_pairs_bin(path)
+    with LmdbImageWriter(out, height=size, width=size, channels=channels,
+                         class_names=list(PAIR_CLASSES), split="pairs",
+                         sources={"importer": "bin", "bin": str(path)},
+                         overwrite=overwrite) as writer:
+        for i, image in enumerate(tqdm(images, desc="import pairs", unit="img")):
+            writer.add_encoded(encoded_image(image, size, channels, f"{path} image {i}"),
+                               int(flags[i // 2]))
+    return writer.close_metadata
