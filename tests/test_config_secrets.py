@@ -46,7 +46,7 @@ def test_redis_password_stays_off_disk_and_a_resume_asks_for_it(glyphs_small, tm
 
     export = tmp_path / "export"
     run_export(argparse.Namespace(config=None, overrides=sets, out=export, rows="trained",
-                                  rows_dtype="float32"))
+                                  rows_dtype="float32", onnx=False))
     assert (export / "config.toml").exists() and files_holding(export, PASSWORD) == []
 
     # The written config has no password: resuming from it says how to give one ...

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import onnxruntime
 import pytest
 import torch
 from PIL import Image
@@ -137,11 +138,17 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
                          timeout=300)
     assert out.returncode == 2 and "missing.png: not a readable image" in out.stderr
 
-    # --rows-dtype float16: unit rows in half the bytes, the same top-1 on nearly every image
+    # --rows-dtype float16: unit rows in half the bytes, the same top-1 on nearly every image;
+    # --onnx: the backbone for ONNX runtimes, giving the features the Classifier computes
     out = subprocess.run([sys.executable, "-m", "xcls", "export", "--rows-dtype", "float16",
-                          "--out", str(tmp_path / "exp16"), str(tmp_path / "run" / "config.toml")],
+                          "--onnx", "--out", str(tmp_path / "exp16"),
+                          str(tmp_path / "run" / "config.toml")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    session = onnxruntime.InferenceSession(str(tmp_path / "exp16" / "backbone.onnx"))
+    onnx_features = session.run(["features"], {"images": images[:7].numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(onnx_features), clf.embed(images[:7]),
+                               atol=1e-4, rtol=1e-4)
     half = Classifier.load(tmp_path / "exp16")
     assert half.rows.dtype == torch.float16
     unit = torch.nn.functional.normalize(clf.rows.double(), dim=1)

@@ -5,6 +5,8 @@ An export directory holds everything needed to classify without the AMS:
 
     export.json          format, backbone name, dim, image size, channels, classes, step
     backbone.safetensors backbone weights
+    backbone.onnx        (``--onnx``) the backbone for ONNX runtimes: uint8 images in,
+                         float32 features out
     rows.npy             (num_classes, dim) class rows (float16 or float32; memory-mapped):
                          the trained rows, or the training features' class means
     classes.json         class id -> name (e.g. "U+4E00")
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from ams.graph.knn import merge_top_lists
 from workers.backbones import Backbone, build_backbone
@@ -91,23 +94,48 @@ def class_means(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_classe
     return F.normalize(sums, dim=1).float(), counts
 
 
+class _FromImages(nn.Module):
+    """The backbone as a deployed model sees it: uint8 images in, embeddings out."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone(images_to_input(images))
+
+
+def export_onnx(backbone: Backbone, image_size: int, channels: int, path: Path) -> None:
+    """Write the backbone as an ONNX model: input ``images`` uint8 (N, channels, image_size,
+    image_size), any N; output ``features`` float32 (N, dim), not normalized (cosine against
+    rows.npy classifies). Needs the packages of the ``onnx`` extra (torch's exporter imports
+    onnxscript)."""
+    model = _FromImages(backbone).eval()
+    example = torch.zeros(2, channels, image_size, image_size, dtype=torch.uint8)
+    torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"],
+                      output_names=["features"],
+                      dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+
+
 def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torch.Tensor,
                  torch.Tensor]], *, backbone_name: str, num_classes: int, dim: int,
                  image_size: int, channels: int, class_names: list[str], step: int,
                  config_toml: str, row_source: str = "trained",
-                 rows_dtype: str = "float32") -> Path:
+                 rows_dtype: str = "float32", onnx: bool = False) -> Path:
     """Write an export directory (see the module docstring) from a trained backbone and the
     class rows streamed as (ids, rows) blocks; ``row_source`` (one of ``ROW_SOURCES``) says
     what the rows are and is recorded in export.json. ``rows_dtype`` "float16" stores the rows
     L2-normalized in half the bytes (classification is by cosine, so nothing else changes).
-    ``config_toml`` is written as given: the caller redacts its secrets
-    (``xcls.config.to_toml`` does), an export being shared."""
+    ``onnx``: also ``backbone.onnx`` (``export_onnx``). ``config_toml`` is written as given:
+    the caller redacts its secrets (``xcls.config.to_toml`` does), an export being shared."""
     if rows_dtype not in ROW_DTYPES:
         raise ValueError(f"rows_dtype {rows_dtype!r}: one of {ROW_DTYPES}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
     save_file(state, str(out / "backbone.safetensors"))
+    if onnx:
+        export_onnx(backbone, image_size, channels, out / "backbone.onnx")
     rows = np.lib.format.open_memmap(out / "rows.npy", mode="w+", dtype=np.dtype(rows_dtype),
                                      shape=(num_classes, dim))
     seen = 0
@@ -127,6 +155,7 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
         "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
         "dim": dim, "image_size": image_size, "channels": channels,
         "num_classes": num_classes, "step": step, "rows": row_source,
+        "onnx": "backbone.onnx" if onnx else None,
     }, indent=1))
     return out
 

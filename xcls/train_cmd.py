@@ -69,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows-dtype", choices=("float32", "float16"), default="float32",
                    help="float16: the class rows L2-normalized in half the bytes (default: "
                    "float32, as trained)")
+    p.add_argument("--onnx", action="store_true",
+                   help="also write backbone.onnx (uint8 images in, features out) for ONNX "
+                   "runtimes; needs pip install 'xcls[onnx]'")
     p.set_defaults(func=run_export)
 
     config = sub.add_parser("config", help="inspect experiment configs",
@@ -196,6 +199,12 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from workers.predict import write_export
 
+    if args.onnx:
+        try:
+            import onnxscript  # noqa: F401  (checked before anything is loaded or written)
+        except ImportError:
+            raise SystemExit("error: --onnx needs the onnx and onnxscript packages: "
+                             "pip install 'xcls[onnx]'") from None
     run = _resumed_run(args)
     meta = run.train_set.metadata
     out = write_export(args.out, run.backbone, run.trainer.evaluator.row_blocks(args.rows),
@@ -203,6 +212,6 @@ def run_export(args: argparse.Namespace) -> int:
                        dim=run.cfg.model.dim, image_size=meta.height, channels=meta.channels,
                        class_names=meta.class_names, step=run.trainer.step,
                        config_toml=to_toml(run.cfg), row_source=args.rows,
-                       rows_dtype=args.rows_dtype)
+                       rows_dtype=args.rows_dtype, onnx=args.onnx)
     print(f"exported step {run.trainer.step} ({args.rows} rows, {args.rows_dtype}) to {out}")
     return 0
