@@ -85,8 +85,13 @@ def start_serving(server: grpc.Server, service_name: str, host: str, port: int,
         raise OSError(f"cannot listen on {address}: the port is in use, or the address is not "
                       "one of this host's")
     server.start()
+    set_serving(health_servicer, service_name, serving)
+    return bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service_name: str, serving: bool) -> None:
+    """Report SERVING (or NOT_SERVING) for ``service_name`` and for the server as a whole."""
     status = health_pb2.HealthCheckResponse.SERVING if serving \
         else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", service_name):
         health_servicer.set(name, status)
-    return bound, health_servicer

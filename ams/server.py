@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from ams import codec, snapshot
 from ams.alloc import keep_large_buffers
@@ -24,7 +24,7 @@ from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import AmsError, FailedPrecondition
 from ams.metrics import instrument_store
-from ams.rpc import TokenAuthInterceptor, rpc_method, start_serving
+from ams.rpc import TokenAuthInterceptor, rpc_method, set_serving, start_serving
 from ams.store import ShardStore
 from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, SHARD_SERVICE_NAME
 
@@ -259,8 +259,7 @@ class RunningServer:
         turns SERVING and the shard's calls are let through."""
         self.servicer.last_snapshot_step = restored_step
         self.gate.open()
-        for name in ("", SHARD_SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        set_serving(self.health, SHARD_SERVICE_NAME, True)
 
     def stop(self, grace: float = 30.0) -> None:
         self.health.enter_graceful_shutdown()

@@ -77,6 +77,23 @@ def import_folder(root: str | os.PathLike, out: str | os.PathLike, *, size: int,
 
 def _read_record(f: BinaryIO, file_size: int, offset: int, path: Path) -> bytes:
     """The payload of the record starting at ``offset`` of the open file ``f``."""
+    return f.read(_seek_payload(f, file_size, offset, path))
+
+
+def _read_labels(f: BinaryIO, file_size: int, offset: int, path: Path, index: int
+                 ) -> tuple[float, ...]:
+    """The labels of the record at ``offset``, reading its header but not its image."""
+    length = _seek_payload(f, file_size, offset, path)
+    head = f.read(min(length, IR_HEADER.size))
+    if len(head) == IR_HEADER.size:
+        flag = IR_HEADER.unpack_from(head)[0]
+        head += f.read(min(length - IR_HEADER.size, 4 * flag))
+    return _unpack(head, path, index)[1]
+
+
+def _seek_payload(f: BinaryIO, file_size: int, offset: int, path: Path) -> int:
+    """Check the record header at ``offset``, leave ``f`` at its payload; the payload's
+    length."""
     if offset < 0 or offset + 8 > file_size:
         raise DatasetError(f"{path}: record at offset {offset} lies past the end of the file "
                            f"({file_size} bytes)")
@@ -92,7 +109,7 @@ def _read_record(f: BinaryIO, file_size: int, offset: int, path: Path) -> bytes:
     if offset + 8 + length > file_size:
         raise DatasetError(f"{path}: record at offset {offset} is truncated: needs {length} "
                            f"bytes, file ends after {file_size - offset - 8}")
-    return f.read(length)
+    return length
 
 
 def _unpack(payload: bytes, path: Path, index: int) -> tuple[int, tuple[float, ...], bytes]:
@@ -203,9 +220,9 @@ def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int
     file_size = rec.stat().st_size
     with rec.open("rb") as f:
         keys = image_keys(f, file_size, index, rec)
-        # The class list must be known before the first write: one pass over the headers.
-        classes = [_class_of(_unpack(_read_record(f, file_size, index[k], rec), rec, k)[1],
-                             rec, k)
+        # The class list must be known before the first write: one pass over the headers
+        # (the images are read once, by the decoders).
+        classes = [_class_of(_read_labels(f, file_size, index[k], rec, k), rec, k)
                    for k in tqdm(keys, desc="read labels", unit="rec", leave=False)]
     if not keys:
         raise DatasetError(f"{rec}: no image records")
