@@ -13,8 +13,12 @@ import functools
 import logging
 from collections.abc import Callable
 
+import torch
+
 log = logging.getLogger(__name__)
 
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _done = False
@@ -83,3 +87,23 @@ def release_free_memory() -> None:
         trim(0)
     finally:
         mallopt(_M_TRIM_THRESHOLD, _trim_threshold)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)``, its memory advised onto transparent huge pages first.
+
+    A pull or push touches rows at random across the table, one 4 KiB page per row, and on
+    small pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the
+    same gathers and scatters run markedly faster (benchmarks/RESULTS.md, "AMS pull/push").
+    Where the kernel runs huge pages in ``madvise`` mode (the common default) only advised
+    memory gets them; with ``always`` or ``never``, or no glibc, the advice changes nothing.
+    """
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = libc_function("madvise")
+    if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
+        start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # advise whole pages only
+        stop = (tensor.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, stop - start, _MADV_HUGEPAGE)
+    return tensor.zero_()

@@ -12,15 +12,17 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
+import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,6 +30,7 @@ from ams import codec, rowcopy, sharding
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.dataplane import DataConnection
 from ams.dtypes import parse_row_dtype
 from ams.errors import (
     AmsError,
@@ -35,7 +38,9 @@ from ams.errors import (
     ShardRestarted,
     TableNotFound,
     Unavailable,
+    error_from_code,
 )
+from ams.frames import FrameError
 from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
 from ams.rpc import error_from_rpc
 from ams.store import TableSpec
@@ -44,6 +49,8 @@ from ams.wire import (
     GRPC_OPTIONS,
     INCARNATION_KEY,
     MAX_REPLY_PAYLOAD_BYTES,
+    PIECE_BYTES,
+    PIPELINE_WINDOW,
     REQUEST_BYTES,
     SHARD_SERVICE_NAME,
 )
@@ -53,14 +60,51 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class PushPiece(NamedTuple):
+    """One push request: ids int64 (n,) owned by the shard, ascending and unique; grads
+    float32 (n, dim); its (client id, sequence) sequence, which makes a retry apply once."""
+
+    ids: torch.Tensor
+    grads: torch.Tensor
+    sequence: int
+
+
+class _PushPieces(Sequence[PushPiece]):
+    """One shard's part of a push, cut into pieces, each gathered when it is asked for: the
+    first piece goes on the wire while the next is gathered, and a resend after a lost
+    connection gathers again (the same rows and sequences).
+
+    keys: int64 ids, ascending and unique; values: float32 (., dim) gradients; source: int64
+    (len(keys),), the row of ``values`` that holds each key's gradient, or None for row i;
+    chunks: positions into ``keys``, one tensor per piece; first_sequence: the first piece's
+    sequence (the others follow it)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, source: torch.Tensor | None,
+                 chunks: Sequence[torch.Tensor], first_sequence: int) -> None:
+        self.keys, self.values, self.source = keys, values, source
+        self.chunks, self.first_sequence = chunks, first_sequence
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> PushPiece:
+        chunk = self.chunks[i]
+        rows = chunk if self.source is None else self.source.index_select(0, chunk)
+        return PushPiece(self.keys.index_select(0, chunk), rowcopy.gather(self.values, rows),
+                         self.first_sequence + i)
+
+
 class ShardBackend(Protocol):
     """What the client needs from one shard; ids are always owned by that shard."""
 
     def create_table(self, spec: TableSpec) -> bool: ...
     def table_specs(self) -> dict[str, TableSpec]: ...
-    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int, decay_clock: float | None) -> bool: ...
+    piece_bytes: int
+    """Bytes of rows one pull or push piece carries (``ShardedClient`` cuts the pieces)."""
+
+    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
+             decay_clock: float | None) -> list[bool]: ...
     def scan(self, table: str, block_rows: int | None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
     def snapshot(self, step: int) -> str: ...
@@ -81,7 +125,9 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RemoteShard:
-    """One shard over gRPC. Every call has a deadline; idempotent calls retry on UNAVAILABLE.
+    """One shard over gRPC, its pulls and pushes over its data plane (``ams.dataplane``).
+    Every call has a deadline; idempotent calls retry on UNAVAILABLE and on a lost data
+    connection.
 
     Pushes are idempotent too: they carry (client id, sequence) and the shard applies each
     sequence once, so a retried push after a lost reply is safe.
@@ -106,6 +152,11 @@ class RemoteShard:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.token, self.tls_ca = token, tls_ca
+        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self.data_port: int | None = None  # learned from Stats with the incarnation
+        self._idle: list[DataConnection] = []  # pooled data-plane connections
+        self._idle_lock = threading.Lock()
 
     def _call_metadata(self, expect: bool) -> tuple[tuple[str, str], ...]:
         if expect and self.incarnation:
@@ -144,6 +195,8 @@ class RemoteShard:
         """Ask the shard which process serves it now, and expect that one from here on."""
         reply = self._call("Stats", pb.StatsRequest(), expect=False)
         self.incarnation = reply.incarnation or None
+        self.data_port = reply.data_port or None
+        self._drop_connections()
         return reply.incarnation
 
     def wait_ready(self, timeout: float) -> None:
@@ -178,19 +231,95 @@ class RemoteShard:
         reply = self._call("Stats", pb.StatsRequest())
         return {t.spec.name: codec.spec_from_wire(t.spec) for t in reply.tables}
 
-    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        request = pb.PullRequest(table=table)
-        codec.encode(ids, request.ids)
-        reply = self._call("Pull", request)
-        return codec.decode(reply.rows, "rows", ndim=2)
+    piece_bytes = PIECE_BYTES
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int, decay_clock: float | None) -> bool:
-        request = pb.PushRequest(table=table, lr=lr, client_id=client_id, sequence=sequence,
-                                 decay_clock=decay_clock)
-        codec.encode(ids, request.ids)
-        codec.encode(grads, request.grads)
-        return self._call("Push", request).applied
+    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Rows of the ids of every piece (int64 (n_i,), owned here), in order: (sum n_i, dim),
+        the pieces pipelined on one data connection."""
+        return self._data_call("Pull", lambda conn, deadline: conn.pull(
+            table, pieces, PIPELINE_WINDOW, deadline))
+
+    def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
+             decay_clock: float | None) -> list[bool]:
+        """Apply each piece, pipelined on one data connection; whether each was applied now
+        (False: its sequence was applied before). A retry after a lost connection resends
+        every piece: those applied already are recognised by their sequence and skipped."""
+        return self._data_call("Push", lambda conn, deadline: conn.push(
+            table, pieces, lr, client_id, decay_clock, PIPELINE_WINDOW, deadline))
+
+    def _data_call(self, method: str, work: Callable[[DataConnection, float], T]) -> T:
+        """``work(connection, deadline)`` on a pooled data connection, retried like ``_call``
+        when the connection is lost or the shard is not serving yet; the shard's refusals
+        raise their typed errors."""
+        deadline = time.monotonic() + self.timeout
+        where = f"shard {self.address} {method}"
+        for attempt in range(self.retries + 1):
+            conn = None
+            try:
+                conn = self._connection(deadline)
+                result = work(conn, deadline)
+            except FrameError as e:  # a reply this client cannot read: the stream is lost
+                self._discard(conn)
+                raise InvalidArgument(f"{where}: {e}") from None
+            except AmsError as e:  # the shard's answer; the connection is still in step
+                self._release(conn)
+                if e.code != "UNAVAILABLE" or attempt == self.retries:
+                    raise error_from_code(e.code, f"{where}: {e}") from None
+                failure: AmsError = e
+            except (OSError, ssl.SSLError) as e:  # TimeoutError included
+                self._discard(conn)
+                failure = error_from_code(
+                    "DEADLINE_EXCEEDED" if isinstance(e, TimeoutError) else "UNAVAILABLE",
+                    f"{where}: {e or type(e).__name__}")
+                if attempt == self.retries or time.monotonic() >= deadline:
+                    raise failure from None
+                self.data_port = None  # ask again: a restarted shard has another port
+            else:
+                self._release(conn)
+                return result
+            delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+            log.debug("data_retry shard=%s method=%s error=%s delay=%.2f", self.address,
+                      method, failure, delay)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    def _connection(self, deadline: float) -> DataConnection:
+        """A pooled data connection, or a new one (the data port asked of Stats first when
+        unknown); ShardRestarted when the shard is no longer the expected process."""
+        with self._idle_lock:
+            if self._idle:
+                return self._idle.pop()
+        if self.data_port is None:
+            reply = self._call("Stats", pb.StatsRequest(), expect=False,
+                               timeout=max(0.1, deadline - time.monotonic()))
+            if self.incarnation and reply.incarnation != self.incarnation:
+                raise ShardRestarted(
+                    f"shard {reply.shard_id} of {reply.num_shards} at {self.address} "
+                    f"restarted: it is incarnation {reply.incarnation}, this client expected "
+                    f"{self.incarnation}; nothing was changed")
+            if not reply.data_port:
+                raise Unavailable(f"shard {self.address} serves no data plane")
+            self.data_port = reply.data_port
+        # the HELLO expects this client's incarnation: another process refuses it (ABORTED)
+        return DataConnection(self.host, self.data_port, token=self.token, tls_ca=self.tls_ca,
+                              expect_incarnation=self.incarnation,
+                              timeout=max(0.1, deadline - time.monotonic()))
+
+    def _release(self, conn: DataConnection | None) -> None:
+        if conn is not None:
+            with self._idle_lock:
+                self._idle.append(conn)
+
+    @staticmethod
+    def _discard(conn: DataConnection | None) -> None:
+        if conn is not None:
+            conn.close()
+
+    def _drop_connections(self) -> None:
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def scan(self, table: str, block_rows: int | None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -225,7 +354,8 @@ class RemoteShard:
             }
         return {"address": self.address, "shard_id": reply.shard_id,
                 "num_shards": reply.num_shards, "last_snapshot_step": reply.last_snapshot_step,
-                "incarnation": reply.incarnation, "storage": reply.storage, "tables": tables}
+                "incarnation": reply.incarnation, "storage": reply.storage,
+                "data_port": reply.data_port, "tables": tables}
 
     def neighbors(self, table: str, ids: torch.Tensor
                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -260,6 +390,7 @@ class RemoteShard:
         return codec.decode(reply.ids, "ids", dtype=torch.int64, ndim=1)
 
     def close(self) -> None:
+        self._drop_connections()
         self.channel.close()
 
 
@@ -345,10 +476,12 @@ class ShardedClient:
             self.invalidate(str(e))
             raise
 
-    def _next_sequence(self) -> int:
+    def _next_sequences(self, count: int) -> int:
+        """The first of ``count`` push sequences of this client, never handed out before."""
         with self._sequence_lock:
-            self._sequence += 1
-            return self._sequence
+            first = self._sequence + 1
+            self._sequence += count
+            return first
 
     def spec(self, name: str) -> TableSpec:
         """The spec of table ``name`` (asked of shard 0 once, then remembered)."""
@@ -359,9 +492,6 @@ class ShardedClient:
             if spec is None:
                 raise TableNotFound(f"unknown table {name!r}; create it first")
         return spec
-
-    def _rows_per_call(self, spec: TableSpec) -> int:
-        return max(1, REQUEST_BYTES // (spec.dim * 4))
 
     # ---- tables -----------------------------------------------------------------------
 
@@ -390,20 +520,33 @@ class ShardedClient:
         table's dtype (CPU)."""
         ids = check_ids(ids)
         spec = self.spec(name)
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        out = torch.empty((unique.numel(), spec.dim), dtype=spec.dtype)
-        parts = sharding.split_by_shard(unique, self.num_shards)
-        step = self._rows_per_call(spec)
+        # unique ids are asked for in request order, so each shard's reply lands in the
+        # result with one scatter (none with one shard); repeats are asked for once
+        keys, inverse = ids, None
+        if ids.numel() > 1:
+            ordered = np.sort(ids.numpy())  # a sort tells repeats apart at a third of unique's cost
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                keys, inverse = torch.unique(ids, return_inverse=True)
+        row_bytes = spec.dim * spec.dtype.itemsize
 
-        def work(s: int) -> None:
-            positions = parts[s]
-            for start in range(0, positions.numel(), step):
-                chunk = positions[start:start + step]
-                rowcopy.scatter(out, chunk,
-                                self.shards[s].pull(name, unique.index_select(0, chunk)))
+        def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
+            wanted = keys if positions is None else keys.index_select(0, positions)
+            step = max(1, self.shards[s].piece_bytes // row_bytes)
+            return list(wanted.split(step)) if wanted.numel() > step else [wanted]
 
-        self._fan_out(work)
-        return rowcopy.gather(out, inverse)
+        if self.num_shards == 1:
+            rows = self.shards[0].pull(name, pieces(0, None))
+        else:
+            rows = torch.empty((keys.numel(), spec.dim), dtype=spec.dtype)
+            parts = sharding.split_by_shard(keys, self.num_shards)
+
+            def work(s: int) -> None:
+                if parts[s].numel():
+                    got = self.shards[s].pull(name, pieces(s, parts[s]))
+                    rowcopy.scatter(rows, parts[s], got)
+
+            self._fan_out(work)
+        return rows if keys is ids else rowcopy.gather(rows, inverse)
 
     @_fenced
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
@@ -419,24 +562,25 @@ class ShardedClient:
         if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), spec.dim):
             got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads)
             raise InvalidArgument(f"grads: shape {got}, need ({ids.numel()}, {spec.dim})")
-        grads = grads.detach().to(device="cpu", dtype=torch.float32)
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        if unique.numel() == ids.numel():
-            summed = torch.empty((unique.numel(), spec.dim), dtype=torch.float32)
-            rowcopy.scatter(summed, inverse, grads)
+        grads = grads.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        # Each shard gets its ids once and ascending (its fast path); ``source[i]`` is the row
+        # of ``values`` that holds the gradient of ``keys[i]``.
+        keys, source = ids.sort()
+        if keys.numel() > 1 and bool((keys[1:] == keys[:-1]).any()):
+            keys, inverse = torch.unique_consecutive(keys, return_inverse=True)
+            values = torch.zeros((keys.numel(), spec.dim), dtype=torch.float32)
+            values.index_add_(0, inverse.index_select(0, torch.argsort(source)), grads)
+            source = None
         else:
-            summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32)
-            summed.index_add_(0, inverse, grads)
-        parts = sharding.split_by_shard(unique, self.num_shards)
-        step = self._rows_per_call(spec)
+            values = grads
+        parts = sharding.split_by_shard(keys, self.num_shards)
 
         def work(s: int) -> None:
-            positions = parts[s]
-            for start in range(0, positions.numel(), step):
-                chunk = positions[start:start + step]
-                self.shards[s].push(name, unique.index_select(0, chunk),
-                                    rowcopy.gather(summed, chunk), float(lr),
-                                    self.client_id, self._next_sequence(), decay_clock)
+            if parts[s].numel():
+                step = max(1, self.shards[s].piece_bytes // (spec.dim * 4))
+                pieces = _PushPieces(keys, values, source, parts[s].split(step),
+                                     self._next_sequences(-(-parts[s].numel() // step)))
+                self.shards[s].push(name, pieces, float(lr), self.client_id, decay_clock)
 
         self._fan_out(work)
 
@@ -655,4 +799,5 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
     for shard, info in zip(shards, layout, strict=True):
         # first contact: from now on every call expects this process of the shard
         shard.incarnation = info["incarnation"] or None
+        shard.data_port = info["data_port"] or None
     return client

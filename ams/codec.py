@@ -13,36 +13,12 @@ import warnings
 import torch
 
 from ams.api import shard_pb2 as pb
+from ams.dtypes import torch_dtype, wire_dtype
 from ams.errors import InvalidArgument, shorten
 from ams.store import TableSpec
 
-_TO_WIRE: dict[torch.dtype, int] = {
-    torch.float32: pb.FLOAT32,
-    torch.float16: pb.FLOAT16,
-    torch.bfloat16: pb.BFLOAT16,
-    torch.int64: pb.INT64,
-    torch.int32: pb.INT32,
-}
-_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
-
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("ams.codec assumes a little-endian host")
-
-
-def wire_dtype(dtype: torch.dtype) -> int:
-    """torch dtype -> ``DType`` enum value."""
-    try:
-        return _TO_WIRE[dtype]
-    except KeyError:
-        raise InvalidArgument(f"dtype {dtype} cannot travel on the wire") from None
-
-
-def torch_dtype(value: int, field: str = "dtype") -> torch.dtype:
-    """``DType`` enum value -> torch dtype; unknown or unspecified is an error naming the field."""
-    try:
-        return _FROM_WIRE[value]
-    except KeyError:
-        raise InvalidArgument(f"{field}: unknown or unspecified dtype {value}") from None
 
 
 def encode(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:

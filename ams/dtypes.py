@@ -33,3 +33,31 @@ def parse_row_dtype(value: str | torch.dtype, field: str = "dtype") -> torch.dty
     elif value in ROW_DTYPES:
         return ROW_DTYPES[value]
     raise InvalidArgument(f"{field}={value!r} is not one of {[str(d) for d in RowDtype]}")
+
+
+# The numbers of shard.proto's DType enum, which are also the dtype byte of a data-plane frame
+# (proto/ams/api/frames.md); tests/test_proto_stubs.py checks that the two agree.
+WIRE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.int64: 4,
+    torch.int32: 5,
+}
+_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in WIRE_CODES.items()}
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """torch dtype -> its wire code (``DType`` enum value)."""
+    try:
+        return WIRE_CODES[dtype]
+    except KeyError:
+        raise InvalidArgument(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def torch_dtype(value: int, field: str = "dtype") -> torch.dtype:
+    """Wire code -> torch dtype; unknown or unspecified is an error naming the field."""
+    try:
+        return _FROM_WIRE[value]
+    except KeyError:
+        raise InvalidArgument(f"{field}: unknown or unspecified dtype {value}") from None

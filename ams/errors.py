@@ -104,3 +104,13 @@ ERRORS_BY_CODE: dict[str, type[AmsError]] = {
     for cls in (InvalidArgument, IdOutOfRange, TableNotFound, TableExists, FailedPrecondition,
                 RequestTooLarge, Unauthenticated, Unavailable, ShardRestarted)
 }
+
+
+def error_from_code(code: str, message: str) -> AmsError:
+    """The typed error of a gRPC status code name (``AmsError`` carrying the code for one
+    without a class of its own, e.g. DEADLINE_EXCEEDED)."""
+    cls = ERRORS_BY_CODE.get(code, AmsError)
+    err = cls(message)
+    if cls is AmsError:
+        err.code = code
+    return err

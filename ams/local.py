@@ -7,7 +7,7 @@ path as the cluster, with each call going straight to the store.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from ams import snapshot
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
 from ams.store import ShardStore, TableSpec
+from ams.wire import REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,18 @@ class LocalShard:
     def table_specs(self) -> dict[str, TableSpec]:
         return {name: t.spec for name, t in self.store.tables.items()}
 
-    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.store.pull(table, ids)
+    # in process nothing is gained by cutting a request into pieces: one per request limit
+    piece_bytes = REQUEST_BYTES
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
-             client_id: str, sequence: int, decay_clock: float | None) -> bool:
-        return self.store.push(table, ids, grads, lr, client_id, sequence, decay_clock)
+    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        rows = [self.store.pull(table, ids) for ids in pieces]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+             lr: float, client_id: str, decay_clock: float | None) -> list[bool]:
+        """Each piece (``ams.client.PushPiece``: ids, grads, sequence) in turn."""
+        return [self.store.push(table, ids, grads, lr, client_id, sequence, decay_clock)
+                for ids, grads, sequence in pieces]
 
     def scan(self, table: str, block_rows: int | None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

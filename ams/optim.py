@@ -18,10 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ams import rowcopy
+
 
 def step_decay(lr: float, weight_decay: float) -> float:
     """How far one SGD step advances the decay clock: ``-log(1 - lr * weight_decay)`` >= 0."""
     return -math.log1p(-lr * weight_decay)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite. A finite sum proves it (a nan or an
+    inf anywhere makes the sum non-finite) at a fraction of ``torch.isfinite``'s cost on CPU;
+    only a sum that overflows or is non-finite takes the elementwise check."""
+    if values.numel() == 0:
+        return True
+    if bool(torch.isfinite(values.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(values).all())
 
 
 def catch_up_factors(row_clock: torch.Tensor, clock: float) -> torch.Tensor:
@@ -48,7 +61,7 @@ class RowUpdate:
         stored (after rounding to the table's dtypes: float16 overflows at 65504), or None
         when every value is finite."""
         for what, values in (("rows", self.rows), ("state", self.state)):
-            if values is None or values.numel() == 0:
+            if values is None or all_finite(values):
                 continue
             bad = ~torch.isfinite(values).all(dim=1)
             if bool(bad.any()):
@@ -84,23 +97,25 @@ class SparseMomentumSGD:
         float64 (m,) decay factors the rows owe for steps they sat out (``catch_up_factors``),
         applied before the step, or None.
         """
-        w = rows.index_select(0, positions).to(torch.float32)
+        # rowcopy: torch's index kernels are several times slower for these copies on a busy
+        # CPU (ams/rowcopy.py)
+        w = rowcopy.gather(rows, positions).to(torch.float32)
         if catch_up is not None:
             w.mul_(catch_up.to(torch.float32)[:, None])
-        g = grads.to(torch.float32)
+        g = grads.to(torch.float32)  # the caller's tensor when it is float32: not written
         if self.weight_decay:
-            g = g + self.weight_decay * w
+            g = torch.add(g, w, alpha=self.weight_decay)
         new_state = None
         if self.momentum:
-            v = state.index_select(0, positions).to(torch.float32)
+            v = rowcopy.gather(state, positions).to(torch.float32)
             g = v.mul_(self.momentum).add_(g)
             new_state = g.to(state.dtype)
-        w.sub_(lr * g)
+        w.sub_(g, alpha=lr)
         return RowUpdate(positions, w.to(rows.dtype), new_state)
 
     @staticmethod
     def commit(rows: torch.Tensor, state: torch.Tensor, update: RowUpdate) -> None:
         """Write ``update`` (from ``compute`` on these tensors) into ``rows`` and ``state``."""
         if update.state is not None:
-            state.index_copy_(0, update.positions, update.state)
-        rows.index_copy_(0, update.positions, update.rows)
+            rowcopy.scatter(state, update.positions, update.state)
+        rowcopy.scatter(rows, update.positions, update.rows)

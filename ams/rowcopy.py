@@ -19,6 +19,13 @@ def _as_bytes(rows: torch.Tensor) -> np.ndarray:
     return rows.contiguous().view(torch.uint8).numpy()
 
 
+def _as_records(rows: torch.Tensor) -> np.ndarray:
+    """(n, dim) contiguous tensor -> (n,) array of one opaque record per row, same memory:
+    numpy moves a record with one memcpy, where a uint8 row is a loop over its bytes."""
+    raw = _as_bytes(rows)
+    return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
+
+
 def gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``rows[index]`` as a new tensor. rows: (n, dim); index: int64 (m,) in [0, n) -> (m, dim)."""
     if index.numel() == 0:  # numpy gives empty results zero strides, which torch cannot view
@@ -32,4 +39,6 @@ def scatter(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     rows: (m, dim) of ``out``'s dtype."""
     if not out.is_contiguous():  # a contiguous copy would take the writes and be dropped
         raise ValueError("rowcopy.scatter needs a contiguous destination")
-    _as_bytes(out)[index.numpy()] = _as_bytes(rows)
+    if index.numel() == 0 or out.shape[1] == 0:
+        return
+    np.put(_as_records(out), index.numpy(), _as_records(rows))

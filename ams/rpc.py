@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ams.errors import ERRORS_BY_CODE, AmsError
+from ams.errors import AmsError, error_from_code
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,7 @@ def error_from_rpc(e: grpc.RpcError, where: str, method: str) -> AmsError:
     """The typed ``ams.errors`` class of a failed call's status; ``where`` names the peer
     (e.g. ``"shard 127.0.0.1:5000"``) in the message."""
     code = e.code()
-    cls = ERRORS_BY_CODE.get(code.name if code else "UNKNOWN", AmsError)
-    err = cls(f"{where} {method}: {e.details()}")
-    if cls is AmsError:
-        err.code = code.name if code else "UNKNOWN"
-    return err
+    return error_from_code(code.name if code else "UNKNOWN", f"{where} {method}: {e.details()}")
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

@@ -1,4 +1,5 @@
-"""The shard's gRPC servicer and server: decode -> validate -> call the store -> encode.
+"""The shard's gRPC servicer and server: decode -> validate -> call the store -> encode; the
+server starts the shard's data plane (``ams.dataplane``) beside it, for pulls and pushes.
 
 All validation lives in ``ShardStore`` and ``codec``; a failure becomes a gRPC status with the
 store's message, and the store is untouched.
@@ -22,6 +23,7 @@ from ams import codec, snapshot
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.dataplane import DataPlaneServer
 from ams.errors import AmsError, FailedPrecondition
 from ams.metrics import instrument_store
 from ams.rpc import TokenAuthInterceptor, rpc_method, set_serving, start_serving
@@ -35,11 +37,13 @@ class ShardServicer(pb_grpc.ShardServicer):
     """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused);
     ``keep_snapshots``: newest complete steps kept after each snapshot (0: all);
     ``restored_step``: the snapshot step the store was restored from before serving (-1:
-    none), what Stats reports until the next snapshot or restore."""
+    none), what Stats reports until the next snapshot or restore; ``data_port``: the port of
+    the shard's data plane (``ams.dataplane``), which Stats tells clients."""
 
     def __init__(self, store: ShardStore, data_dir: Path | None = None,
-                 keep_snapshots: int = 0, restored_step: int = -1) -> None:
+                 keep_snapshots: int = 0, restored_step: int = -1, data_port: int = 0) -> None:
         self.store = store
+        self.data_port = data_port
         self.data_dir = data_dir
         self.keep_snapshots = keep_snapshots
         self.last_snapshot_step = restored_step
@@ -49,22 +53,6 @@ class ShardServicer(pb_grpc.ShardServicer):
                     ) -> pb.CreateTableReply:
         spec = codec.spec_from_wire(request.spec)
         return pb.CreateTableReply(created=self.store.create_table(spec))
-
-    @rpc_method
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
-        ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
-        reply = pb.PullReply()
-        codec.encode(self.store.pull(request.table, ids), reply.rows)
-        return reply
-
-    @rpc_method
-    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
-        ids = codec.decode(request.ids, "ids", dtype=torch.int64, ndim=1)
-        grads = codec.decode(request.grads, "grads", ndim=2)
-        clock = request.decay_clock if request.HasField("decay_clock") else None
-        applied = self.store.push(request.table, ids, grads, request.lr,
-                                  request.client_id, request.sequence, clock)
-        return pb.PushReply(applied=applied)
 
     def Scan(self, request: pb.ScanRequest, context: grpc.ServicerContext
              ) -> Iterator[pb.ScanBlock]:
@@ -100,7 +88,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         stats = self.store.stats()
         reply = pb.StatsReply(shard_id=stats["shard_id"], num_shards=stats["num_shards"],
                               last_snapshot_step=self.last_snapshot_step,
-                              storage=stats["storage"])
+                              storage=stats["storage"], data_port=self.data_port)
         for name, t in stats["tables"].items():
             reply.tables.add(
                 spec=codec.spec_to_wire(self.store.table(name).spec), owned_rows=t["owned_rows"],
@@ -253,6 +241,7 @@ class RunningServer:
     incarnation: str
     """This start of the shard (uuid4 hex); see ``IncarnationInterceptor``."""
     gate: ReadinessGate
+    data_plane: DataPlaneServer
 
     def mark_ready(self, restored_step: int = -1) -> None:
         """Serve: the store is complete (restored from ``restored_step``, -1: none); health
@@ -263,6 +252,7 @@ class RunningServer:
 
     def stop(self, grace: float = 30.0) -> None:
         self.health.enter_graceful_shutdown()
+        self.data_plane.close()
         self.server.stop(grace).wait()
 
 
@@ -270,8 +260,11 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                   data_dir: Path | None = None, token: str | None = None,
                   tls_cert: bytes | None = None, tls_key: bytes | None = None,
                   max_workers: int = 16, keep_snapshots: int = 0,
-                  restored_step: int = -1, ready: bool = True) -> RunningServer:
+                  restored_step: int = -1, ready: bool = True, data_port: int = 0
+                  ) -> RunningServer:
     """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``).
+    Pulls and pushes are served on ``data_port`` (0: a free one; ``ams.dataplane``), with the
+    same token and TLS.
     ``keep_snapshots``, ``restored_step``: see ``ShardServicer``. ``ready=False``: bound and
     answering health checks (NOT_SERVING), the shard's calls refused with UNAVAILABLE, until
     ``RunningServer.mark_ready`` (after a restore).
@@ -286,11 +279,20 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     interceptors.insert(0, instrument_store(store))  # first: it sees every refusal
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=GRPC_OPTIONS)
-    servicer = ShardServicer(store, data_dir, keep_snapshots, restored_step)
+    data_plane = DataPlaneServer(store, host=host, port=data_port, token=token,
+                                 tls_cert=tls_cert, tls_key=tls_key, incarnation=incarnation,
+                                 ready=gate.ready)
+    servicer = ShardServicer(store, data_dir, keep_snapshots, restored_step, data_plane.port)
     pb_grpc.add_ShardServicer_to_server(servicer, server)
     credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)]) \
         if tls_cert is not None else None
-    bound, health_servicer = start_serving(server, SHARD_SERVICE_NAME, host, port, credentials,
-                                           serving=ready)
-    log.info("incarnation shard=%d incarnation=%s", store.shard_id, incarnation)
-    return RunningServer(server, bound, servicer, health_servicer, incarnation, gate)
+    try:
+        bound, health_servicer = start_serving(server, SHARD_SERVICE_NAME, host, port,
+                                               credentials, serving=ready)
+    except OSError:
+        data_plane.close()
+        raise
+    log.info("incarnation shard=%d incarnation=%s data_port=%d", store.shard_id, incarnation,
+             data_plane.port)
+    return RunningServer(server, bound, servicer, health_servicer, incarnation, gate,
+                         data_plane)

@@ -48,7 +48,7 @@ from typing import Protocol
 import torch
 
 from ams import sharding
-from ams.alloc import libc_function
+from ams.alloc import libc_function, zeros_on_huge_pages
 from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class MemoryStorage(Storage):
                 f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
                 f"shards, more than this machine's {physical} bytes of memory; {advice}")
         try:
-            tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in
+            tensors = [zeros_on_huge_pages(shape, dtype) for shape, dtype in
                        self.shapes(spec).values()]
         except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError when malloc fails
             raise RequestTooLarge(

@@ -33,7 +33,7 @@ from ams.errors import (
     shorten,
 )
 from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
-from ams.optim import RowUpdate, SparseMomentumSGD, catch_up_factors, step_decay
+from ams.optim import RowUpdate, SparseMomentumSGD, all_finite, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
 from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage, prefetch_rows
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
@@ -391,9 +391,6 @@ class ShardStore:
             raise InvalidArgument(
                 f"grads: shape {tuple(grads.shape)}, need ({n}, {dim}) for {n} ids "
                 f"of table {shorten(table.spec.name)}")
-        if n and not bool(torch.isfinite(grads).all()):
-            bad = int((~torch.isfinite(grads)).any(dim=1).nonzero()[0, 0])
-            raise InvalidArgument(f"grads: row {bad} has a non-finite value (nan or inf)")
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -445,9 +442,7 @@ class ShardStore:
         if positions.numel() == 0:
             return True
         prefetch_rows(table.tensors, positions)
-        unique, inverse = torch.unique(positions, return_inverse=True)
-        summed = torch.zeros((unique.numel(), table.spec.dim), dtype=torch.float32)
-        summed.index_add_(0, inverse, grads.to(torch.float32))
+        unique, summed = _summed_by_position(positions, grads)
         with table.lock:  # the dedupe check, the update and its record are one step
             if table.closed:  # its files already say which pushes they hold
                 raise FailedPrecondition(f"table {shorten(name)}: the store was closed")
@@ -457,7 +452,7 @@ class ShardStore:
             update = table.optimizer.compute(
                 table.rows, table.state, unique, summed, float(lr),
                 catch_up_factors(row_clock, decay_clock) if clocked else None)
-            self._refuse_non_finite(table, update, lr)
+            self._refuse_non_finite(table, update, lr, grads)
             table.optimizer.commit(table.rows, table.state, update)
             if clocked:
                 after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
@@ -489,11 +484,18 @@ class ShardStore:
             table.touched[positions] = False
         return positions * self.num_shards + self.shard_id
 
-    def _refuse_non_finite(self, table: ShardTable, update: RowUpdate, lr: float) -> None:
-        """``InvalidArgument`` naming the first row that ``update`` would make non-finite."""
+    def _refuse_non_finite(self, table: ShardTable, update: RowUpdate, lr: float,
+                           grads: torch.Tensor) -> None:
+        """``InvalidArgument`` naming the first non-finite gradient row of the push, or else
+        the first row that ``update`` would make non-finite. A non-finite gradient always
+        makes the update non-finite, so ``grads`` is looked at only then: one pass over the
+        pushed rows fewer in every push that is accepted."""
         found = update.first_non_finite()
         if found is None:
             return
+        if not all_finite(grads):
+            bad = int((~torch.isfinite(grads)).any(dim=1).nonzero()[0, 0])
+            raise InvalidArgument(f"grads: row {bad} has a non-finite value (nan or inf)")
         what, index = found
         class_id = int(update.positions[index]) * self.num_shards + self.shard_id
         kind = "row" if what == "rows" else "momentum"
@@ -694,7 +696,7 @@ def _fill_initial_rows(rows: torch.Tensor, spec: TableSpec, shard_id: int,
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _row_bytes(spec: TableSpec) -> int:
@@ -715,6 +717,20 @@ def _check_client(client_id: object, sequence: object) -> None:
 def _check_clock(clock: float) -> None:
     if not isinstance(clock, (int, float)) or not math.isfinite(clock) or clock < 0:
         raise InvalidArgument(f"decay_clock={shorten(clock)} must be a finite number >= 0")
+
+
+def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique positions int64 (m,) ascending, float32 (m, dim) gradients summed per position)
+    of a push's positions (n,) and grads (n, dim). Clients send each id once, in ascending
+    order (``ShardedClient.push``); such a push passes through without a sort or a copy."""
+    grads = grads.to(torch.float32)
+    if positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()):
+        return positions, grads
+    unique, inverse = torch.unique(positions, return_inverse=True)
+    summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=torch.float32)
+    summed.index_add_(0, inverse, grads)
+    return unique, summed
 
 
 def _with_decay_owed(table: ShardTable, rows: torch.Tensor, positions: torch.Tensor

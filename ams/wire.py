@@ -9,6 +9,10 @@ REQUEST_BYTES = 32 << 20
 # Tensor bytes one reply may carry; the rest of MAX_MESSAGE_BYTES is left to the framing
 # (field tags, shapes). A shard checks this before it builds a reply, not after.
 MAX_REPLY_PAYLOAD_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
+# The data plane (ams.dataplane) sends a pull or push in pieces of about this many bytes of rows,
+# PIPELINE_WINDOW of them on the wire at once: the shard applies one while the next arrives.
+PIECE_BYTES = 2 << 20
+PIPELINE_WINDOW = 2
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

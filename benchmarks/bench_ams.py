@@ -7,12 +7,19 @@ Backends, measured side by side (each repeat runs every backend once, in turn, o
 so drift on a shared machine hits them alike; the table shows medians over repeats):
 
 * in-proc: ``ams.connect(local_shards=S)``, the embedded store;
-* xcls-grpc: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1;
+* xcls: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1 (gRPC
+  control plane, rows as frames on each shard's data port);
 * redis: S ``redis-server`` processes (no persistence), one key per row holding the row's bytes,
   ids split by id % S, pipelined MGET / MSET, shards queried from parallel threads;
 * raw: S socket server processes that receive the ids' bytes (plus the gradients on push) and
   answer with n*d*itemsize bytes, read with recv_into a preallocated buffer: the ceiling for
-  any wire protocol in Python on this machine.
+  any wire protocol in Python on this machine;
+* bare gRPC: S grpcio servers doing the raw socket's job with no serializer at all (bytes in,
+  a ready bytes reply out): the ceiling of a data plane carried by gRPC, beside which xcls's
+  own frames on a TCP port were chosen (proto/ams/api/frames.md).
+
+A second table gives the latency of a 1-row pull, p50 and p99 over many calls, for each
+backend.
 
 Rows are random unique ids. MB/s counts the row payload (n * d * itemsize of the table dtype) in
 every column; a push moves what each backend must move to update the rows: xcls and raw send
@@ -35,16 +42,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
 import numpy as np
 import redis
 import torch
 
 import ams
 from ams import rowcopy, sharding
+from ams.alloc import keep_large_buffers
+from ams.wire import GRPC_OPTIONS
 from xcls.shards import shard_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +167,91 @@ def _split(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
     return [ids.index_select(0, pos) for pos in sharding.split_by_shard(ids, num_shards)]
 
 
+# ---- bare gRPC ceiling --------------------------------------------------------------------
+
+_GRPC_SERVICE = "bench.Bytes"
+
+
+def _bare_grpc_server(port_queue: mp.Queue) -> None:
+    """Answer Pull (8-byte reply size, then the ids) with that many ready bytes, and Push with
+    nothing: grpcio's own cost of moving the bytes, no (de)serializer."""
+    keep_large_buffers()
+    ready: dict[int, bytes] = {}  # one reply per size, built once: no per-call copy
+
+    def pull(request: bytes, context: object) -> bytes:
+        size = int.from_bytes(request[:8], "little")
+        if size not in ready:
+            ready[size] = bytes(size)
+        return ready[size]
+
+    handlers = {"Pull": grpc.unary_unary_rpc_method_handler(pull),
+                "Push": grpc.unary_unary_rpc_method_handler(lambda request, context: b"")}
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GRPC_SERVICE,
+                                                                          handlers),))
+    port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+class BareGrpcClient:
+    """One channel per shard; pull/push move the bytes xcls moves, with no serializer."""
+
+    def __init__(self, num_shards: int, dim: int, pool: ThreadPoolExecutor | None) -> None:
+        ctx = mp.get_context("spawn")
+        self.dim, self.pool, self.num_shards = dim, pool, num_shards
+        self.procs, self.channels, self.pulls, self.pushes = [], [], [], []
+        self._built: dict[tuple, tuple[torch.Tensor, list[bytes]]] = {}
+        for _ in range(num_shards):
+            q = ctx.Queue()
+            p = ctx.Process(target=_bare_grpc_server, args=(q,), daemon=True)
+            p.start()
+            channel = grpc.insecure_channel(f"127.0.0.1:{q.get(timeout=60)}",
+                                            options=GRPC_OPTIONS)
+            self.procs.append(p)
+            self.channels.append(channel)
+            self.pulls.append(channel.unary_unary(f"/{_GRPC_SERVICE}/Pull"))
+            self.pushes.append(channel.unary_unary(f"/{_GRPC_SERVICE}/Push"))
+
+    def _each(self, parts: list, work) -> None:
+        if self.pool is None:
+            work(0, parts[0])
+        else:
+            list(self.pool.map(work, range(self.num_shards), parts))
+
+    def _requests(self, op: str, ids: torch.Tensor, build) -> list[bytes]:
+        """Each shard's request bytes for this batch, built once (the batches repeat): the
+        column times grpcio moving bytes, not this client preparing them. The cache keeps the
+        ids alive, so their id() names them until ``forget``."""
+        key = (op, id(ids))
+        if key not in self._built:
+            parts = sharding.split_by_shard(ids, self.num_shards)
+            self._built[key] = (ids, [build(pos) for pos in parts])
+        return self._built[key][1]
+
+    def forget(self) -> None:
+        self._built.clear()
+
+    def pull(self, ids: torch.Tensor, row_bytes: int) -> None:
+        requests = self._requests("pull", ids, lambda pos: (
+            (pos.numel() * row_bytes).to_bytes(8, "little")
+            + ids.index_select(0, pos).numpy().tobytes()))
+        self._each(requests, lambda s, request: self.pulls[s](request, timeout=60))
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        requests = self._requests("push", ids, lambda pos: (
+            ids.index_select(0, pos).numpy().tobytes()
+            + grads.index_select(0, pos).numpy().tobytes()))
+        self._each(requests, lambda s, request: self.pushes[s](request, timeout=60))
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        for p in self.procs:
+            p.kill()
+            p.join(10)
+
+
 # ---- Redis -------------------------------------------------------------------------------
 
 
@@ -262,15 +358,15 @@ def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: in
                 fn(batches[(r * calls + c) % len(batches)])
             rates[name].append(calls * n / (time.perf_counter() - t0))
     out = {name: statistics.median(v) for name, v in rates.items()}
-    for other in ("raw", "redis"):
-        if "xcls-grpc" in rates and other in rates:
-            out[f"grpc/{other}"] = statistics.median(
-                a / b for a, b in zip(rates["xcls-grpc"], rates[other], strict=True))
+    for other in ("raw", "redis", "grpc"):
+        out[f"xcls/{other}"] = statistics.median(
+            a / b for a, b in zip(rates["xcls"], rates[other], strict=True))
     return out
 
 
-def throughput(args: argparse.Namespace, workdir: Path) -> list[tuple]:
-    dim, results = args.dim, []
+def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], list[dict]]:
+    """The throughput table's rows (printed as they come), and the 1-row pull latencies."""
+    dim, results, latencies = args.dim, [], []
     gen = torch.Generator().manual_seed(0)
     for num_shards in args.shards:
         pool = ThreadPoolExecutor(num_shards) if num_shards > 1 else None
@@ -283,6 +379,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[tuple]:
             stack.callback(red.close)
             raw = RawClient(num_shards, dim, pool)
             stack.callback(raw.close)
+            bare = BareGrpcClient(num_shards, dim, pool)
+            stack.callback(bare.close)
             if pool is not None:
                 stack.callback(pool.shutdown)
             for dtype_name in args.dtypes:
@@ -295,34 +393,60 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[tuple]:
                                for _ in range(4)]
                     grads = torch.randn(n, dim, generator=gen) * 1e-3
                     calls = max(1, args.rows_per_repeat // n)
-                    pulls, pushes = _backends(local, remote, red, raw, table, grads)
+                    pulls, pushes = _backends(local, remote, red, raw, bare, table, grads)
                     pull = measure(pulls, batches, args.repeats, calls)
                     push = measure(pushes, batches, args.repeats, calls)
+                    bare.forget()
                     for op, res in (("pull", pull), ("push", push)):
                         results.append((op, dtype_name, n, num_shards, res))
                         print(_row(op, dtype_name, n, num_shards, res, dim), flush=True)
-    return results
+                if num_shards == 1 and dtype_name == args.dtypes[0]:
+                    latencies.append(one_row_latency(
+                        *_backends(local, remote, red, raw, bare, table,
+                                   torch.randn(1, dim) * 1e-3)[:1], args.latency_calls))
+    return results, latencies
 
 
 def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, red: RedisShards,
-              raw: RawClient, table: str, grads: torch.Tensor) -> tuple[dict, dict]:
+              raw: RawClient, bare: BareGrpcClient, table: str, grads: torch.Tensor
+              ) -> tuple[dict, dict]:
     """Pull and push callables (ids -> None) of every backend for one table and batch size."""
     spec = local.spec(table)
     rows = grads.to(spec.dtype)
     out = torch.empty_like(rows)
+    row_bytes = spec.dim * spec.dtype.itemsize
     pulls = {
         "in-proc": lambda ids: local.pull(table, ids),
-        "xcls-grpc": lambda ids: remote.pull(table, ids),
+        "xcls": lambda ids: remote.pull(table, ids),
         "redis": lambda ids: red.pull(ids, spec.dtype, spec.dim),
         "raw": lambda ids: raw.pull(ids, out),
+        "grpc": lambda ids: bare.pull(ids, row_bytes),
     }
     pushes = {
         "in-proc": lambda ids: local.push(table, ids, grads, 1e-3),
-        "xcls-grpc": lambda ids: remote.push(table, ids, grads, 1e-3),
+        "xcls": lambda ids: remote.push(table, ids, grads, 1e-3),
         "redis": lambda ids: red.push(ids, rows),
         "raw": lambda ids: raw.push(ids, grads),
+        "grpc": lambda ids: bare.push(ids, grads),
     }
     return pulls, pushes
+
+
+def one_row_latency(pulls: dict, calls: int) -> dict[str, tuple[float, float]]:
+    """(p50, p99) seconds of a 1-row pull of each backend, over ``calls`` calls each, the
+    backends taking turns call by call (so drift hits them alike)."""
+    ids = [torch.tensor([i]) for i in range(64)]
+    times: dict[str, list[float]] = {name: [] for name in pulls}
+    for fn in pulls.values():
+        for i in range(20):  # warm-up
+            fn(ids[i])
+    for c in range(calls):
+        for name, fn in pulls.items():
+            t0 = time.perf_counter()
+            fn(ids[c % len(ids)])
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), statistics.quantiles(t, n=100)[98])
+            for name, t in times.items()}
 
 
 def _row(op: str, dtype_name: str, n: int, num_shards: int, res: dict, dim: int) -> str:
@@ -332,12 +456,13 @@ def _row(op: str, dtype_name: str, n: int, num_shards: int, res: dict, dim: int)
         return f"{res[name] / 1e6:.2f} ({res[name] * mb:,.0f})"
 
     return (f"| {op} | {dtype_name} | {n:,} | {num_shards} | {cell('in-proc')} | "
-            f"{cell('xcls-grpc')} | {cell('redis')} | {cell('raw')} | "
-            f"{res['grpc/raw']:.2f} | {res['grpc/redis']:.1f}x |")
+            f"{cell('xcls')} | {cell('redis')} | {cell('raw')} | {cell('grpc')} | "
+            f"{res['xcls/raw']:.2f} | {res['xcls/redis']:.1f}x | {res['xcls/grpc']:.1f}x |")
 
 
-TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls-grpc | redis | raw socket | "
-              "grpc/raw | grpc/redis |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | redis | raw socket | bare grpc | "
+              "xcls/raw | xcls/redis | xcls/grpc |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 # ---- resident memory ---------------------------------------------------------------------
 
@@ -389,12 +514,15 @@ def main() -> int:
                         help="rows moved per backend per repeat (calls = this // batch, >= 1)")
     parser.add_argument("--memory-rows", type=int, default=10_000_000,
                         help="classes in the resident-memory probe (0: skip it)")
+    parser.add_argument("--latency-calls", type=int, default=2000,
+                        help="1-row pulls per backend for the latency table")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1k/10k batches, 2 repeats, small tables")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.repeats = [1_000, 10_000], 2
         args.table_rows, args.rows_per_repeat, args.memory_rows = 50_000, 20_000, 1_000_000
+        args.latency_calls = 200
     if max(args.batches) > args.table_rows:
         parser.error("--table-rows must be >= the largest batch (ids are unique)")
     if shutil.which("redis-server") is None:
@@ -410,7 +538,12 @@ def main() -> int:
           f"~{args.rows_per_repeat:,} rows per backend per repeat; cells: M rows/s (MB/s)")
     print(TABLE_HEAD, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_ams_") as tmp:
-        throughput(args, Path(tmp))
+        _, latencies = throughput(args, Path(tmp))
+    for latency in latencies:
+        print(f"\n1-row pull, {args.dtypes[0]}, 1 shard, {args.latency_calls:,} calls each: "
+              "ms\n\n| backend | p50 | p99 |\n|---|---:|---:|")
+        for name, (p50, p99) in latency.items():
+            print(f"| {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} |")
     if args.memory_rows:
         created, touched, payload = memory(args.memory_rows, args.dim)
         print(f"\nresident memory, {args.memory_rows:,} classes, fp16 rows + fp16 momentum, "

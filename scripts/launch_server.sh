@@ -16,6 +16,8 @@ Runs in the foreground; SIGTERM (or Ctrl-C) stops it cleanly: in-flight pushes f
                           xcls serve scheduler --num-shards NUM_SHARDS --host 0.0.0.0 \
                               --port 7000 --auth-token-file TOKEN_FILE
   --advertise HOST        the name the scheduler hands to workers (default: this host's name)
+  --data-port PORT        the port pulls and pushes travel on (default: a free one, which
+                          clients learn from the shard); open both it and PORT in a firewall
   --metrics-port PORT     serve Prometheus /metrics on PORT, every interface
   --dry-run               print the command instead of running it
   -h, --help              this help
@@ -30,7 +32,7 @@ EOF
 }
 
 dry_run=0
-scheduler="" advertise="" metrics_port=""
+scheduler="" advertise="" metrics_port="" data_port=""
 args=()
 need_value() {
     if (($2 < 2)); then
@@ -45,6 +47,7 @@ while (($#)); do
         --scheduler) need_value "$1" $#; scheduler=$2; shift 2 ;;
         --advertise) need_value "$1" $#; advertise=$2; shift 2 ;;
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
+        --data-port) need_value "$1" $#; data_port=$2; shift 2 ;;
         -*) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) args+=("$1"); shift ;;
     esac
@@ -56,7 +59,7 @@ if ((${#args[@]} != 5)); then
 fi
 shard_id=${args[0]} num_shards=${args[1]} port=${args[2]} data_dir=${args[3]} token=${args[4]}
 for pair in "SHARD_ID:$shard_id" "NUM_SHARDS:$num_shards" "PORT:$port" \
-        ${metrics_port:+"--metrics-port:$metrics_port"}; do
+        ${metrics_port:+"--metrics-port:$metrics_port"} ${data_port:+"--data-port:$data_port"}; do
     if ! [[ ${pair#*:} =~ ^[0-9]+$ ]]; then
         echo "error: ${pair%%:*} must be a number, got '${pair#*:}'" >&2
         exit 2
@@ -81,6 +84,9 @@ cmd=("${PYTHON:-python3}" -m xcls serve shard --shard-id "$shard_id" --num-shard
      --auth-token-file "$token")
 if [[ -n $scheduler ]]; then
     cmd+=(--scheduler "$scheduler" --advertise "${advertise:-$(hostname)}")
+fi
+if [[ -n $data_port ]]; then
+    cmd+=(--data-port "$data_port")
 fi
 if [[ -n $metrics_port ]]; then
     cmd+=(--metrics-port "$metrics_port" --metrics-host 0.0.0.0)

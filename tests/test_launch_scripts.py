@@ -66,10 +66,12 @@ def test_server_dry_run_is_a_valid_shard_command():
 
 def test_server_with_a_scheduler_and_metrics():
     argv = dry_run(SERVER, "--scheduler", "sched:7000", "--advertise", "shardhost",
-                   "--metrics-port", "9100", "1", "4", "7002", "/data/ams", "/etc/xcls/token")
+                   "--metrics-port", "9100", "--data-port", "7102", "1", "4", "7002",
+                   "/data/ams", "/etc/xcls/token")
     args = xcls_args(argv[3:])
     assert (args.scheduler, args.advertise) == ("sched:7000", "shardhost")
     assert (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
+    assert (args.port, args.data_port) == (7002, 7102)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -77,6 +79,7 @@ def test_server_with_a_scheduler_and_metrics():
     (["--scheduler", "sched", "0", "2", "7001", "/d", "/t"], "must be HOST:PORT"),
     (["--advertise", "h", "0", "2", "7001", "/d", "/t"], "--advertise needs --scheduler"),
     (["--metrics-port", "x", "0", "2", "7001", "/d", "/t"], "--metrics-port must be a number"),
+    (["--data-port", "7x", "0", "2", "7001", "/d", "/t"], "--data-port must be a number"),
     (["0", "2", "70x1", "/d", "/t"], "PORT must be a number"),
     (["--bogus", "0", "2", "7001", "/d", "/t"], "unknown option"),
     (["0", "2", "7001", "/d", "/nonexistent/token"], "missing or empty"),

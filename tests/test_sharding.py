@@ -49,10 +49,10 @@ def test_client_pull_push_equal_one_store(ids, num_shards):
     assert torch.equal(sharded.pull("fc", t), ref.pull("fc", everything)[t])
 
 
-def test_client_splits_requests_above_the_message_limit(monkeypatch):
-    import ams.client
+def test_client_splits_requests_into_the_backends_pieces(monkeypatch):
+    from ams.local import LocalShard
 
-    monkeypatch.setattr(ams.client, "REQUEST_BYTES", 3 * D * 4)  # 3 rows per call
+    monkeypatch.setattr(LocalShard, "piece_bytes", 3 * D * 4)  # 3 rows per call
     client = ams.connect(local_shards=2)
     client.create_table("fc", num_rows=N, dim=D)
     ids = torch.tensor([5, 1, 2, 8, 9, 11, 40, 5, 60])
@@ -62,3 +62,10 @@ def test_client_splits_requests_above_the_message_limit(monkeypatch):
     whole = ams.connect(local_shards=1)
     whole.create_table("fc", num_rows=N, dim=D)
     assert torch.equal(rows, whole.pull("fc", ids))
+    grads = torch.randn(ids.numel(), D, generator=torch.Generator().manual_seed(1))
+    for c in (client, whole):
+        c.push("fc", ids, grads, lr=0.1)
+    assert sum(s["tables"]["fc"]["pushes"] for s in client.stats()) >= 3  # 8 ids, 3 per piece
+    everything = torch.arange(N)
+    torch.testing.assert_close(client.pull("fc", everything), whole.pull("fc", everything),
+                               rtol=0, atol=1e-7)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ams import snapshot
+from ams.client import PushPiece
 from ams.errors import SnapshotError
 from tests.conftest import Storages
 
@@ -307,31 +308,37 @@ def plain_sgd_client(data_dir, num_shards):
     return client
 
 
+
+def push_once(shard, ids, grads, lr, sequence):
+    """Whether ``shard`` applied this push of client "worker-a" now (False: before)."""
+    (applied,) = shard.push("fc", [PushPiece(ids, grads, sequence)], lr, "worker-a", None)
+    return applied
+
 def test_dedupe_state_survives_snapshot_and_restore(tmp_path):
     client = plain_sgd_client(tmp_path, 2)
     ids, grads = torch.tensor([1, 3]), torch.full((2, D), 0.5)
     start = client.pull("fc", ids).double()
-    assert client.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    assert push_once(client.shards[1], ids, grads, 0.1, 41)
     client.snapshot(step=1)
     once = start - 0.1 * 0.5  # float64 reference of the push applied once
     fresh = plain_sgd_client(tmp_path, 2)
     assert fresh.restore() == 1
-    assert not fresh.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    assert not push_once(fresh.shards[1], ids, grads, 0.1, 41)
     torch.testing.assert_close(fresh.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
-    assert fresh.shards[1].push("fc", ids, grads, 0.1, "worker-a", 42, None)  # a new one applies
+    assert push_once(fresh.shards[1], ids, grads, 0.1, 42)  # a new one applies
 
 
 def test_dedupe_state_follows_rows_into_another_shard_count(tmp_path):
     client = plain_sgd_client(tmp_path, 2)
     ids, grads = torch.tensor([1, 3]), torch.full((2, D), 0.5)
     once = client.pull("fc", ids).double() - 0.1 * 0.5
-    assert client.shards[1].push("fc", ids, grads, 0.1, "worker-a", 41, None)
+    assert push_once(client.shards[1], ids, grads, 0.1, 41)
     client.snapshot(step=1)
     three = plain_sgd_client(tmp_path, 3)
     assert three.restore() == 1
     # id 3 now lives on shard 0 of 3, id 1 on shard 1: both remember the push
-    assert not three.shards[0].push("fc", ids[1:], grads[1:], 0.1, "worker-a", 41, None)
-    assert not three.shards[1].push("fc", ids[:1], grads[:1], 0.1, "worker-a", 41, None)
+    assert not push_once(three.shards[0], ids[1:], grads[1:], 0.1, 41)
+    assert not push_once(three.shards[1], ids[:1], grads[:1], 0.1, 41)
     torch.testing.assert_close(three.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
 
 
@@ -340,11 +347,11 @@ def test_live_restore_replaces_the_dedupe_state(tmp_path):
     ids, grads = torch.tensor([4]), torch.full((1, D), 0.25)
     once = client.pull("fc", ids).double() - 0.2 * 0.25
     client.snapshot(step=1)
-    assert client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)
+    assert push_once(client.shards[0], ids, grads, 0.2, 9)
     assert client.restore() == 1  # the restored rows lack push 9 ...
-    assert client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)  # ... so it applies
+    assert push_once(client.shards[0], ids, grads, 0.2, 9)  # ... so it applies
     torch.testing.assert_close(client.pull("fc", ids).double(), once, rtol=0, atol=1e-7)
-    assert not client.shards[0].push("fc", ids, grads, 0.2, "worker-a", 9, None)
+    assert not push_once(client.shards[0], ids, grads, 0.2, 9)
 
 
 def test_snapshot_writes_outside_the_table_lock(tmp_path, monkeypatch):

@@ -38,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-id", type=int, required=True, help="this shard's index I, 0-based")
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S in all")
     _add_listen_args(p, "anything but loopback needs --auth-token-file or TLS")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the data plane, where pulls and pushes travel as binary "
+                        "frames beside the gRPC port (proto/ams/api/frames.md); 0 picks a free "
+                        "one, which clients learn from the shard. Fix it where a firewall or "
+                        "a published container port must name it")
     p.add_argument("--data-dir", type=Path,
                    help="snapshot directory, shared by all shards of the cluster")
     p.add_argument("--storage", default="memory", metavar="memory|mmap",
@@ -229,8 +234,12 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
                          f"{args.num_shards})")
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"error: --port {args.port} must be in 0..65535")
+    for flag, port in (("--port", args.port), ("--data-port", args.data_port)):
+        if not 0 <= port <= 65535:
+            raise SystemExit(f"error: {flag} {port} must be in 0..65535")
+    if args.data_port and args.data_port == args.port:
+        raise SystemExit(f"error: --data-port {args.data_port} is --port too; give each its "
+                         "own")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("error: --tls-cert and --tls-key go together")
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
@@ -334,12 +343,13 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
             store, host=args.host, port=args.port, data_dir=args.data_dir, token=token,
             tls_cert=read_secret(args.tls_cert, "--tls-cert") if tls else None,
             tls_key=read_secret(args.tls_key, "--tls-key") if tls else None,
-            max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots, ready=False)
+            max_workers=args.rpc_threads, keep_snapshots=args.keep_snapshots, ready=False,
+            data_port=args.data_port)
     except OSError as e:
         raise SystemExit(f"error: {e}") from None
     _write_port_file(args.port_file, running.port)
-    log.info("listening shard=%d/%d host=%s port=%d tls=%s auth=%s", args.shard_id,
-             args.num_shards, args.host, running.port, tls, bool(token))
+    log.info("listening shard=%d/%d host=%s port=%d data_port=%d tls=%s auth=%s", args.shard_id,
+             args.num_shards, args.host, running.port, running.data_plane.port, tls, bool(token))
     try:
         restored = _restore_at_start(args, store)
     except BaseException:

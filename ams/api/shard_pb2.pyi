@@ -66,44 +66,6 @@ class CreateTableReply(_message.Message):
     created: bool
     def __init__(self, created: _Optional[bool] = ...) -> None: ...
 
-class PullRequest(_message.Message):
-    __slots__ = ("table", "ids")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    ids: Tensor
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
-
-class PullReply(_message.Message):
-    __slots__ = ("rows",)
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    rows: Tensor
-    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
-
-class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "lr", "client_id", "sequence", "decay_clock")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    GRADS_FIELD_NUMBER: _ClassVar[int]
-    LR_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    DECAY_CLOCK_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    ids: Tensor
-    grads: Tensor
-    lr: float
-    client_id: str
-    sequence: int
-    decay_clock: float
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., lr: _Optional[float] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., decay_clock: _Optional[float] = ...) -> None: ...
-
-class PushReply(_message.Message):
-    __slots__ = ("applied",)
-    APPLIED_FIELD_NUMBER: _ClassVar[int]
-    applied: bool
-    def __init__(self, applied: _Optional[bool] = ...) -> None: ...
-
 class ScanRequest(_message.Message):
     __slots__ = ("table", "block_rows")
     TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -181,20 +143,22 @@ class TableStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., owned_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., graph_version: _Optional[int] = ..., graph_step: _Optional[int] = ..., graph_k: _Optional[int] = ..., graph_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation", "storage")
+    __slots__ = ("shard_id", "num_shards", "tables", "last_snapshot_step", "incarnation", "storage", "data_port")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAST_SNAPSHOT_STEP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     last_snapshot_step: int
     incarnation: str
     storage: str
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ..., incarnation: _Optional[str] = ..., storage: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., last_snapshot_step: _Optional[int] = ..., incarnation: _Optional[str] = ..., storage: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class NeighborsRequest(_message.Message):
     __slots__ = ("table", "ids")

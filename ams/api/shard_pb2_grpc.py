@@ -39,16 +39,6 @@ class ShardStub:
                 request_serializer=ams_dot_api_dot_shard__pb2.CreateTableRequest.SerializeToString,
                 response_deserializer=ams_dot_api_dot_shard__pb2.CreateTableReply.FromString,
                 _registered_method=True)
-        self.Pull = channel.unary_unary(
-                '/xcls.ams.Shard/Pull',
-                request_serializer=ams_dot_api_dot_shard__pb2.PullRequest.SerializeToString,
-                response_deserializer=ams_dot_api_dot_shard__pb2.PullReply.FromString,
-                _registered_method=True)
-        self.Push = channel.unary_unary(
-                '/xcls.ams.Shard/Push',
-                request_serializer=ams_dot_api_dot_shard__pb2.PushRequest.SerializeToString,
-                response_deserializer=ams_dot_api_dot_shard__pb2.PushReply.FromString,
-                _registered_method=True)
         self.Scan = channel.unary_stream(
                 '/xcls.ams.Shard/Scan',
                 request_serializer=ams_dot_api_dot_shard__pb2.ScanRequest.SerializeToString,
@@ -90,18 +80,6 @@ class ShardServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTable(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Pull(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Push(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,16 +134,6 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.CreateTable,
                     request_deserializer=ams_dot_api_dot_shard__pb2.CreateTableRequest.FromString,
                     response_serializer=ams_dot_api_dot_shard__pb2.CreateTableReply.SerializeToString,
-            ),
-            'Pull': grpc.unary_unary_rpc_method_handler(
-                    servicer.Pull,
-                    request_deserializer=ams_dot_api_dot_shard__pb2.PullRequest.FromString,
-                    response_serializer=ams_dot_api_dot_shard__pb2.PullReply.SerializeToString,
-            ),
-            'Push': grpc.unary_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=ams_dot_api_dot_shard__pb2.PushRequest.FromString,
-                    response_serializer=ams_dot_api_dot_shard__pb2.PushReply.SerializeToString,
             ),
             'Scan': grpc.unary_stream_rpc_method_handler(
                     servicer.Scan,
@@ -230,60 +198,6 @@ class Shard:
             '/xcls.ams.Shard/CreateTable',
             ams_dot_api_dot_shard__pb2.CreateTableRequest.SerializeToString,
             ams_dot_api_dot_shard__pb2.CreateTableReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Pull(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xcls.ams.Shard/Pull',
-            ams_dot_api_dot_shard__pb2.PullRequest.SerializeToString,
-            ams_dot_api_dot_shard__pb2.PullReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Push(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xcls.ams.Shard/Push',
-            ams_dot_api_dot_shard__pb2.PushRequest.SerializeToString,
-            ams_dot_api_dot_shard__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -95,36 +95,7 @@ def _ids(values, dtype=torch.int64):
     return codec.encode(torch.tensor(values, dtype=dtype))
 
 
-def _grads(n, dim=D, value=0.1):
-    return codec.encode(torch.full((n, dim), value))
-
-
 BAD_REQUESTS = [
-    ("Pull", pb.PullRequest(table="nope", ids=_ids([0])), grpc.StatusCode.NOT_FOUND, "nope"),
-    ("Pull", pb.PullRequest(table="fc", ids=_ids([N])), grpc.StatusCode.OUT_OF_RANGE, str(N)),
-    ("Pull", pb.PullRequest(table="fc", ids=_ids([-2])), grpc.StatusCode.OUT_OF_RANGE, "-2"),
-    ("Pull", pb.PullRequest(table="fc", ids=_ids([1])), grpc.StatusCode.OUT_OF_RANGE,
-     "belongs to shard 1"),
-    ("Pull", pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[3], data=b"\0" * 20)),
-     grpc.StatusCode.INVALID_ARGUMENT, "ids"),
-    ("Pull", pb.PullRequest(table="fc", ids=codec.encode(torch.zeros(2))),
-     grpc.StatusCode.INVALID_ARGUMENT, "int64"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0, 2]), grads=_grads(2, D + 1), lr=0.1),
-     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1, value=float("nan")),
-                            lr=0.1), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=float("inf")),
-     grpc.StatusCode.INVALID_ARGUMENT, "lr"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
-                            decay_clock=float("nan")), grpc.StatusCode.INVALID_ARGUMENT,
-     "decay_clock"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
-                            decay_clock=-3.0), grpc.StatusCode.INVALID_ARGUMENT, "decay_clock"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0, 4]), grads=_grads(1), lr=0.1),
-     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=pb.Tensor(
-        dtype=pb.FLOAT32, shape=[1, D], data=b"\0" * 3), lr=0.1),
-     grpc.StatusCode.INVALID_ARGUMENT, "grads"),
     ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="t", num_rows=0, dim=4,
                                                             dtype=pb.FLOAT32)),
      grpc.StatusCode.INVALID_ARGUMENT, "num_rows"),
@@ -139,22 +110,20 @@ BAD_REQUESTS = [
      grpc.StatusCode.OUT_OF_RANGE, str(N + 2)),
     ("Neighbors", pb.NeighborsRequest(table="zz", ids=_ids([0])),
      grpc.StatusCode.NOT_FOUND, "zz"),
-    # finite gradients whose update overflows float32 (momentum 0.9 table)
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1, value=3e38), lr=10.0),
-     grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([2, 2]), grads=_grads(2, value=3e38), lr=1.0),
-     grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
     ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="huge", num_rows=2**61, dim=4,
                                                             dtype=pb.FLOAT32)),
      grpc.StatusCode.RESOURCE_EXHAUSTED, "huge"),
-    ("Pull", pb.PullRequest(table="x" * 1_000_000, ids=_ids([0])), grpc.StatusCode.NOT_FOUND,
-     "(1000002 chars)"),
-    ("Pull", pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[1] * 100_000,
-                                                      data=bytes(8))),
+    # hostile tensors: the control plane still decodes ids (rows travel as frames)
+    ("Neighbors", pb.NeighborsRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[3],
+                                                                data=b"\0" * 20)),
+     grpc.StatusCode.INVALID_ARGUMENT, "ids"),
+    ("Neighbors", pb.NeighborsRequest(table="fc", ids=codec.encode(torch.zeros(2))),
+     grpc.StatusCode.INVALID_ARGUMENT, "int64"),
+    ("Neighbors", pb.NeighborsRequest(table="x" * 1_000_000, ids=_ids([0])),
+     grpc.StatusCode.NOT_FOUND, "(1000002 chars)"),
+    ("Neighbors", pb.NeighborsRequest(table="fc", ids=pb.Tensor(
+        dtype=pb.INT64, shape=[1] * 100_000, data=bytes(8))),
      grpc.StatusCode.INVALID_ARGUMENT, "(300000 chars)"),
-    ("Push", pb.PushRequest(table="fc", ids=_ids([0]), grads=_grads(1), lr=0.1,
-                            client_id="c" * 129, sequence=1),
-     grpc.StatusCode.INVALID_ARGUMENT, "client_id"),
 ]
 
 
@@ -183,56 +152,13 @@ def test_client_raises_typed_errors(raw_stub):
         client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
 
 
-def test_retried_push_is_applied_once(raw_stub):
-    stub, client = raw_stub
-    client.create_table("retry", num_rows=N, dim=D, seed=4)
-    before = client.pull("retry", torch.tensor([0, 2]))
-    req = pb.PushRequest(table="retry", ids=_ids([0, 2]), grads=_grads(2), lr=0.5,
-                         client_id="worker-7", sequence=41)
-    assert stub.Push(req, timeout=10).applied
-    assert not stub.Push(req, timeout=10).applied
-    once = ams.connect(local_shards=1)
-    once.create_table("fc", num_rows=N, dim=D, seed=4)
-    once.push("fc", torch.tensor([0, 2]), torch.full((2, D), 0.1), lr=0.5)
-    after = client.pull("retry", torch.tensor([0, 2]))
-    assert not torch.equal(after, before)
-    assert torch.equal(after, once.pull("fc", torch.tensor([0, 2])))
-
-
-def test_refused_non_finite_push_is_not_remembered(raw_stub):
-    stub, client = raw_stub
-    client.create_table("overflow", num_rows=N, dim=D, seed=4, momentum=0.0,
-                        weight_decay=0.0)
-    start = client.pull("overflow", torch.tensor([4])).double()
-    request = pb.PushRequest(table="overflow", ids=_ids([4]), grads=_grads(1, value=3e38),
-                             lr=10.0, client_id="worker-9", sequence=5)
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Push(request, timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert torch.equal(client.pull("overflow", torch.tensor([4])).double(), start)
-    request.grads.CopyFrom(_grads(1, value=0.5))  # the corrected retry, same sequence
-    assert stub.Push(request, timeout=10).applied
-    torch.testing.assert_close(client.pull("overflow", torch.tensor([4])).double(),
-                               start - 10.0 * 0.5, rtol=0, atol=1e-6)
-
-
-def test_pull_reply_over_message_limit_is_refused_before_it_is_built(raw_stub):
-    stub, client = raw_stub
-    client.create_table("wide", num_rows=10, dim=512, momentum=0.0)
-    ids = torch.zeros(300_000, dtype=torch.int64)  # 300k x 512 x 4 bytes: 614 MB of rows
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Pull(pb.PullRequest(table="wide", ids=codec.encode(ids)), timeout=60)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "split the request" in info.value.details()
-    assert stub.Stats(pb.StatsRequest(), timeout=10).num_shards == 2  # still serving
-
-
 def test_oversized_message_is_resource_exhausted(raw_stub):
     stub, _ = raw_stub
     n = (300 << 20) // 8
-    req = pb.PullRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[n], data=bytes(n * 8)))
+    req = pb.NeighborsRequest(table="fc", ids=pb.Tensor(dtype=pb.INT64, shape=[n],
+                                                        data=bytes(n * 8)))
     with pytest.raises(grpc.RpcError) as info:
-        stub.Pull(req, timeout=60)
+        stub.Neighbors(req, timeout=60)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -304,6 +230,9 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
     (["--shard-id", "2", "--num-shards", "2"], "--shard-id 2"),
     (["--shard-id", "0", "--num-shards", "1", "--host", "0.0.0.0"], "refusing to serve"),
     (["--shard-id", "0", "--num-shards", "1", "--port", "70000"], "--port"),
+    (["--shard-id", "0", "--num-shards", "1", "--data-port", "-1"], "--data-port -1"),
+    (["--shard-id", "0", "--num-shards", "1", "--port", "7001", "--data-port", "7001"],
+     "give each its own"),
     (["--shard-id", "0", "--num-shards", "1", "--restore", "latest"], "--data-dir"),
     (["--shard-id", "0", "--num-shards", "1", "--auth-token-file", "/nonexistent/t"],
      "cannot read"),
@@ -327,8 +256,13 @@ def test_cli_port_in_use_is_one_line(tmp_path):
         out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
                               "--num-shards", "1", "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"error: cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"error: cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
+        data = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
+                               "--num-shards", "1", "--data-port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert data.returncode == 2 and "Traceback" not in data.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port} for the data plane" in data.stderr
 
 
 def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_path):

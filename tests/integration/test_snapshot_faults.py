@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import pytest
 import torch
 
 import ams
-from ams import codec, errors
-from ams.api import shard_pb2 as pb
-from ams.api import shard_pb2_grpc as pb_grpc
+from ams import errors
+from ams.client import PushPiece, RemoteShard
 from ams.snapshot import list_steps, piece_name, step_dir
 
 N, D = 400, 8
@@ -113,14 +111,17 @@ def test_damaged_manifest_start_up_falls_back_without_traceback(shard_cluster, d
 
 
 def push_request(sequence, value=0.5):
-    return pb.PushRequest(table="fc", ids=codec.encode(torch.tensor([3, 8])),
-                          grads=codec.encode(torch.full((2, D), value)), lr=0.1,
-                          client_id="worker-7", sequence=sequence)
+    return PushPiece(torch.tensor([3, 8]), torch.full((2, D), value), sequence)
 
 
-def push(proc, request):
-    with grpc.insecure_channel(proc.address) as channel:
-        return pb_grpc.ShardStub(channel).Push(request, timeout=10).applied
+def push(proc, piece):
+    """Whether the shard applied ``piece`` now (False: it had applied that sequence)."""
+    shard = RemoteShard(proc.address, timeout=10)
+    try:
+        (applied,) = shard.push("fc", [piece], 0.1, "worker-7", None)
+    finally:
+        shard.close()
+    return applied
 
 
 def test_retried_push_applies_once_across_kill9_and_restore(shard_cluster):

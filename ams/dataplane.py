@@ -1,0 +1,481 @@
+"""The AMS data plane: pulls and pushes as binary frames (``ams.frames``) on a TCP port beside
+the shard's gRPC port.
+
+gRPC stays the control plane (tables, snapshots, stats, graphs, health). Row payloads take
+this path because a gRPC call cannot move megabytes at the socket's speed in Python: measured
+here, grpcio returning a ready 5 MB reply with no serializer at all reaches about a quarter of
+a raw loopback socket (benchmarks/RESULTS.md, "AMS pull/push"). A frame moves with one copy
+per side: the shard gathers rows into the buffer it sends and receives ids and gradients into
+the tensors it applies; the client receives rows straight into the result.
+
+Both ends are here: ``DataPlaneServer`` (one thread per connection, requests answered in
+order) and ``DataConnection`` (one connection; pipelined requests). The token of the gRPC
+port guards this one too (a HELLO frame carries it), and with TLS both ports use the same
+certificate.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ams import frames
+from ams.errors import (
+    AmsError,
+    InvalidArgument,
+    ShardRestarted,
+    Unauthenticated,
+    Unavailable,
+    error_from_code,
+)
+from ams.frames import FrameError, Header, Kind
+from ams.metrics import record_call
+from ams.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+# A client that sent a header has this long to send the body (a stalled peer frees its thread).
+BODY_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 256
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (every dtype, bfloat16 included)."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() \
+        else memoryview(b"")
+
+
+class SocketReader:
+    """Reads a socket through a 64 KiB buffer: a small frame, header and body, arrives with
+    one system call; a large body goes from the socket straight into its destination."""
+
+    SIZE = 64 << 10
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = memoryview(bytearray(self.SIZE))
+        self._start = self._end = 0
+
+    def at_frame_boundary(self) -> bool:
+        """Wait for the next byte; False when the peer closed the connection first."""
+        if self._start < self._end:
+            return True
+        self._start, self._end = 0, self.sock.recv_into(self._buffer)
+        return self._end > 0
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill ``out``; ConnectionError when the peer closes first."""
+        if not out.nbytes:
+            return
+        taken = min(self._end - self._start, out.nbytes)
+        out[:taken] = self._buffer[self._start:self._start + taken]
+        self._start += taken
+        out = out[taken:]
+        if out.nbytes >= self.SIZE:
+            while out.nbytes:
+                got = self.sock.recv_into(out)
+                if got == 0:
+                    raise ConnectionError("the peer closed the connection")
+                out = out[got:]
+            return
+        while out.nbytes:
+            self._start, self._end = 0, self.sock.recv_into(self._buffer)
+            if self._end == 0:
+                raise ConnectionError("the peer closed the connection")
+            taken = min(self._end, out.nbytes)
+            out[:taken] = self._buffer[:taken]
+            self._start = taken
+            out = out[taken:]
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send ``buffers`` back to back: one gather-write system call where the socket allows."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg
+        for view in views:
+            sock.sendall(view)
+        return
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
+               ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)) and ``rows`` ((m, dim))."""
+    raw_meta = frames.encode_meta(meta) if meta else b""
+    num_ids = 0 if ids is None else ids.numel()
+    header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows)
+    send_buffers(sock, [header, raw_meta,
+                        tensor_bytes(ids) if ids is not None else b"",
+                        tensor_bytes(rows) if rows is not None else b""])
+
+
+@dataclass
+class Frame:
+    """A frame as read: its header, meta, and ids and rows (empty when the frame has none)."""
+
+    header: Header
+    meta: dict
+    ids: torch.Tensor
+    rows: torch.Tensor | None
+
+
+def recv_header(reader: SocketReader) -> Header | None:
+    """The next frame's header; None when the peer closed the connection between frames."""
+    if not reader.at_frame_boundary():
+        return None
+    raw = bytearray(frames.HEADER.size)
+    reader.read_into(memoryview(raw))
+    return frames.parse_header(raw)
+
+
+def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | None = None
+              ) -> Frame:
+    """The body ``header`` announces; rows land in ``rows_out`` when given (a contiguous
+    tensor of the announced shape and dtype), else in a new tensor."""
+    meta = bytearray(header.meta_bytes)
+    reader.read_into(memoryview(meta))
+    ids = torch.empty(header.num_ids, dtype=torch.int64)
+    reader.read_into(tensor_bytes(ids))
+    rows = None
+    if header.dtype is not None:
+        rows = rows_out if rows_out is not None \
+            else torch.empty((header.num_rows, header.dim), dtype=header.dtype)
+        reader.read_into(tensor_bytes(rows))
+    return Frame(header, frames.decode_meta(meta), ids, rows)
+
+
+# ---- the shard's end -----------------------------------------------------------------------
+
+
+class DataPlaneServer:
+    """Serves ``store``'s pulls and pushes on ``host:port`` (0: a free port, see ``port``).
+
+    ``token``: required in each connection's HELLO; ``tls_cert``/``tls_key``: PEM bytes, TLS
+    on every connection; ``incarnation``: this process of the shard (the WELCOME says it, and
+    a HELLO that expects another is refused with ABORTED); ``ready``: set once the store is
+    complete (requests before it get UNAVAILABLE).
+    """
+
+    def __init__(self, store: ShardStore, *, host: str, port: int, token: str | None,
+                 tls_cert: bytes | None, tls_key: bytes | None, incarnation: str,
+                 ready: threading.Event) -> None:
+        self.store, self.incarnation, self.ready = store, incarnation, ready
+        self._token = token.encode() if token else None
+        self._tls = _server_tls(tls_cert, tls_key) if tls_cert is not None else None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port} for the data plane: {e.strerror}") \
+                from None
+        self.port: int = self._listener.getsockname()[1]
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._accepting = threading.Thread(target=self._accept_loop, name="dataplane-accept",
+                                           daemon=True)
+        self._accepting.start()
+
+    def close(self) -> None:
+        """Stop accepting; each connection finishes the request it is answering, then
+        closes."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        self._accepting.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                crowded = len(self._connections) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._connections.add(conn)
+            if crowded:
+                conn.close()
+                log.warning("dataplane_refused reason=too_many_connections limit=%d",
+                            MAX_CONNECTIONS)
+                continue
+            threading.Thread(target=self._serve_connection, args=(conn,),
+                             name="dataplane-conn", daemon=True).start()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        sock = conn
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                conn.settimeout(BODY_TIMEOUT_S)
+                sock = self._tls.wrap_socket(conn, server_side=True)
+            self._serve_requests(sock)
+        except (OSError, ssl.SSLError) as e:
+            log.debug("dataplane_connection_lost error=%s", e)
+        except Exception:  # a fault of this code: the connection goes, the shard serves on
+            log.exception("dataplane_connection_failed")
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            sock.close()
+
+    def _serve_requests(self, sock: socket.socket) -> None:
+        """Answer frames in order until the peer closes, or a frame leaves the stream
+        unreadable (answered with an ERROR frame, then the connection is closed)."""
+        greeted = False
+        reader = SocketReader(sock)
+        while True:
+            sock.settimeout(None)  # an idle pooled connection waits for its next request
+            try:
+                if not reader.at_frame_boundary():
+                    return
+                sock.settimeout(BODY_TIMEOUT_S)
+                header = recv_header(reader)
+                frames.check_request(header, self.store.max_rows_per_request)
+                if not greeted and header.kind != Kind.HELLO:
+                    raise Unauthenticated("data plane: the first frame must be a HELLO")
+                frame = recv_body(reader, header)
+            except AmsError as e:
+                self._send_error(sock, e)
+                return
+            except (ConnectionError, TimeoutError):
+                self._send_error(sock, FrameError("frame: truncated (the connection closed or "
+                                                  "stalled before the body's last byte)"))
+                return
+            if frame.header.kind == Kind.HELLO:
+                try:
+                    self._check_hello(frame.meta)
+                except AmsError as e:
+                    self._send_error(sock, e)
+                    return
+                greeted = True
+                send_frame(sock, Kind.WELCOME, {
+                    "incarnation": self.incarnation, "shard_id": self.store.shard_id,
+                    "num_shards": self.store.num_shards})
+                continue
+            self._answer(sock, frame)
+
+    def _check_hello(self, meta: dict) -> None:
+        if self._token is not None:
+            token = meta.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(),
+                                                                     self._token):
+                raise Unauthenticated("data plane: missing or wrong auth token")
+        expected = frames.meta_field(meta, "expect_incarnation", str, required=False)
+        if expected is not None and expected != self.incarnation:
+            raise ShardRestarted(
+                f"shard {self.store.shard_id} of {self.store.num_shards} restarted: it is "
+                f"incarnation {self.incarnation}, the caller expected {expected}; nothing "
+                "was changed")
+
+    def _answer(self, sock: socket.socket, frame: Frame) -> None:
+        """Apply one PULL or PUSH and answer it; its errors become ERROR frames (the stream
+        stays readable, so the connection stays open)."""
+        method = "Pull" if frame.header.kind == Kind.PULL else "Push"
+        started = time.perf_counter()
+        code: grpc.StatusCode | None = None
+        try:
+            if not self.ready.is_set():
+                raise Unavailable("the shard is restoring its snapshot; it serves once health "
+                                  "says SERVING")
+            table = frames.meta_field(frame.meta, "table", str)
+            if frame.header.kind == Kind.PULL:
+                rows = self.store.pull(table, frame.ids)
+                send_frame(sock, Kind.ROWS, rows=rows)
+            else:
+                applied = self._push(table, frame)
+                send_frame(sock, Kind.PUSHED, {"applied": applied})
+        except AmsError as e:
+            code = grpc.StatusCode[e.code]
+            self._send_error(sock, e)
+        except Exception as e:  # answer and keep serving; the log has the trace
+            log.exception("dataplane_failed method=%s", method)
+            code = grpc.StatusCode.INTERNAL
+            send_frame(sock, Kind.ERROR, {"code": "INTERNAL",
+                                          "message": f"{type(e).__name__}: {e}"})
+        finally:
+            record_call(method, time.perf_counter() - started, code)
+
+    def _push(self, table: str, frame: Frame) -> bool:
+        meta = frame.meta
+        lr = frames.meta_field(meta, "lr", (int, float))
+        client_id = frames.meta_field(meta, "client_id", str)
+        sequence = frames.meta_field(meta, "sequence", int)
+        clock = frames.meta_field(meta, "decay_clock", (int, float), required=False)
+        if frame.rows is None or not frame.rows.is_floating_point():
+            raise InvalidArgument(f"frame: push gradients must be float rows, got "
+                                  f"{frame.header.dtype}")
+        return self.store.push(table, frame.ids, frame.rows, lr, client_id, sequence, clock)
+
+    @staticmethod
+    def _send_error(sock: socket.socket, error: AmsError) -> None:
+        try:
+            send_frame(sock, Kind.ERROR, {"code": error.code, "message": str(error)})
+        except OSError:
+            pass  # the peer is gone; nothing to tell
+
+
+def _server_tls(cert: bytes, key: bytes) -> ssl.SSLContext:
+    """A server context from PEM bytes (``ssl`` loads a chain from files only: a private
+    temporary file holds them for the load)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="xcls-tls-") as tmp:
+        path = os.path.join(tmp, "chain.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert.rstrip(b"\n") + b"\n" + key)
+        context.load_cert_chain(path)
+    return context
+
+
+# ---- the client's end ----------------------------------------------------------------------
+
+
+class DataConnection:
+    """One connection to a shard's data port, greeted (token, expected incarnation) and
+    checked: ``incarnation``, ``shard_id``, ``num_shards`` are the WELCOME's. Not
+    thread-safe; ``RemoteShard`` keeps a pool."""
+
+    def __init__(self, host: str, port: int, *, token: str | None, tls_ca: bytes | None,
+                 expect_incarnation: str | None, timeout: float) -> None:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls_ca is not None:
+                context = ssl.create_default_context(cadata=tls_ca.decode())
+                sock = context.wrap_socket(sock, server_hostname=host)
+            hello: dict = {}
+            if token:
+                hello["token"] = token
+            if expect_incarnation:
+                hello["expect_incarnation"] = expect_incarnation
+            self.sock, self.reader = sock, SocketReader(sock)
+            send_frame(sock, Kind.HELLO, hello)
+            welcome = self._expect(Kind.WELCOME)
+        except BaseException:
+            sock.close()
+            raise
+        self.incarnation = str(welcome.meta.get("incarnation", ""))
+        self.shard_id = welcome.meta.get("shard_id")
+        self.num_shards = welcome.meta.get("num_shards")
+
+    def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None
+                ) -> Frame:
+        """The answer of the oldest request: a frame of ``kind``, its rows received into
+        ``rows_out(header)``; an ERROR frame raises its typed error (the connection stays
+        usable), anything else ``FrameError`` (it does not)."""
+        header = recv_header(self.reader)
+        if header is None:
+            raise ConnectionError("the shard closed the data connection")
+        if header.kind == Kind.ERROR:
+            meta = recv_body(self.reader, header).meta
+            raise error_from_code(str(meta.get("code", "UNKNOWN")),
+                                  str(meta.get("message", "")))
+        if header.kind != kind:
+            raise FrameError(f"frame: a {header.kind.name} where a {kind.name} was due")
+        return recv_body(self.reader, header,
+                         rows_out(header) if rows_out is not None else None)
+
+    def pull(self, table: str, pieces: Sequence[torch.Tensor], window: int, deadline: float
+             ) -> torch.Tensor:
+        """Rows of the ids of all ``pieces`` (each int64 (n_i,)), in order: (sum n_i, dim) in
+        the table's row dtype. Up to ``window`` requests are on the wire while earlier answers
+        arrive, each received straight into its slice of the result."""
+        starts = [0]
+        for piece in pieces:
+            starts.append(starts[-1] + piece.numel())
+        result: list[torch.Tensor] = []
+
+        def into(i: int) -> Callable[[Header], torch.Tensor]:
+            def rows_out(header: Header) -> torch.Tensor:
+                if not result:  # the first answer says the table's row dtype and width
+                    result.append(torch.empty((starts[-1], header.dim), dtype=header.dtype))
+                out = result[0][starts[i]:starts[i + 1]]
+                if (header.num_rows, header.dim, header.dtype) != (out.shape[0], out.shape[1],
+                                                                   out.dtype):
+                    raise FrameError(
+                        f"frame: {header.num_rows} rows of {header.dim} x {header.dtype} "
+                        f"where {tuple(out.shape)} of {out.dtype} was due")
+                return out
+            return rows_out
+
+        self._pipelined(
+            len(pieces),
+            lambda i: send_frame(self.sock, Kind.PULL, {"table": table}, ids=pieces[i]),
+            lambda i: self._expect(Kind.ROWS, into(i)), window, deadline)
+        return result[0]
+
+    def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+             lr: float, client_id: str, decay_clock: float | None, window: int,
+             deadline: float) -> list[bool]:
+        """Each piece (ids int64 (n_i,), grads float (n_i, dim), sequence) as one push,
+        pipelined like ``pull``; whether each was applied now (False: before)."""
+        applied: list[bool] = []
+
+        def send(i: int) -> None:
+            ids, grads, sequence = pieces[i]
+            meta = {"table": table, "lr": lr, "client_id": client_id, "sequence": sequence}
+            if decay_clock is not None:
+                meta["decay_clock"] = decay_clock
+            send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=grads)
+
+        def receive(i: int) -> None:
+            applied.append(bool(self._expect(Kind.PUSHED).meta.get("applied")))
+
+        self._pipelined(len(pieces), send, receive, window, deadline)
+        return applied
+
+    def _pipelined(self, count: int, send: Callable[[int], None],
+                   receive: Callable[[int], None], window: int, deadline: float) -> None:
+        """Requests 0..count-1, the next sent while at most ``window`` are unanswered. A
+        request is small next to the socket's buffers or its answer is, so neither end
+        blocks on the other."""
+        sent = 0
+        for i in range(count):
+            while sent < count and sent < i + window:
+                self._set_deadline(deadline)
+                send(sent)
+                sent += 1
+            self._set_deadline(deadline)
+            receive(i)
+
+    def _set_deadline(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline exceeded")
+        self.sock.settimeout(remaining)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,176 @@
+"""The AMS data plane's binary frame: a fixed header, a small JSON meta, then raw ids and rows.
+
+Pulls and pushes move their ids, rows and gradients in these frames over a TCP connection
+beside the shard's gRPC port (``ams.dataplane``), never through protobuf. The layout is
+specified in ``proto/ams/api/frames.md``; this module is its only implementation, pure (no
+sockets), so that both ends and the tests share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from ams.dtypes import torch_dtype, wire_dtype
+from ams.errors import InvalidArgument, RequestTooLarge, shorten
+from ams.wire import MAX_MESSAGE_BYTES
+
+MAGIC = b"XAMS"
+VERSION = 1
+# magic, version, kind, dtype, flags, meta bytes, dim, ids, rows, body bytes
+HEADER = struct.Struct("<4sBBBBIIQQQ")
+MAX_META_BYTES = 64 << 10
+# One frame's body may be as large as a gRPC message may be (ams.wire).
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES
+
+
+class Kind(IntEnum):
+    """What a frame is. Requests go client -> shard; each is answered by one frame, in order."""
+
+    HELLO = 1    # first request on a connection: meta {"token"?, "expect_incarnation"?}
+    WELCOME = 2  # its answer: meta {"incarnation", "shard_id", "num_shards"}
+    PULL = 3     # meta {"table"}; n ids
+    ROWS = 4     # answer to PULL: n rows (n, dim) in the table's row dtype, request order
+    PUSH = 5     # meta {"table", "lr", "client_id", "sequence", "decay_clock"?};
+    #              n ids and n gradient rows (n, dim)
+    PUSHED = 6   # answer to PUSH: meta {"applied": bool}
+    ERROR = 7    # answer to any request: meta {"code": gRPC status name, "message"}
+
+
+REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH})
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, checked frame header; the body that follows holds ``meta_bytes`` of JSON,
+    ``num_ids`` int64 ids and ``num_rows`` rows of ``dim`` values of ``dtype``."""
+
+    kind: Kind
+    dtype: torch.dtype | None
+    meta_bytes: int
+    dim: int
+    num_ids: int
+    num_rows: int
+
+    @property
+    def ids_bytes(self) -> int:
+        return 8 * self.num_ids
+
+    @property
+    def rows_bytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return self.num_rows * self.dim * self.dtype.itemsize
+
+    @property
+    def body_bytes(self) -> int:
+        return self.meta_bytes + self.ids_bytes + self.rows_bytes
+
+
+class FrameError(InvalidArgument):
+    """A frame that cannot be read: after it, the connection's framing is lost and the shard
+    answers with an ERROR frame and closes the connection."""
+
+
+def pack_header(kind: Kind, meta: bytes, *, num_ids: int = 0,
+                rows: torch.Tensor | None = None) -> bytes:
+    """The header of a frame whose body is ``meta``, ``num_ids`` ids, then ``rows``
+    ((n, dim) of a wire dtype, or None)."""
+    if rows is None:
+        dtype, dim, num_rows, rows_bytes = 0, 0, 0, 0
+    else:
+        dtype, (num_rows, dim) = wire_dtype(rows.dtype), rows.shape
+        rows_bytes = rows.numel() * rows.element_size()
+    body = len(meta) + 8 * num_ids + rows_bytes
+    return HEADER.pack(MAGIC, VERSION, kind, dtype, 0, len(meta), dim, num_ids, num_rows, body)
+
+
+def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Check and parse ``HEADER.size`` bytes; ``FrameError`` for anything but a well-formed
+    header of this version whose lengths agree, ``RequestTooLarge`` for a body over the
+    limit."""
+    magic, version, kind, dtype, flags, meta_bytes, dim, num_ids, num_rows, body = \
+        HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(f"frame: magic {shorten(bytes(magic))}, not {MAGIC!r} (is this an "
+                         "xcls shard's data port?)")
+    if version != VERSION:
+        raise FrameError(f"frame: version {version}; this shard speaks version {VERSION}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise FrameError(f"frame: unknown kind {kind}") from None
+    if flags:
+        raise FrameError(f"frame: flags {flags:#x}; no flags are defined in version {VERSION}")
+    if meta_bytes > MAX_META_BYTES:
+        raise FrameError(f"frame: {meta_bytes} bytes of meta, the limit is {MAX_META_BYTES}")
+    if body > MAX_BODY_BYTES:
+        raise RequestTooLarge(f"frame: a body of {body} bytes, the limit is {MAX_BODY_BYTES}; "
+                              "split the request")
+    row_dtype = torch_dtype(dtype, "frame.dtype") if dtype else None
+    if row_dtype is None and (num_rows or dim):
+        raise FrameError(f"frame: {num_rows} rows of width {dim} without a dtype")
+    header = Header(kind, row_dtype, meta_bytes, dim, num_ids, num_rows)
+    if header.body_bytes != body:
+        raise FrameError(f"frame: body_bytes {body}, but {meta_bytes} bytes of meta, "
+                         f"{num_ids} ids and {num_rows} rows of {dim} x {row_dtype} make "
+                         f"{header.body_bytes}")
+    return header
+
+
+def encode_meta(meta: dict) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
+    """The JSON object of a frame's meta; ``FrameError`` for anything else."""
+    if not raw:
+        return {}
+    try:
+        meta = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"frame meta: not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")
+    return meta
+
+
+def meta_field(meta: dict, key: str, kind: type | tuple[type, ...], *,
+               required: bool = True) -> object:
+    """``meta[key]``, checked to be of ``kind`` (bool is no number here); InvalidArgument
+    naming the field otherwise."""
+    if key not in meta:
+        if required:
+            raise InvalidArgument(f"frame meta: {key!r} is required")
+        return None
+    value = meta[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise InvalidArgument(f"frame meta: {key!r} must be {names}, got {shorten(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgument(f"frame meta: {key!r} must be finite, got {value}")
+    return value
+
+
+def check_request(header: Header, max_ids: int) -> None:
+    """What a shard requires of a request's header before it reads the body: a request kind,
+    and ids and rows that fit its kind (PUSH: as many gradient rows as ids)."""
+    if header.kind not in REQUEST_KINDS:
+        raise FrameError(f"frame: kind {header.kind.name} is an answer, not a request")
+    if header.num_ids > max_ids:
+        raise RequestTooLarge(f"frame: {header.num_ids} ids in one request, the limit is "
+                              f"{max_ids}; split the request")
+    if header.kind == Kind.PUSH:
+        if header.num_rows != header.num_ids:
+            raise InvalidArgument(f"frame: a push of {header.num_ids} ids carries "
+                                  f"{header.num_rows} gradient rows")
+    elif header.num_rows or header.dim:
+        raise InvalidArgument(f"frame: a {header.kind.name} request carries no rows")
+    if header.kind == Kind.HELLO and header.num_ids:
+        raise InvalidArgument("frame: a HELLO carries no ids")

@@ -1,0 +1,332 @@
+"""The data plane of real ``xcls serve shard`` processes, spoken frame by frame.
+
+Frames are built here from the layout in proto/ams/api/frames.md with ``struct`` (the hostile
+ones on purpose wrong), not by the code under test; answers are checked for their code, and
+the shard for having changed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+
+import ams
+from ams.api import shard_pb2 as pb
+from ams.api import shard_pb2_grpc as pb_grpc
+
+N, D = 1000, 16
+HEADER = struct.Struct("<4sBBBBIIQQQ")
+HELLO, WELCOME, PULL, ROWS, PUSH, PUSHED, ERROR = range(1, 8)
+F32, F16, I64 = 1, 2, 4
+
+
+def frame(kind, meta=None, ids=(), rows=None, *, dtype=None, magic=b"XAMS", version=1,
+          flags=0, num_ids=None, num_rows=None, dim=None, body_bytes=None, raw_meta=None):
+    """The bytes of one frame; every header field can be overridden to lie."""
+    meta_bytes = raw_meta if raw_meta is not None else \
+        (json.dumps(meta).encode() if meta is not None else b"")
+    id_bytes = torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()
+    row_bytes = b"" if rows is None else rows.contiguous().view(torch.uint8).numpy().tobytes()
+    if dtype is None:
+        dtype = 0 if rows is None else {torch.float32: F32, torch.float16: F16}[rows.dtype]
+    header = HEADER.pack(
+        magic, version, kind, dtype, flags, len(meta_bytes),
+        (0 if rows is None else rows.shape[1]) if dim is None else dim,
+        len(ids) if num_ids is None else num_ids,
+        (0 if rows is None else rows.shape[0]) if num_rows is None else num_rows,
+        len(meta_bytes) + len(id_bytes) + len(row_bytes) if body_bytes is None else body_bytes)
+    return header + meta_bytes + id_bytes + row_bytes
+
+
+def data_port(grpc_address: str, token: str | None = None) -> int:
+    """The data port the shard tells over gRPC."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(grpc_address) as channel:
+        port = pb_grpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=10,
+                                                metadata=metadata).data_port
+    assert port > 0
+    return port
+
+
+class Peer:
+    """One raw connection to a shard's data port."""
+
+    def __init__(self, grpc_address: str, token: str | None = None) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", data_port(grpc_address, token)),
+                                             timeout=30)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _exact(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            got = self.sock.recv(n - len(data))
+            if not got:
+                raise ConnectionError("closed")
+            data += got
+        return data
+
+    def answer(self):
+        """(kind, meta, ids, rows bytes) of the next frame from the shard."""
+        magic, version, kind, dtype, _, meta_bytes, dim, num_ids, num_rows, body = \
+            HEADER.unpack(self._exact(HEADER.size))
+        assert (magic, version) == (b"XAMS", 1)
+        raw = self._exact(body)
+        meta = json.loads(raw[:meta_bytes]) if meta_bytes else {}
+        ids = raw[meta_bytes:meta_bytes + 8 * num_ids]
+        return kind, meta, ids, raw[meta_bytes + 8 * num_ids:]
+
+    def hello(self, token=None):
+        self.send(frame(HELLO, {"token": token} if token else None))
+        kind, meta, _, _ = self.answer()
+        assert kind == WELCOME, meta
+        return meta
+
+    def is_closed(self) -> bool:
+        self.sock.settimeout(10)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(module_cluster):
+    procs = module_cluster(2)
+    client = ams.connect([p.address for p in procs])
+    client.create_table("fc", num_rows=N, dim=D, seed=4)
+    yield procs[0].address, client
+    client.close()
+
+
+def refused(address, data, code, needle) -> Peer:
+    """A greeted connection that sent ``data`` and was answered with an ERROR of ``code``
+    whose message holds ``needle`` (and stays short)."""
+    peer = Peer(address)
+    peer.hello()
+    peer.send(data)
+    kind, meta, _, _ = peer.answer()
+    assert (kind, meta["code"]) == (ERROR, code), meta
+    assert needle in meta["message"] and len(meta["message"]) < 1000
+    return peer
+
+
+def unchanged(client, before):
+    assert torch.equal(client.pull("fc", torch.arange(N)), before)
+    assert sum(s["tables"]["fc"]["rows_pushed"] for s in client.stats()) == 0
+
+
+def grads(n, dim=D, value=0.1, dtype=torch.float32):
+    return torch.full((n, dim), value, dtype=dtype)
+
+
+PUSH_META = {"table": "fc", "lr": 0.1, "client_id": "c", "sequence": 1}
+# (name, frame bytes, code, needle): frames the shard cannot read; it closes the connection
+UNREADABLE = [
+    ("magic", frame(PULL, {"table": "fc"}, [0], magic=b"HTTP"), "INVALID_ARGUMENT", "magic"),
+    ("version", frame(PULL, {"table": "fc"}, [0], version=2), "INVALID_ARGUMENT", "version 2"),
+    ("kind", frame(99, {"table": "fc"}, [0]), "INVALID_ARGUMENT", "unknown kind 99"),
+    ("flags", frame(PULL, {"table": "fc"}, [0], flags=4), "INVALID_ARGUMENT", "flags"),
+    ("dtype", frame(PUSH, PUSH_META, [0], grads(1), dtype=77), "INVALID_ARGUMENT", "dtype 77"),
+    ("length", frame(PUSH, PUSH_META, [0], grads(1), body_bytes=10_000), "INVALID_ARGUMENT",
+     "body_bytes 10000"),
+    ("counts", frame(PUSH, PUSH_META, [0, 2], grads(1)), "INVALID_ARGUMENT",
+     "2 ids carries 1 gradient rows"),
+    ("rows-in-pull", frame(PULL, {"table": "fc"}, [0], grads(1)), "INVALID_ARGUMENT",
+     "carries no rows"),
+    ("answer-kind", frame(ROWS, None, [], grads(1)), "INVALID_ARGUMENT", "is an answer"),
+    ("meta-json", frame(PULL, ids=[0], raw_meta=b"{nope"), "INVALID_ARGUMENT", "not JSON"),
+    ("meta-list", frame(PULL, ids=[0], raw_meta=b"[1, 2]"), "INVALID_ARGUMENT", "JSON object"),
+    ("meta-huge", frame(PULL, ids=[0], raw_meta=b" " * 70_000), "INVALID_ARGUMENT",
+     "bytes of meta"),
+    ("rows-no-dtype", frame(PUSH, PUSH_META, [0], grads(1), dtype=0), "INVALID_ARGUMENT",
+     "without a dtype"),
+    ("body-huge", frame(PULL, {"table": "fc"}, [0], body_bytes=1 << 40), "RESOURCE_EXHAUSTED",
+     "split the request"),
+    ("ids-many", frame(PULL, {"table": "fc"}, [0], num_ids=1 << 21,
+                       body_bytes=len('{"table": "fc"}') + (8 << 21)),
+     "RESOURCE_EXHAUSTED", "2097152 ids in one request"),
+]
+
+
+@pytest.mark.parametrize("name,data,code,needle", UNREADABLE, ids=[u[0] for u in UNREADABLE])
+def test_unreadable_frame_is_refused_and_closes_the_connection(cluster, name, data, code,
+                                                                needle):
+    address, client = cluster
+    before = client.pull("fc", torch.arange(N))
+    peer = refused(address, data, code, needle)
+    assert peer.is_closed()
+    peer.close()
+    unchanged(client, before)
+
+
+def test_truncated_frame_is_refused_and_applies_nothing(cluster):
+    address, client = cluster
+    before = client.pull("fc", torch.arange(N))
+    peer = Peer(address)
+    peer.hello()
+    whole = frame(PUSH, PUSH_META, [0, 2], grads(2))
+    peer.send(whole[:-7])
+    peer.sock.shutdown(socket.SHUT_WR)  # the rest never comes
+    kind, meta, _, _ = peer.answer()
+    assert (kind, meta["code"]) == (ERROR, "INVALID_ARGUMENT")
+    assert "truncated" in meta["message"]
+    assert peer.is_closed()
+    peer.close()
+    unchanged(client, before)
+
+
+# (name, frame bytes, code, needle): well-formed frames the store refuses; the connection
+# stays open and answers the next request
+REFUSED = [
+    ("no-table", frame(PULL, {"table": "nope"}, [0]), "NOT_FOUND", "nope"),
+    ("id-high", frame(PULL, {"table": "fc"}, [N]), "OUT_OF_RANGE", str(N)),
+    ("id-negative", frame(PULL, {"table": "fc"}, [-2]), "OUT_OF_RANGE", "-2"),
+    ("id-foreign", frame(PULL, {"table": "fc"}, [1]), "OUT_OF_RANGE", "belongs to shard 1"),
+    ("no-table-field", frame(PULL, {}, [0]), "INVALID_ARGUMENT", "'table' is required"),
+    ("table-not-str", frame(PULL, {"table": 5}, [0]), "INVALID_ARGUMENT", "'table' must be"),
+    ("long-table", frame(PULL, {"table": "x" * 60_000}, [0]), "NOT_FOUND", "(60002 chars)"),
+    ("grads-width", frame(PUSH, PUSH_META, [0, 2], grads(2, D + 1)), "INVALID_ARGUMENT",
+     "grads"),
+    ("grads-nan", frame(PUSH, PUSH_META, [0], grads(1, value=float("nan"))),
+     "INVALID_ARGUMENT", "non-finite"),
+    ("grads-int", frame(PUSH, PUSH_META, [0],
+                        torch.zeros(1, D, dtype=torch.int64).view(torch.float64), dtype=I64),
+     "INVALID_ARGUMENT", "float"),
+    ("lr-inf", frame(PUSH, {**PUSH_META, "lr": float("inf")}, [0], grads(1)),
+     "INVALID_ARGUMENT", "lr"),
+    ("lr-bool", frame(PUSH, {**PUSH_META, "lr": True}, [0], grads(1)), "INVALID_ARGUMENT",
+     "'lr' must be"),
+    ("lr-missing", frame(PUSH, {k: v for k, v in PUSH_META.items() if k != "lr"}, [0],
+                         grads(1)), "INVALID_ARGUMENT", "'lr' is required"),
+    ("clock-negative", frame(PUSH, {**PUSH_META, "decay_clock": -3.0}, [0], grads(1)),
+     "INVALID_ARGUMENT", "decay_clock"),
+    ("sequence-negative", frame(PUSH, {**PUSH_META, "sequence": -1}, [0], grads(1)),
+     "INVALID_ARGUMENT", "sequence"),
+    ("client-long", frame(PUSH, {**PUSH_META, "client_id": "c" * 129}, [0], grads(1)),
+     "INVALID_ARGUMENT", "client_id"),
+    # finite gradients whose update overflows float32
+    ("overflow", frame(PUSH, {**PUSH_META, "lr": 10.0}, [0], grads(1, value=3e38)),
+     "INVALID_ARGUMENT", "non-finite"),
+    ("overflow-summed", frame(PUSH, {**PUSH_META, "lr": 1.0}, [2, 2], grads(2, value=3e38)),
+     "INVALID_ARGUMENT", "non-finite"),
+]
+
+
+@pytest.mark.parametrize("name,data,code,needle", REFUSED, ids=[r[0] for r in REFUSED])
+def test_refused_request_changes_nothing_and_the_connection_serves_on(cluster, name, data,
+                                                                      code, needle):
+    address, client = cluster
+    before = client.pull("fc", torch.arange(N))
+    peer = refused(address, data, code, needle)
+    peer.send(frame(PULL, {"table": "fc"}, [0, 4]))
+    kind, _, _, rows = peer.answer()
+    assert kind == ROWS
+    assert rows == before[[0, 4]].numpy().tobytes()
+    peer.close()
+    unchanged(client, before)
+
+
+def test_the_first_frame_must_be_a_hello(cluster):
+    address, client = cluster
+    before = client.pull("fc", torch.arange(N))
+    peer = Peer(address)
+    peer.send(frame(PUSH, PUSH_META, [0], grads(1)))
+    kind, meta, _, _ = peer.answer()
+    assert (kind, meta["code"]) == (ERROR, "UNAUTHENTICATED")
+    assert peer.is_closed()
+    peer.close()
+    unchanged(client, before)
+
+
+def test_a_hello_expecting_another_incarnation_is_aborted(cluster):
+    address, _ = cluster
+    peer = Peer(address)
+    welcome = peer.hello()
+    assert welcome["shard_id"] == 0 and welcome["num_shards"] == 2
+    other = Peer(address)
+    other.send(frame(HELLO, {"expect_incarnation": "0" * 32}))
+    kind, meta, _, _ = other.answer()
+    assert (kind, meta["code"]) == (ERROR, "ABORTED")
+    assert welcome["incarnation"] in meta["message"]
+    for p in (peer, other):
+        p.close()
+
+
+def test_requests_are_answered_in_order_on_one_connection(cluster):
+    """A client may send before the last answer came (the pipelining the client does)."""
+    address, client = cluster
+    expected = client.pull("fc", torch.arange(0, N, 2))
+    peer = Peer(address)
+    peer.hello()
+    chunks = torch.arange(0, N, 2).split(100)
+    peer.send(b"".join(frame(PULL, {"table": "fc"}, c.tolist()) for c in chunks))
+    got = []
+    for _ in chunks:
+        kind, _, _, rows = peer.answer()
+        assert kind == ROWS
+        got.append(torch.frombuffer(bytearray(rows), dtype=torch.float32).view(-1, D))
+    assert torch.equal(torch.cat(got), expected)
+    peer.close()
+
+
+def test_a_resent_push_applies_once_and_a_refused_one_is_not_remembered(cluster):
+    address, client = cluster
+    client.create_table("once", num_rows=N, dim=D, seed=4, momentum=0.0, weight_decay=0.0)
+    start = client.pull("once", torch.tensor([0, 4])).double()
+    peer = Peer(address)
+    peer.hello()
+    meta = {"table": "once", "lr": 0.5, "client_id": "worker-7", "sequence": 41}
+    peer.send(frame(PUSH, {**meta, "lr": 10.0}, [0], grads(1, value=3e38)))  # overflows
+    assert peer.answer()[1]["code"] == "INVALID_ARGUMENT"
+    push = frame(PUSH, meta, [0, 4], grads(2, value=0.1))  # the corrected push, same sequence
+    peer.send(push)
+    assert peer.answer()[:2] == (PUSHED, {"applied": True})
+    peer.send(push)  # resent, as after a lost answer
+    assert peer.answer()[:2] == (PUSHED, {"applied": False})
+    peer.close()
+    torch.testing.assert_close(client.pull("once", torch.tensor([0, 4])).double(),
+                               start - 0.5 * 0.1, rtol=0, atol=1e-6)
+
+
+def test_a_pull_reply_over_the_limit_is_refused_before_it_is_built(cluster):
+    address, client = cluster
+    client.create_table("wide", num_rows=10, dim=512, momentum=0.0)
+    peer = Peer(address)
+    peer.hello()
+    n = 300_000  # 300k x 512 x 4 bytes: 614 MB of rows
+    peer.send(frame(PULL, {"table": "wide"}, [0] * n))
+    kind, meta, _, _ = peer.answer()
+    assert (kind, meta["code"]) == (ERROR, "RESOURCE_EXHAUSTED")
+    assert "split the request" in meta["message"]
+    peer.close()
+
+
+def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    (proc,) = shard_cluster(1, token_file=token_file)
+    with ams.connect([proc.address], token="s3cret") as client:
+        client.create_table("fc", num_rows=10, dim=4)
+        before = client.pull("fc", torch.arange(10))
+        for hello in (frame(HELLO), frame(HELLO, {"token": "wrong"}),
+                      frame(PUSH, PUSH_META, [0], grads(1, 4))):
+            peer = Peer(proc.address, token="s3cret")
+            peer.send(hello)
+            kind, meta, _, _ = peer.answer()
+            assert (kind, meta["code"]) == (ERROR, "UNAUTHENTICATED")
+            assert peer.is_closed()
+            peer.close()
+        assert torch.equal(client.pull("fc", torch.arange(10)), before)
+        peer = Peer(proc.address, token="s3cret")
+        peer.hello(token="s3cret")
+        peer.close()
