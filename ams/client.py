@@ -323,15 +323,15 @@ class RemoteShard:
 
     def scan(self, table: str, block_rows: int | None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        stream = self.stub.Scan(pb.ScanRequest(table=table, block_rows=block_rows or 0),
-                                metadata=self._call_metadata(expect=True))
-        try:
-            for block in stream:
-                yield (codec.decode(block.ids, "ids", dtype=torch.int64, ndim=1),
-                       codec.decode(block.rows, "rows", ndim=2))
-        except grpc.RpcError as e:
-            raise error_from_rpc(e, f"shard {self.address}", "Scan") from None
-        self._check_incarnation(stream, "Scan")
+        """The shard's rows block by block over the data plane (each block a retried call)."""
+        start = 0
+        while True:
+            ids, rows = self._data_call("Scan", functools.partial(
+                _scan_block, table=table, start=start, block_rows=block_rows))
+            if not ids.numel():
+                return
+            yield ids, rows
+            start += ids.numel()
 
     def snapshot(self, step: int) -> str:
         return self._call("Snapshot", pb.SnapshotRequest(step=step), timeout=3600).path
@@ -392,6 +392,11 @@ class RemoteShard:
     def close(self) -> None:
         self._drop_connections()
         self.channel.close()
+
+
+def _scan_block(conn: DataConnection, deadline: float, *, table: str, start: int,
+                block_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return conn.scan_block(table, start, block_rows, deadline)
 
 
 # ---- the client over all shards ------------------------------------------------------------

@@ -303,7 +303,7 @@ class DataPlaneServer:
     def _answer(self, sock: socket.socket, frame: Frame) -> None:
         """Apply one PULL or PUSH and answer it; its errors become ERROR frames (the stream
         stays readable, so the connection stays open)."""
-        method = "Pull" if frame.header.kind == Kind.PULL else "Push"
+        method = frame.header.kind.name.capitalize()  # Pull, Push, Scan in the metrics
         started = time.perf_counter()
         code: grpc.StatusCode | None = None
         try:
@@ -312,8 +312,12 @@ class DataPlaneServer:
                                   "says SERVING")
             table = frames.meta_field(frame.meta, "table", str)
             if frame.header.kind == Kind.PULL:
-                rows = self.store.pull(table, frame.ids)
-                send_frame(sock, Kind.ROWS, rows=rows)
+                send_frame(sock, Kind.ROWS, rows=self.store.pull(table, frame.ids))
+            elif frame.header.kind == Kind.SCAN:
+                ids, rows = self.store.scan_block(
+                    table, frames.meta_field(frame.meta, "start", int),
+                    frames.meta_field(frame.meta, "rows", int, required=False))
+                send_frame(sock, Kind.ROWS, ids=ids, rows=rows)
             else:
                 applied = self._push(table, frame)
                 send_frame(sock, Kind.PUSHED, {"applied": applied})
@@ -436,6 +440,21 @@ class DataConnection:
             lambda i: send_frame(self.sock, Kind.PULL, {"table": table}, ids=pieces[i]),
             lambda i: self._expect(Kind.ROWS, into(i)), window, deadline)
         return result[0]
+
+    def scan_block(self, table: str, start: int, rows: int | None, deadline: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard's block of rows from its ``start``-th on (ids int64 (b,), rows (b, dim));
+        b = 0 past the end. ``rows`` None: the shard's default block size."""
+        meta = {"table": table, "start": start}
+        if rows is not None:
+            meta["rows"] = rows
+        self._set_deadline(deadline)
+        send_frame(self.sock, Kind.SCAN, meta)
+        self._set_deadline(deadline)
+        block = self._expect(Kind.ROWS)
+        if block.rows is None or block.ids.numel() != block.rows.shape[0]:
+            raise FrameError("frame: a scan block whose ids and rows differ in number")
+        return block.ids, block.rows
 
     def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
              lr: float, client_id: str, decay_clock: float | None, window: int,

@@ -40,9 +40,11 @@ class Kind(IntEnum):
     #              n ids and n gradient rows (n, dim)
     PUSHED = 6   # answer to PUSH: meta {"applied": bool}
     ERROR = 7    # answer to any request: meta {"code": gRPC status name, "message"}
+    SCAN = 8     # meta {"table", "start", "rows"?}: a block of the shard's rows in id order,
+    #              answered by ROWS with the block's ids
 
 
-REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH})
+REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
 
 
 @dataclass(frozen=True)
@@ -172,5 +174,5 @@ def check_request(header: Header, max_ids: int) -> None:
                                   f"{header.num_rows} gradient rows")
     elif header.num_rows or header.dim:
         raise InvalidArgument(f"frame: a {header.kind.name} request carries no rows")
-    if header.kind == Kind.HELLO and header.num_ids:
-        raise InvalidArgument("frame: a HELLO carries no ids")
+    if header.kind in (Kind.HELLO, Kind.SCAN) and header.num_ids:
+        raise InvalidArgument(f"frame: a {header.kind.name} carries no ids")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -96,10 +96,8 @@ class RequestMetricsInterceptor(grpc.ServerInterceptor):
         if handler is None or not name.startswith(SHARD_METHOD_PREFIX):
             return handler
         method = name[len(SHARD_METHOD_PREFIX):]
-        if handler.unary_unary is not None:
+        if handler.unary_unary is not None:  # every shard call is unary
             return handler._replace(unary_unary=_timed_unary(method, handler.unary_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_timed_stream(method, handler.unary_stream))
         return handler
 
 
@@ -118,19 +116,6 @@ def _timed_unary(method: str, behavior: Callable) -> Callable:
             reply = behavior(request, context)
             failed = False
             return reply
-        finally:
-            record_call(method, time.perf_counter() - started, _outcome(context, failed))
-
-    return timed
-
-
-def _timed_stream(method: str, behavior: Callable) -> Callable:
-    def timed(request: object, context: grpc.ServicerContext) -> Iterator[object]:
-        # the whole stream: a scan's cost is in its blocks, not in starting the generator
-        started, failed = time.perf_counter(), True
-        try:
-            yield from behavior(request, context)
-            failed = False
         finally:
             record_call(method, time.perf_counter() - started, _outcome(context, failed))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +24,7 @@ from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dataplane import DataPlaneServer
-from ams.errors import AmsError, FailedPrecondition
+from ams.errors import FailedPrecondition
 from ams.metrics import instrument_store
 from ams.rpc import TokenAuthInterceptor, rpc_method, set_serving, start_serving
 from ams.store import ShardStore
@@ -53,18 +53,6 @@ class ShardServicer(pb_grpc.ShardServicer):
                     ) -> pb.CreateTableReply:
         spec = codec.spec_from_wire(request.spec)
         return pb.CreateTableReply(created=self.store.create_table(spec))
-
-    def Scan(self, request: pb.ScanRequest, context: grpc.ServicerContext
-             ) -> Iterator[pb.ScanBlock]:
-        try:
-            block_rows = request.block_rows or None  # None: the store's default, which fits
-            for ids, rows in self.store.scan(request.table, block_rows):
-                block = pb.ScanBlock()
-                codec.encode(ids, block.ids)
-                codec.encode(rows, block.rows)
-                yield block
-        except AmsError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     @rpc_method
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext
@@ -148,11 +136,9 @@ def _metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str
 def _with_behavior(handler: grpc.RpcMethodHandler,
                    wrap: Callable[[Callable], Callable]) -> grpc.RpcMethodHandler:
     """``handler`` with its behavior replaced by ``wrap(behavior)`` (the shard's calls are
-    unary or server-streaming)."""
+    unary; rows stream over the data plane)."""
     if handler.unary_unary is not None:
         return handler._replace(unary_unary=wrap(handler.unary_unary))
-    if handler.unary_stream is not None:
-        return handler._replace(unary_stream=wrap(handler.unary_stream))
     return handler
 
 

@@ -510,22 +510,36 @@ class ShardStore:
         """Blocks of (ids int64 (b,) ascending, rows (b, dim) row dtype) covering the shard,
         with the weight decay they owe (as ``pull``). ``block_rows`` None: 65536, or fewer
         where a block of 65536 rows would exceed the reply limit."""
+        start = 0
+        while True:
+            ids, rows = self.scan_block(name, start, block_rows)
+            if not ids.numel():
+                return
+            yield ids, rows
+            start += ids.numel()
+
+    def scan_block(self, name: str, start: int, block_rows: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block of ``scan`` that starts at the shard's ``start``-th row (0-based, in id
+        order): ids int64 (b,) ascending, rows (b, dim) with the decay they owe; empty (b = 0)
+        from the end of the shard on. ``block_rows``: as ``scan``."""
         table = self.table(name)
         if block_rows is None:
             block_rows = min(65536, max(1, self.max_reply_bytes // (_row_bytes(table.spec) + 8)))
-        if block_rows <= 0:
-            raise InvalidArgument(f"block_rows={block_rows} must be > 0")
+        for field_name, value, low in (("block_rows", block_rows, 1), ("start", start, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"{field_name}={shorten(value)} must be an integer >= {low}")
         n = table.rows.shape[0]
         block_bytes = _row_bytes(table.spec) + 8  # each row travels with its int64 id
         self._check_reply(min(block_rows, n) * block_bytes,
                           f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
-        for start in range(0, n, block_rows):
-            stop = min(start + block_rows, n)
-            with table.lock:
-                rows = _with_decay_owed(table, table.rows[start:stop].clone(),
-                                        torch.arange(start, stop))
-            yield sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards,
-                                     start, stop), rows
+        start = min(start, n)
+        stop = min(start + block_rows, n)
+        with table.lock:
+            rows = _with_decay_owed(table, table.rows[start:stop].clone(),
+                                    torch.arange(start, stop))
+        return sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards, start,
+                                  stop), rows
 
     # ---- neighbor lists ----------------------------------------------------------------
 

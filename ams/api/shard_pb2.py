@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x61ms/api/shard.proto\x12\x08xcls.ams\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.xcls.ams.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc6\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x1e\n\x05\x64type\x18\x04 \x01(\x0e\x32\x0f.xcls.ams.DType\x12$\n\x0bstate_dtype\x18\x05 \x01(\x0e\x32\x0f.xcls.ams.DType\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08init_std\x18\t \x01(\x01\"7\n\x12\x43reateTableRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.xcls.ams.TableSpec\"#\n\x10\x43reateTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"0\n\x0bScanRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nblock_rows\x18\x02 \x01(\x03\"J\n\tScanBlock\x12\x1d\n\x03ids\x18\x01 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12\x1e\n\x04rows\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\"\x1f\n\x0fSnapshotRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"+\n\rSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x1e\n\x0eRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"*\n\x0cRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\x85\x02\n\nTableStats\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.xcls.ams.TableSpec\x12\x12\n\nowned_rows\x18\x02 \x01(\x03\x12\x11\n\trow_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x04 \x01(\x03\x12\r\n\x05pulls\x18\x05 \x01(\x03\x12\x0e\n\x06pushes\x18\x06 \x01(\x03\x12\x13\n\x0brows_pulled\x18\x07 \x01(\x03\x12\x13\n\x0brows_pushed\x18\x08 \x01(\x03\x12\x15\n\rgraph_version\x18\t \x01(\x03\x12\x12\n\ngraph_step\x18\n \x01(\x03\x12\x0f\n\x07graph_k\x18\x0b \x01(\x03\x12\x13\n\x0bgraph_bytes\x18\x0c \x01(\x03\"\xad\x01\n\nStatsReply\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12$\n\x06tables\x18\x03 \x03(\x0b\x32\x14.xcls.ams.TableStats\x12\x1a\n\x12last_snapshot_step\x18\x04 \x01(\x03\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0f\n\x07storage\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05\"@\n\x10NeighborsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\"X\n\x0eNeighborsReply\x12!\n\x07offsets\x18\x01 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12#\n\tneighbors\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\"\xcb\x01\n\x13SetNeighborsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12!\n\x07offsets\x18\x03 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12#\n\tneighbors\x18\x04 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12\x15\n\rgraph_version\x18\x05 \x01(\x03\x12\x12\n\ngraph_step\x18\x06 \x01(\x03\x12\x13\n\x0breplace_all\x18\x07 \x01(\x08\"*\n\x11SetNeighborsReply\x12\x15\n\rgraph_version\x18\x01 \x01(\x03\"4\n\x12TakeTouchedRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07max_ids\x18\x02 \x01(\x03\"1\n\x10TakeTouchedReply\x12\x1d\n\x03ids\x18\x01 \x01(\x0b\x32\x10.xcls.ams.Tensor*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x32\x92\x04\n\x05Shard\x12G\n\x0b\x43reateTable\x12\x1c.xcls.ams.CreateTableRequest\x1a\x1a.xcls.ams.CreateTableReply\x12\x34\n\x04Scan\x12\x15.xcls.ams.ScanRequest\x1a\x13.xcls.ams.ScanBlock0\x01\x12>\n\x08Snapshot\x12\x19.xcls.ams.SnapshotRequest\x1a\x17.xcls.ams.SnapshotReply\x12;\n\x07Restore\x12\x18.xcls.ams.RestoreRequest\x1a\x16.xcls.ams.RestoreReply\x12\x35\n\x05Stats\x12\x16.xcls.ams.StatsRequest\x1a\x14.xcls.ams.StatsReply\x12\x41\n\tNeighbors\x12\x1a.xcls.ams.NeighborsRequest\x1a\x18.xcls.ams.NeighborsReply\x12J\n\x0cSetNeighbors\x12\x1d.xcls.ams.SetNeighborsRequest\x1a\x1b.xcls.ams.SetNeighborsReply\x12G\n\x0bTakeTouched\x12\x1c.xcls.ams.TakeTouchedRequest\x1a\x1a.xcls.ams.TakeTouchedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x61ms/api/shard.proto\x12\x08xcls.ams\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.xcls.ams.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc6\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x1e\n\x05\x64type\x18\x04 \x01(\x0e\x32\x0f.xcls.ams.DType\x12$\n\x0bstate_dtype\x18\x05 \x01(\x0e\x32\x0f.xcls.ams.DType\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08init_std\x18\t \x01(\x01\"7\n\x12\x43reateTableRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.xcls.ams.TableSpec\"#\n\x10\x43reateTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\x1f\n\x0fSnapshotRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"+\n\rSnapshotReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x1e\n\x0eRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"*\n\x0cRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\x85\x02\n\nTableStats\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.xcls.ams.TableSpec\x12\x12\n\nowned_rows\x18\x02 \x01(\x03\x12\x11\n\trow_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x04 \x01(\x03\x12\r\n\x05pulls\x18\x05 \x01(\x03\x12\x0e\n\x06pushes\x18\x06 \x01(\x03\x12\x13\n\x0brows_pulled\x18\x07 \x01(\x03\x12\x13\n\x0brows_pushed\x18\x08 \x01(\x03\x12\x15\n\rgraph_version\x18\t \x01(\x03\x12\x12\n\ngraph_step\x18\n \x01(\x03\x12\x0f\n\x07graph_k\x18\x0b \x01(\x03\x12\x13\n\x0bgraph_bytes\x18\x0c \x01(\x03\"\xad\x01\n\nStatsReply\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12$\n\x06tables\x18\x03 \x03(\x0b\x32\x14.xcls.ams.TableStats\x12\x1a\n\x12last_snapshot_step\x18\x04 \x01(\x03\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0f\n\x07storage\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05\"@\n\x10NeighborsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\"X\n\x0eNeighborsReply\x12!\n\x07offsets\x18\x01 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12#\n\tneighbors\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\"\xcb\x01\n\x13SetNeighborsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12!\n\x07offsets\x18\x03 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12#\n\tneighbors\x18\x04 \x01(\x0b\x32\x10.xcls.ams.Tensor\x12\x15\n\rgraph_version\x18\x05 \x01(\x03\x12\x12\n\ngraph_step\x18\x06 \x01(\x03\x12\x13\n\x0breplace_all\x18\x07 \x01(\x08\"*\n\x11SetNeighborsReply\x12\x15\n\rgraph_version\x18\x01 \x01(\x03\"4\n\x12TakeTouchedRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07max_ids\x18\x02 \x01(\x03\"1\n\x10TakeTouchedReply\x12\x1d\n\x03ids\x18\x01 \x01(\x0b\x32\x10.xcls.ams.Tensor*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x32\xdc\x03\n\x05Shard\x12G\n\x0b\x43reateTable\x12\x1c.xcls.ams.CreateTableRequest\x1a\x1a.xcls.ams.CreateTableReply\x12>\n\x08Snapshot\x12\x19.xcls.ams.SnapshotRequest\x1a\x17.xcls.ams.SnapshotReply\x12;\n\x07Restore\x12\x18.xcls.ams.RestoreRequest\x1a\x16.xcls.ams.RestoreReply\x12\x35\n\x05Stats\x12\x16.xcls.ams.StatsRequest\x1a\x14.xcls.ams.StatsReply\x12\x41\n\tNeighbors\x12\x1a.xcls.ams.NeighborsRequest\x1a\x18.xcls.ams.NeighborsReply\x12J\n\x0cSetNeighbors\x12\x1d.xcls.ams.SetNeighborsRequest\x1a\x1b.xcls.ams.SetNeighborsReply\x12G\n\x0bTakeTouched\x12\x1c.xcls.ams.TakeTouchedRequest\x1a\x1a.xcls.ams.TakeTouchedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ams.api.shard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1646
-  _globals['_DTYPE']._serialized_end=1738
+  _globals['_DTYPE']._serialized_start=1520
+  _globals['_DTYPE']._serialized_end=1612
   _globals['_TENSOR']._serialized_start=33
   _globals['_TENSOR']._serialized_end=102
   _globals['_TABLESPEC']._serialized_start=105
@@ -41,36 +41,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATETABLEREQUEST']._serialized_end=360
   _globals['_CREATETABLEREPLY']._serialized_start=362
   _globals['_CREATETABLEREPLY']._serialized_end=397
-  _globals['_SCANREQUEST']._serialized_start=399
-  _globals['_SCANREQUEST']._serialized_end=447
-  _globals['_SCANBLOCK']._serialized_start=449
-  _globals['_SCANBLOCK']._serialized_end=523
-  _globals['_SNAPSHOTREQUEST']._serialized_start=525
-  _globals['_SNAPSHOTREQUEST']._serialized_end=556
-  _globals['_SNAPSHOTREPLY']._serialized_start=558
-  _globals['_SNAPSHOTREPLY']._serialized_end=601
-  _globals['_RESTOREREQUEST']._serialized_start=603
-  _globals['_RESTOREREQUEST']._serialized_end=633
-  _globals['_RESTOREREPLY']._serialized_start=635
-  _globals['_RESTOREREPLY']._serialized_end=677
-  _globals['_STATSREQUEST']._serialized_start=679
-  _globals['_STATSREQUEST']._serialized_end=693
-  _globals['_TABLESTATS']._serialized_start=696
-  _globals['_TABLESTATS']._serialized_end=957
-  _globals['_STATSREPLY']._serialized_start=960
-  _globals['_STATSREPLY']._serialized_end=1133
-  _globals['_NEIGHBORSREQUEST']._serialized_start=1135
-  _globals['_NEIGHBORSREQUEST']._serialized_end=1199
-  _globals['_NEIGHBORSREPLY']._serialized_start=1201
-  _globals['_NEIGHBORSREPLY']._serialized_end=1289
-  _globals['_SETNEIGHBORSREQUEST']._serialized_start=1292
-  _globals['_SETNEIGHBORSREQUEST']._serialized_end=1495
-  _globals['_SETNEIGHBORSREPLY']._serialized_start=1497
-  _globals['_SETNEIGHBORSREPLY']._serialized_end=1539
-  _globals['_TAKETOUCHEDREQUEST']._serialized_start=1541
-  _globals['_TAKETOUCHEDREQUEST']._serialized_end=1593
-  _globals['_TAKETOUCHEDREPLY']._serialized_start=1595
-  _globals['_TAKETOUCHEDREPLY']._serialized_end=1644
-  _globals['_SHARD']._serialized_start=1741
-  _globals['_SHARD']._serialized_end=2271
+  _globals['_SNAPSHOTREQUEST']._serialized_start=399
+  _globals['_SNAPSHOTREQUEST']._serialized_end=430
+  _globals['_SNAPSHOTREPLY']._serialized_start=432
+  _globals['_SNAPSHOTREPLY']._serialized_end=475
+  _globals['_RESTOREREQUEST']._serialized_start=477
+  _globals['_RESTOREREQUEST']._serialized_end=507
+  _globals['_RESTOREREPLY']._serialized_start=509
+  _globals['_RESTOREREPLY']._serialized_end=551
+  _globals['_STATSREQUEST']._serialized_start=553
+  _globals['_STATSREQUEST']._serialized_end=567
+  _globals['_TABLESTATS']._serialized_start=570
+  _globals['_TABLESTATS']._serialized_end=831
+  _globals['_STATSREPLY']._serialized_start=834
+  _globals['_STATSREPLY']._serialized_end=1007
+  _globals['_NEIGHBORSREQUEST']._serialized_start=1009
+  _globals['_NEIGHBORSREQUEST']._serialized_end=1073
+  _globals['_NEIGHBORSREPLY']._serialized_start=1075
+  _globals['_NEIGHBORSREPLY']._serialized_end=1163
+  _globals['_SETNEIGHBORSREQUEST']._serialized_start=1166
+  _globals['_SETNEIGHBORSREQUEST']._serialized_end=1369
+  _globals['_SETNEIGHBORSREPLY']._serialized_start=1371
+  _globals['_SETNEIGHBORSREPLY']._serialized_end=1413
+  _globals['_TAKETOUCHEDREQUEST']._serialized_start=1415
+  _globals['_TAKETOUCHEDREQUEST']._serialized_end=1467
+  _globals['_TAKETOUCHEDREPLY']._serialized_start=1469
+  _globals['_TAKETOUCHEDREPLY']._serialized_end=1518
+  _globals['_SHARD']._serialized_start=1615
+  _globals['_SHARD']._serialized_end=2091
 # @@protoc_insertion_point(module_scope)

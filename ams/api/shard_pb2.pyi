@@ -66,22 +66,6 @@ class CreateTableReply(_message.Message):
     created: bool
     def __init__(self, created: _Optional[bool] = ...) -> None: ...
 
-class ScanRequest(_message.Message):
-    __slots__ = ("table", "block_rows")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_ROWS_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    block_rows: int
-    def __init__(self, table: _Optional[str] = ..., block_rows: _Optional[int] = ...) -> None: ...
-
-class ScanBlock(_message.Message):
-    __slots__ = ("ids", "rows")
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    ids: Tensor
-    rows: Tensor
-    def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
-
 class SnapshotRequest(_message.Message):
     __slots__ = ("step",)
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -39,11 +39,6 @@ class ShardStub:
                 request_serializer=ams_dot_api_dot_shard__pb2.CreateTableRequest.SerializeToString,
                 response_deserializer=ams_dot_api_dot_shard__pb2.CreateTableReply.FromString,
                 _registered_method=True)
-        self.Scan = channel.unary_stream(
-                '/xcls.ams.Shard/Scan',
-                request_serializer=ams_dot_api_dot_shard__pb2.ScanRequest.SerializeToString,
-                response_deserializer=ams_dot_api_dot_shard__pb2.ScanBlock.FromString,
-                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/xcls.ams.Shard/Snapshot',
                 request_serializer=ams_dot_api_dot_shard__pb2.SnapshotRequest.SerializeToString,
@@ -80,12 +75,6 @@ class ShardServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTable(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Scan(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,11 +123,6 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.CreateTable,
                     request_deserializer=ams_dot_api_dot_shard__pb2.CreateTableRequest.FromString,
                     response_serializer=ams_dot_api_dot_shard__pb2.CreateTableReply.SerializeToString,
-            ),
-            'Scan': grpc.unary_stream_rpc_method_handler(
-                    servicer.Scan,
-                    request_deserializer=ams_dot_api_dot_shard__pb2.ScanRequest.FromString,
-                    response_serializer=ams_dot_api_dot_shard__pb2.ScanBlock.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -198,33 +182,6 @@ class Shard:
             '/xcls.ams.Shard/CreateTable',
             ams_dot_api_dot_shard__pb2.CreateTableRequest.SerializeToString,
             ams_dot_api_dot_shard__pb2.CreateTableReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Scan(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/xcls.ams.Shard/Scan',
-            ams_dot_api_dot_shard__pb2.ScanRequest.SerializeToString,
-            ams_dot_api_dot_shard__pb2.ScanBlock.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,7 +21,7 @@ from ams.api import shard_pb2_grpc as pb_grpc
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
-HELLO, WELCOME, PULL, ROWS, PUSH, PUSHED, ERROR = range(1, 8)
+HELLO, WELCOME, PULL, ROWS, PUSH, PUSHED, ERROR, SCAN = range(1, 9)
 F32, F16, I64 = 1, 2, 4
 
 
@@ -143,6 +143,8 @@ UNREADABLE = [
      "2 ids carries 1 gradient rows"),
     ("rows-in-pull", frame(PULL, {"table": "fc"}, [0], grads(1)), "INVALID_ARGUMENT",
      "carries no rows"),
+    ("ids-in-scan", frame(SCAN, {"table": "fc", "start": 0}, [0]), "INVALID_ARGUMENT",
+     "SCAN carries no ids"),
     ("answer-kind", frame(ROWS, None, [], grads(1)), "INVALID_ARGUMENT", "is an answer"),
     ("meta-json", frame(PULL, ids=[0], raw_meta=b"{nope"), "INVALID_ARGUMENT", "not JSON"),
     ("meta-list", frame(PULL, ids=[0], raw_meta=b"[1, 2]"), "INVALID_ARGUMENT", "JSON object"),
@@ -214,6 +216,14 @@ REFUSED = [
      "INVALID_ARGUMENT", "sequence"),
     ("client-long", frame(PUSH, {**PUSH_META, "client_id": "c" * 129}, [0], grads(1)),
      "INVALID_ARGUMENT", "client_id"),
+    ("scan-no-start", frame(SCAN, {"table": "fc"}), "INVALID_ARGUMENT", "'start' is required"),
+    ("scan-start-negative", frame(SCAN, {"table": "fc", "start": -1}), "INVALID_ARGUMENT",
+     "start=-1"),
+    ("scan-start-bool", frame(SCAN, {"table": "fc", "start": True}), "INVALID_ARGUMENT",
+     "'start' must be"),
+    ("scan-rows-zero", frame(SCAN, {"table": "fc", "start": 0, "rows": 0}), "INVALID_ARGUMENT",
+     "block_rows=0"),
+    ("scan-no-table", frame(SCAN, {"table": "nope", "start": 0}), "NOT_FOUND", "nope"),
     # finite gradients whose update overflows float32
     ("overflow", frame(PUSH, {**PUSH_META, "lr": 10.0}, [0], grads(1, value=3e38)),
      "INVALID_ARGUMENT", "non-finite"),
@@ -277,6 +287,29 @@ def test_requests_are_answered_in_order_on_one_connection(cluster):
         got.append(torch.frombuffer(bytearray(rows), dtype=torch.float32).view(-1, D))
     assert torch.equal(torch.cat(got), expected)
     peer.close()
+
+
+def test_scan_blocks_cover_the_shard_in_id_order(cluster):
+    address, client = cluster
+    peer = Peer(address)
+    peer.hello()
+    start, ids, rows = 0, [], []
+    while True:
+        peer.send(frame(SCAN, {"table": "fc", "start": start, "rows": 150}))
+        kind, _, block_ids, block_rows = peer.answer()
+        assert kind == ROWS
+        if not block_ids:  # past the last row
+            assert not block_rows
+            break
+        got = torch.frombuffer(bytearray(block_ids), dtype=torch.int64)
+        assert got.numel() <= 150
+        ids.append(got)
+        rows.append(torch.frombuffer(bytearray(block_rows), dtype=torch.float32).view(-1, D))
+        start += got.numel()
+    peer.close()
+    ids = torch.cat(ids)
+    assert ids.tolist() == list(range(0, N, 2))  # shard 0 of 2 owns the even ids
+    assert torch.equal(torch.cat(rows), client.pull("fc", ids))
 
 
 def test_a_resent_push_applies_once_and_a_refused_one_is_not_remembered(cluster):
