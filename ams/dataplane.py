@@ -47,13 +47,19 @@ log = logging.getLogger(__name__)
 
 # A client that sent a header has this long to send the body (a stalled peer frees its thread).
 BODY_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 3600.0
+# The ids of a frame that has none (most answers): one tensor for all of them, nothing writes it.
+_NO_IDS = torch.empty(0, dtype=torch.int64)
 MAX_CONNECTIONS = 256
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (every dtype, bfloat16 included)."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() \
-        else memoryview(b"")
+    if not tensor.numel():
+        return memoryview(b"")
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.contiguous().numpy()).cast("B")
 
 
 class SocketReader:
@@ -153,8 +159,10 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
     tensor of the announced shape and dtype), else in a new tensor."""
     meta = bytearray(header.meta_bytes)
     reader.read_into(memoryview(meta))
-    ids = torch.empty(header.num_ids, dtype=torch.int64)
-    reader.read_into(tensor_bytes(ids))
+    ids = _NO_IDS
+    if header.num_ids:
+        ids = torch.empty(header.num_ids, dtype=torch.int64)
+        reader.read_into(tensor_bytes(ids))
     rows = None
     if header.dtype is not None:
         rows = rows_out if rows_out is not None \
@@ -257,11 +265,16 @@ class DataPlaneServer:
         greeted = False
         reader = SocketReader(sock)
         while True:
-            sock.settimeout(None)  # an idle pooled connection waits for its next request
+            # Both waits have a timeout, so the socket stays in one mode: switching between
+            # blocking and timed costs system calls on every request.
+            sock.settimeout(IDLE_TIMEOUT_S)
             try:
                 if not reader.at_frame_boundary():
                     return
-                sock.settimeout(BODY_TIMEOUT_S)
+            except TimeoutError:  # an idle pooled connection: wait on for its next request
+                continue
+            sock.settimeout(BODY_TIMEOUT_S)
+            try:
                 header = recv_header(reader)
                 frames.check_request(header, self.store.max_rows_per_request)
                 if not greeted and header.kind != Kind.HELLO:

@@ -16,7 +16,10 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
 
 
 def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """Position of each (owned) id in its shard's dense row tensor. int64 (n,) -> int64 (n,)."""
+    """Position of each (owned) id in its shard's dense row tensor. int64 (n,) -> int64 (n,)
+    (``ids`` itself with one shard)."""
+    if num_shards == 1:
+        return ids
     return torch.div(ids, num_shards, rounding_mode="floor")
 
 

@@ -102,9 +102,15 @@ def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, no_orphans) -> N
     fault-free run bit for bit (no acknowledged push lost outside the snapshot contract, none
     applied twice). The job's shards and workers are gone afterwards, also after a timeout."""
     tmp_path = no_orphans
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick",
-                           "--data", str(glyphs_small), "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=420)
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick",
+                               "--data", str(glyphs_small), "--out", str(tmp_path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=420)
+    except subprocess.TimeoutExpired as e:  # say where it was: its output, its newest logs
+        logs = sorted(tmp_path.rglob("*.log"), key=lambda p: p.stat().st_mtime)[-4:]
+        tails = "\n".join(f"--- {p}:\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+        pytest.fail(f"chaos.py ran past 420 s\n--- stdout:\n{str(e.stdout or '')[-2000:]}\n"
+                    f"--- stderr:\n{str(e.stderr or '')[-3000:]}\n{tails}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cells = {row[0]: row[1:] for row in
              (c for c in (line.strip().strip("|").split("|") for line in done.stdout.splitlines()
