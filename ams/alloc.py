@@ -11,13 +11,15 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
+import warnings
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -90,20 +92,21 @@ def release_free_memory() -> None:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype)``, its memory advised onto transparent huge pages first.
+    """``torch.zeros(shape, dtype)`` in fresh anonymous memory advised onto transparent huge
+    pages.
 
     A pull or push touches rows at random across the table, one 4 KiB page per row, and on
     small pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the
     same gathers and scatters run markedly faster (benchmarks/RESULTS.md, "AMS pull/push").
     Where the kernel runs huge pages in ``madvise`` mode (the common default) only advised
-    memory gets them; with ``always`` or ``never``, or no glibc, the advice changes nothing.
+    memory gets them. The kernel hands the pages over zeroed when first touched, so nothing is
+    written here and an untouched region costs no memory.
     """
-    tensor = torch.empty(shape, dtype=dtype)
-    nbytes = tensor.numel() * tensor.element_size()
-    madvise = libc_function("madvise")
-    if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
-        start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # advise whole pages only
-        stop = (tensor.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise(start, stop - start, _MADV_HUGEPAGE)
-    return tensor.zero_()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    with warnings.catch_warnings():  # the tensor owns the region (frombuffer keeps it alive)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(region, dtype=dtype).view(shape)

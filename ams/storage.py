@@ -237,7 +237,9 @@ class MemoryStorage(Storage):
         try:
             tensors = [zeros_on_huge_pages(shape, dtype) for shape, dtype in
                        self.shapes(spec).values()]
-        except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError when malloc fails
+        # torch raises RuntimeError when malloc fails; an anonymous map, OSError or, past the
+        # address space, OverflowError
+        except (RuntimeError, MemoryError, OSError, OverflowError) as e:
             raise RequestTooLarge(
                 f"table {shorten(spec.name)} needs {needed} bytes on each of {self.num_shards} "
                 f"shards and this shard cannot allocate them ({shorten(str(e))}); "
