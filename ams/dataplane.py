@@ -197,28 +197,33 @@ class DataPlaneServer:
                 from None
         self.port: int = self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
+        self._busy: set[socket.socket] = set()  # those between a request's first byte and answer
         self._lock = threading.Lock()
         self._closed = False
         self._accepting = threading.Thread(target=self._accept_loop, name="dataplane-accept",
                                            daemon=True)
         self._accepting.start()
 
-    def close(self) -> None:
-        """Stop accepting; each connection finishes the request it is answering, then
-        closes."""
+    def close(self, grace: float = 30.0) -> None:
+        """Stop accepting and stop idle connections; a connection answering a request
+        finishes it (up to ``grace`` seconds), then closes."""
         with self._lock:
             self._closed = True
-            connections = list(self._connections)
+            idle = self._connections - self._busy
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
         except OSError:
             pass
         self._listener.close()
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
+        _stop_reading(idle)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._busy:
+                    break
+            time.sleep(0.02)
+        with self._lock:
+            _stop_reading(self._connections)
         self._accepting.join(timeout=5)
 
     def _accept_loop(self) -> None:
@@ -249,7 +254,7 @@ class DataPlaneServer:
             if self._tls is not None:
                 conn.settimeout(BODY_TIMEOUT_S)
                 sock = self._tls.wrap_socket(conn, server_side=True)
-            self._serve_requests(sock)
+            self._serve_requests(sock, conn)
         except (OSError, ssl.SSLError) as e:
             log.debug("dataplane_connection_lost error=%s", e)
         except Exception:  # a fault of this code: the connection goes, the shard serves on
@@ -257,14 +262,20 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._busy.discard(conn)
             sock.close()
 
-    def _serve_requests(self, sock: socket.socket) -> None:
-        """Answer frames in order until the peer closes, or a frame leaves the stream
-        unreadable (answered with an ERROR frame, then the connection is closed)."""
+    def _serve_requests(self, sock: socket.socket, conn: socket.socket) -> None:
+        """Answer frames in order until the peer closes, the server closes, or a frame leaves
+        the stream unreadable (answered with an ERROR frame, then the connection is closed).
+        ``conn``: the connection under ``sock`` (the same one without TLS)."""
         greeted = False
         reader = SocketReader(sock)
         while True:
+            with self._lock:
+                self._busy.discard(conn)
+                if self._closed:
+                    return
             # Both waits have a timeout, so the socket stays in one mode: switching between
             # blocking and timed costs system calls on every request.
             sock.settimeout(IDLE_TIMEOUT_S)
@@ -273,6 +284,10 @@ class DataPlaneServer:
                     return
             except TimeoutError:  # an idle pooled connection: wait on for its next request
                 continue
+            with self._lock:
+                if self._closed:
+                    return
+                self._busy.add(conn)
             sock.settimeout(BODY_TIMEOUT_S)
             try:
                 header = recv_header(reader)
@@ -362,6 +377,15 @@ class DataPlaneServer:
             send_frame(sock, Kind.ERROR, {"code": error.code, "message": str(error)})
         except OSError:
             pass  # the peer is gone; nothing to tell
+
+
+def _stop_reading(connections: set[socket.socket]) -> None:
+    """Wake each connection's thread out of its wait for a request: it sees the end."""
+    for conn in connections:
+        try:
+            conn.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
 
 
 def _server_tls(cert: bytes, key: bytes) -> ssl.SSLContext:

@@ -237,9 +237,11 @@ class RunningServer:
         set_serving(self.health, SHARD_SERVICE_NAME, True)
 
     def stop(self, grace: float = 30.0) -> None:
+        """Stop serving; calls and data-plane requests under way get ``grace`` seconds."""
         self.health.enter_graceful_shutdown()
-        self.data_plane.close()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        self.data_plane.close(grace)
+        stopped.wait()
 
 
 def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
+import time
 
 import grpc
 import pytest
@@ -18,6 +20,8 @@ import torch
 import ams
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.server import create_server
+from ams.store import ShardStore
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
@@ -363,3 +367,33 @@ def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
         peer = Peer(proc.address, token="s3cret")
         peer.hello(token="s3cret")
         peer.close()
+
+
+def test_stop_finishes_the_request_under_way_and_closes_idle_connections():
+    running = create_server(ShardStore(0, 1))
+    address = f"127.0.0.1:{running.port}"
+    try:
+        with ams.connect([address]) as client:
+            client.create_table("fc", num_rows=10, dim=4, momentum=0.0, weight_decay=0.0)
+            start = client.pull("fc", torch.arange(10)).double()
+        idle, busy = Peer(address), Peer(address)
+        for peer in (idle, busy):
+            peer.hello()
+        push = frame(PUSH, {**PUSH_META, "lr": 0.5}, [3], grads(1, 4, value=0.25))
+        busy.send(push[:-8])  # a push under way: its last bytes come after stop began
+        stopper = threading.Thread(target=running.stop, args=(30,))
+        stopper.start()
+        assert idle.is_closed()
+        time.sleep(0.2)
+        assert stopper.is_alive()  # waiting for the push under way
+        busy.send(push[-8:])
+        assert busy.answer()[:2] == (PUSHED, {"applied": True})
+        assert busy.is_closed()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        expected = start.clone()
+        expected[3] -= 0.5 * 0.25
+        torch.testing.assert_close(running.servicer.store.pull("fc", torch.arange(10)).double(),
+                                   expected, rtol=0, atol=1e-7)
+    finally:
+        running.stop(0)
