@@ -78,6 +78,13 @@ def current_graph_version(client: ShardedClient, table: str) -> int:
     return max(s["tables"][table]["graph_version"] for s in client.stats())
 
 
+def graph_on_every_shard(client: ShardedClient, table: str) -> bool:
+    """Whether every shard holds neighbor lists for ``table``. Not so when a shard restarted
+    empty, or a snapshot was taken while one had none: a lookup there would fail, so the
+    graph must be built again, in full."""
+    return min(s["tables"][table]["graph_version"] for s in client.stats()) > 0
+
+
 def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
                 method: GraphMethod | str = GraphMethod.EXACT, nlist: int = 0,
                 nprobe: int = DEFAULT_NPROBE, recall_queries: int = RECALL_QUERIES,
@@ -315,7 +322,7 @@ class GraphUpdater:
     def _refresh_due(self) -> bool:
         return (self.refresh is GraphRefresh.TOUCHED and self._refreshes is not None
                 and not (self.full_every and self._refreshes >= self.full_every)
-                and current_graph_version(self.client, self.table) > 0)
+                and graph_on_every_shard(self.client, self.table))
 
     def _break_even(self) -> float:
         """Touched classes whose refresh scores as many pairs as a full build."""

@@ -37,3 +37,18 @@ def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog):
     assert "in_memory" not in caplog.text
     np.testing.assert_array_equal(client.neighbors("fc", torch.arange(N)).numpy(), expected)
     client.close()
+
+
+def test_a_shard_without_lists_makes_the_graph_incomplete():
+    """A shard that restarted empty holds no lists while the others do: the trainer must
+    build again rather than take the newest version anywhere for a complete graph."""
+    from ams.graph_build import current_graph_version, graph_on_every_shard
+
+    client = ams.connect(local_shards=2)
+    client.create_table("fc", num_rows=40, dim=8)
+    assert not graph_on_every_shard(client, "fc")
+    build_graph(client, "fc", k=3)
+    assert graph_on_every_shard(client, "fc")
+    client.shards[0].store.table("fc").graph = None  # what an empty restart leaves
+    assert current_graph_version(client, "fc") == 1
+    assert not graph_on_every_shard(client, "fc")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ams.client import ShardedClient
 from ams.graph.churn import neighbor_turnover
-from ams.graph_build import GraphBuildReport, current_graph_version
+from ams.graph_build import GraphBuildReport, current_graph_version, graph_on_every_shard
 from workers import checkpoint
 from workers.augment import flip_horizontally
 from workers.batch_plan import Batch, BatchPlan
@@ -186,7 +186,7 @@ class Trainer:
                 # the leader has reset the job's weights to ours: take its version
                 self._barrier()
                 self.gear.sync()
-        if self.build_graph is not None and current_graph_version(self.client, self.table) == 0:
+        if self.build_graph is not None and not graph_on_every_shard(self.client, self.table):
             self._rebuild_graph()
         result = TrainResult(steps=self.step, last_loss=math.nan)
         if self.step >= self.total_steps:
