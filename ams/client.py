@@ -293,10 +293,9 @@ class RemoteShard:
             reply = self._call("Stats", pb.StatsRequest(), expect=False,
                                timeout=max(0.1, deadline - time.monotonic()))
             if self.incarnation and reply.incarnation != self.incarnation:
-                raise ShardRestarted(
-                    f"shard {reply.shard_id} of {reply.num_shards} at {self.address} "
-                    f"restarted: it is incarnation {reply.incarnation}, this client expected "
-                    f"{self.incarnation}; nothing was changed")
+                raise ShardRestarted.refusal(
+                    f"shard {reply.shard_id} of {reply.num_shards} at {self.address}",
+                    reply.incarnation, self.incarnation)
             if not reply.data_port:
                 raise Unavailable(f"shard {self.address} serves no data plane")
             self.data_port = reply.data_port
@@ -326,8 +325,8 @@ class RemoteShard:
         """The shard's rows block by block over the data plane (each block a retried call)."""
         start = 0
         while True:
-            ids, rows = self._data_call("Scan", functools.partial(
-                _scan_block, table=table, start=start, block_rows=block_rows))
+            ids, rows = self._data_call("Scan", lambda conn, deadline, start=start:
+                                        conn.scan_block(table, start, block_rows, deadline))
             if not ids.numel():
                 return
             yield ids, rows
@@ -392,11 +391,6 @@ class RemoteShard:
     def close(self) -> None:
         self._drop_connections()
         self.channel.close()
-
-
-def _scan_block(conn: DataConnection, deadline: float, *, table: str, start: int,
-                block_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return conn.scan_block(table, start, block_rows, deadline)
 
 
 # ---- the client over all shards ------------------------------------------------------------

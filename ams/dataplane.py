@@ -323,10 +323,9 @@ class DataPlaneServer:
                 raise Unauthenticated("data plane: missing or wrong auth token")
         expected = frames.meta_field(meta, "expect_incarnation", str, required=False)
         if expected is not None and expected != self.incarnation:
-            raise ShardRestarted(
-                f"shard {self.store.shard_id} of {self.store.num_shards} restarted: it is "
-                f"incarnation {self.incarnation}, the caller expected {expected}; nothing "
-                "was changed")
+            raise ShardRestarted.refusal(
+                f"shard {self.store.shard_id} of {self.store.num_shards}", self.incarnation,
+                expected)
 
     def _answer(self, sock: socket.socket, frame: Frame) -> None:
         """Apply one PULL or PUSH and answer it; its errors become ERROR frames (the stream
@@ -355,8 +354,7 @@ class DataPlaneServer:
         except Exception as e:  # answer and keep serving; the log has the trace
             log.exception("dataplane_failed method=%s", method)
             code = grpc.StatusCode.INTERNAL
-            send_frame(sock, Kind.ERROR, {"code": "INTERNAL",
-                                          "message": f"{type(e).__name__}: {e}"})
+            self._send_error(sock, error_from_code("INTERNAL", f"{type(e).__name__}: {e}"))
         finally:
             record_call(method, time.perf_counter() - started, code)
 
@@ -405,9 +403,9 @@ def _server_tls(cert: bytes, key: bytes) -> ssl.SSLContext:
 
 
 class DataConnection:
-    """One connection to a shard's data port, greeted (token, expected incarnation) and
-    checked: ``incarnation``, ``shard_id``, ``num_shards`` are the WELCOME's. Not
-    thread-safe; ``RemoteShard`` keeps a pool."""
+    """One connection to a shard's data port, greeted (token, expected incarnation: another
+    process of the shard refuses the HELLO with ABORTED). Not thread-safe; ``RemoteShard``
+    keeps a pool."""
 
     def __init__(self, host: str, port: int, *, token: str | None, tls_ca: bytes | None,
                  expect_incarnation: str | None, timeout: float) -> None:
@@ -424,13 +422,10 @@ class DataConnection:
                 hello["expect_incarnation"] = expect_incarnation
             self.sock, self.reader = sock, SocketReader(sock)
             send_frame(sock, Kind.HELLO, hello)
-            welcome = self._expect(Kind.WELCOME)
+            self._expect(Kind.WELCOME)  # a HELLO the shard refuses raises its error here
         except BaseException:
             sock.close()
             raise
-        self.incarnation = str(welcome.meta.get("incarnation", ""))
-        self.shard_id = welcome.meta.get("shard_id")
-        self.num_shards = welcome.meta.get("num_shards")
 
     def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None
                 ) -> Frame:

@@ -98,6 +98,14 @@ class ShardRestarted(AmsError):
 
     code = "ABORTED"
 
+    @classmethod
+    def refusal(cls, shard: str, incarnation: str, expected: str) -> ShardRestarted:
+        """The refusal of a call that expected incarnation ``expected`` of ``shard`` (e.g.
+        "shard 1 of 2"), which is now ``incarnation``."""
+        return cls(f"{shard} restarted: it is incarnation {incarnation}, the caller expected "
+                   f"{expected}; nothing was changed (roll back to a checkpoint, then relearn "
+                   "the incarnations)")
+
 
 ERRORS_BY_CODE: dict[str, type[AmsError]] = {
     cls.code: cls

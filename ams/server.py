@@ -24,7 +24,7 @@ from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dataplane import DataPlaneServer
-from ams.errors import FailedPrecondition
+from ams.errors import FailedPrecondition, ShardRestarted
 from ams.metrics import instrument_store
 from ams.rpc import TokenAuthInterceptor, rpc_method, set_serving, start_serving
 from ams.store import ShardStore
@@ -179,9 +179,7 @@ class IncarnationInterceptor(grpc.ServerInterceptor):
         return stamped
 
     def _refusal(self, expected: str) -> Callable:
-        message = (f"{self._where} restarted: it is incarnation {self.incarnation}, the caller "
-                   f"expected {expected}; nothing was changed (roll back to a checkpoint, then "
-                   "relearn the incarnations)")
+        message = str(ShardRestarted.refusal(self._where, self.incarnation, expected))
 
         def refuse(request: object, context: grpc.ServicerContext) -> None:
             context.set_trailing_metadata(self._trailer)

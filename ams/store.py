@@ -107,8 +107,8 @@ class TableSpec:
         """Memory the largest part of this table takes on one of ``num_shards`` shards: rows,
         state and decay clocks."""
         owned = sharding.owned_count(self.num_rows, 0, num_shards)
-        row_bytes = self.dim * _itemsize(self.dtype)
-        state_bytes = self.state_width * _itemsize(self.state_dtype)
+        row_bytes = self.dim * self.dtype.itemsize
+        state_bytes = self.state_width * self.state_dtype.itemsize
         return owned * (row_bytes + state_bytes + 8)
 
 
@@ -709,12 +709,8 @@ def _fill_initial_rows(rows: torch.Tensor, spec: TableSpec, shard_id: int,
         initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype, out=rows[start:stop])
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def _row_bytes(spec: TableSpec) -> int:
-    return spec.dim * _itemsize(spec.dtype)
+    return spec.dim * spec.dtype.itemsize
 
 
 def _check_client(client_id: object, sequence: object) -> None:

@@ -64,6 +64,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # cost, small enough that Redis streams replies instead of building one huge buffer.
 REDIS_CHUNK = 1000
 
+def _on_each_shard(pool: ThreadPoolExecutor | None, parts: list, work) -> list:
+    """``work(s, parts[s])`` for every shard s, in parallel threads when there is a pool."""
+    if pool is None:
+        return [work(0, parts[0])]
+    return list(pool.map(work, range(len(parts)), parts))
+
+
 # ---- raw socket ceiling ------------------------------------------------------------------
 
 # op (0 pull, 1 push), request payload bytes, reply bytes
@@ -118,12 +125,6 @@ class RawClient:
             self.socks.append(sock)
         self.ack = bytearray(1)
 
-    def _each(self, parts: list[torch.Tensor], work) -> None:
-        if self.pool is None:
-            work(0, parts[0])
-        else:
-            list(self.pool.map(work, range(self.num_shards), parts))
-
     def pull(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Rows land in ``out`` grouped by shard (a ceiling: no reassembly into request order)."""
         parts = _split(ids, self.num_shards)
@@ -138,7 +139,7 @@ class RawClient:
             sock.sendall(part.numpy().data)
             _recv_exact(sock, memoryview(flat)[starts[s] * row_bytes:starts[s + 1] * row_bytes])
 
-        self._each(parts, work)
+        _on_each_shard(self.pool, parts, work)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         parts = _split(ids, self.num_shards)
@@ -154,7 +155,7 @@ class RawClient:
             sock.sendall(g[starts[s] * row_bytes:starts[s + 1] * row_bytes])
             _recv_exact(sock, memoryview(self.ack))
 
-        self._each(parts, work)
+        _on_each_shard(self.pool, parts, work)
 
     def close(self) -> None:
         for sock in self.socks:
@@ -213,12 +214,6 @@ class BareGrpcClient:
             self.pulls.append(channel.unary_unary(f"/{_GRPC_SERVICE}/Pull"))
             self.pushes.append(channel.unary_unary(f"/{_GRPC_SERVICE}/Push"))
 
-    def _each(self, parts: list, work) -> None:
-        if self.pool is None:
-            work(0, parts[0])
-        else:
-            list(self.pool.map(work, range(self.num_shards), parts))
-
     def _requests(self, op: str, ids: torch.Tensor, build) -> list[bytes]:
         """Each shard's request bytes for this batch, built once (the batches repeat): the
         column times grpcio moving bytes, not this client preparing them. The cache keeps the
@@ -236,13 +231,13 @@ class BareGrpcClient:
         requests = self._requests("pull", ids, lambda pos: (
             (pos.numel() * row_bytes).to_bytes(8, "little")
             + ids.index_select(0, pos).numpy().tobytes()))
-        self._each(requests, lambda s, request: self.pulls[s](request, timeout=60))
+        _on_each_shard(self.pool, requests, lambda s, request: self.pulls[s](request, timeout=60))
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         requests = self._requests("push", ids, lambda pos: (
             ids.index_select(0, pos).numpy().tobytes()
             + grads.index_select(0, pos).numpy().tobytes()))
-        self._each(requests, lambda s, request: self.pushes[s](request, timeout=60))
+        _on_each_shard(self.pool, requests, lambda s, request: self.pushes[s](request, timeout=60))
 
     def close(self) -> None:
         for channel in self.channels:
@@ -288,11 +283,6 @@ class RedisShards:
                         raise
                     time.sleep(0.05)
 
-    def _each(self, parts: list[torch.Tensor], work) -> list:
-        if self.pool is None:
-            return [work(0, parts[0])]
-        return list(self.pool.map(work, range(self.num_shards), parts))
-
     def load(self, rows: torch.Tensor) -> None:
         ids = torch.arange(rows.shape[0])
         self.push(ids, rows)
@@ -314,7 +304,7 @@ class RedisShards:
             else:
                 rowcopy.scatter(out, pos, got)
 
-        self._each(positions, work)
+        _on_each_shard(self.pool, positions, work)
         return out
 
     def push(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -331,7 +321,7 @@ class RedisShards:
                                            strict=True)})
             pipe.execute()
 
-        self._each(positions, work)
+        _on_each_shard(self.pool, positions, work)
 
     def close(self) -> None:
         for c in self.clients.values():
