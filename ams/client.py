@@ -779,24 +779,44 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
         addresses = [a for a in addresses.split(",") if a]
     if not addresses:
         raise InvalidArgument("addresses: need at least one host:port")
+    return join_shards(list(addresses), token=token, tls_ca=tls_ca, timeout=timeout,
+                       ready_timeout=ready_timeout)
+
+
+def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = None,
+                tls_ca: bytes | None = None, timeout: float = 60.0,
+                ready_timeout: float = 30.0) -> ShardedClient:
+    """A client over ``shards[i]`` = shard i: a ``host:port`` of a shard server, or a shard
+    held in this process (``ams.local.LocalShard``), as in collective mode, where each worker
+    holds its own slice and reaches the others' over gRPC. The remote ones must be serving
+    as shard i of ``len(shards)``; their incarnations are learned now."""
     keep_large_buffers()
-    shards = [RemoteShard(a, token=token, tls_ca=tls_ca, timeout=timeout) for a in addresses]
-    client = ShardedClient(shards)
+    backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout)
+                if isinstance(s, str) else s for s in shards]
+    client = ShardedClient(backends)
+
+    def first_contact(i: int) -> dict | None:
+        backend = backends[i]
+        if not isinstance(backend, RemoteShard):
+            return None
+        backend.wait_ready(ready_timeout)
+        return backend.stats()
+
     try:
-        client._fan_out(lambda s: shards[s].wait_ready(ready_timeout))
-        layout = client._fan_out(lambda s: shards[s].stats())
+        layout = client._fan_out(first_contact)
     except AmsError:
         client.close()
         raise
     for i, info in enumerate(layout):
-        if info["shard_id"] != i or info["num_shards"] != len(shards):
+        if info is None:
+            continue
+        if info["shard_id"] != i or info["num_shards"] != len(backends):
             client.close()
             raise InvalidArgument(
-                f"addresses[{i}]={addresses[i]} is shard {info['shard_id']} of "
-                f"{info['num_shards']}, expected shard {i} of {len(shards)}: list the shards in "
-                "order, all of them")
-    for shard, info in zip(shards, layout, strict=True):
+                f"addresses[{i}]={shards[i]} is shard {info['shard_id']} of "
+                f"{info['num_shards']}, expected shard {i} of {len(backends)}: list the shards "
+                "in order, all of them")
         # first contact: from now on every call expects this process of the shard
-        shard.incarnation = info["incarnation"] or None
-        shard.data_port = info["data_port"] or None
+        backends[i].incarnation = info["incarnation"] or None
+        backends[i].data_port = info["data_port"] or None
     return client

@@ -27,7 +27,7 @@ Use::
     updater = RowUpdater(client, "fc", head_lrs)
     batch = head.prepare(labels)                   # select + pull
     out = head.forward_backward(features, batch)   # loss, dL/dX, dL/dW
-    updater.update(step, batch.active_ids, out.row_grad)
+    updater.update(step, out.active_ids, out.row_grad)
     features.backward(out.feature_grad)            # continue into the backbone
 """
 
@@ -94,7 +94,8 @@ class HeadStep:
     accuracy: fraction of samples whose highest cosine among the active classes is their label.
     num_active: A, the number of classes in the softmax.
     row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows),
-        in the order of ``ActiveBatch.active_ids``; the caller pushes it.
+        in the order of ``active_ids``; the caller pushes it.
+    active_ids: int64 (A,) the classes of ``row_grad``'s rows.
     """
 
     loss: float
@@ -102,6 +103,7 @@ class HeadStep:
     accuracy: float
     num_active: int
     row_grad: torch.Tensor
+    active_ids: torch.Tensor
 
 
 class ActiveSelector(Protocol):
@@ -161,6 +163,19 @@ class NeighborClasses:
                                self.num_classes, self.random_share)
 
 
+class RowHead(Protocol):
+    """What the trainer drives: ``ClassifierHead`` (rows in the AMS) or
+    ``workers.collective.CollectiveHead`` (rows sliced over the ranks)."""
+
+    num_classes: int
+    combine_row_grads: bool  # whether the ranks' row gradients of a step are one push
+
+    def prepare(self, labels: torch.Tensor) -> ActiveBatch: ...
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep: ...
+    def sampler_state(self) -> torch.Tensor | None: ...
+    def load_sampler_state(self, state: torch.Tensor | None) -> None: ...
+
+
 class ClassifierHead:
     """Margin softmax over the active classes of each batch, rows in an AMS table.
 
@@ -171,6 +186,10 @@ class ClassifierHead:
     made an unbiased estimate of the full one; no effect on classes taken for sure).
     The head computes in float32 on the features' device whatever the table's dtype.
     """
+
+    # Each data-parallel rank's row gradient covers only its own samples: the ranks' gradients
+    # of a step are combined into one push (workers.row_update).
+    combine_row_grads = True
 
     def __init__(self, store: RowStore, table: str, num_classes: int,
                  margin: CombinedMarginLoss, selector: ActiveSelector,
@@ -226,7 +245,7 @@ class ClassifierHead:
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
                         accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),
-                        row_grad=row_grad.cpu())
+                        row_grad=row_grad.cpu(), active_ids=batch.active_ids)
 
     def sampler_state(self) -> torch.Tensor | None:
         """The state of the generator that draws random negatives (None if the head draws
@@ -240,6 +259,13 @@ class ClassifierHead:
         generator = getattr(self.selector, "generator", None)
         if generator is not None and state is not None:
             generator.set_state(state)
+
+
+class Placement(StrEnum):
+    """Where the class rows live while a job trains."""
+
+    AMS = "ams"  # the model server: in process, or shards at their addresses
+    COLLECTIVE = "collective"  # sliced over the worker ranks (workers.collective)
 
 
 class HeadKind(StrEnum):

@@ -45,13 +45,13 @@ class CombinedMarginLoss(nn.Module):
     """Margin logits from cosines.
 
     forward(cosine, target):
-        cosine: (B, A) float (any float dtype; computed in float32), cos(theta) of normalized
-            features against normalized active rows.
+        cosine: (B, A) float (any float dtype; computed in at least float32), cos(theta) of
+            normalized features against normalized active rows.
         target: (B,) int64, position of each sample's label among the A columns, or -1 for a
             sample whose label is not among them (that row gets no margin, only the scale).
-        returns: (B, A) float32 logits, ``s * cos(theta)`` off target and
-            ``s * (cos(m1*theta + m2) - m3)`` on target (with the monotone extension described
-            in the module docstring). Differentiable w.r.t. ``cosine``.
+        returns: (B, A) logits in float32 (float64 for float64 cosines), ``s * cos(theta)``
+            off target and ``s * (cos(m1*theta + m2) - m3)`` on target (with the monotone
+            extension described in the module docstring). Differentiable w.r.t. ``cosine``.
     """
 
     def __init__(self, s: float, m1: float = 1.0, m2: float = 0.0, m3: float = 0.0) -> None:
@@ -93,7 +93,7 @@ class CombinedMarginLoss(nn.Module):
             raise ValueError(f"target positions must lie in [-1, {cosine.shape[1]}), got range "
                              f"[{int(target.min())}, {int(target.max())}]")
         with torch.autocast(device_type=cosine.device.type, enabled=False):
-            logits = cosine.float()
+            logits = cosine.to(torch.promote_types(cosine.dtype, torch.float32))
             rows = torch.nonzero(target >= 0).squeeze(1)
             cols = target[rows]
             logits = logits.index_put((rows, cols), self.target_logit(logits[rows, cols]))

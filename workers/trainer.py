@@ -41,7 +41,7 @@ from workers.batch_plan import Batch, BatchPlan
 from workers.comm import TopkCompressor
 from workers.evaluation import Evaluator
 from workers.gear import Gear
-from workers.heads import ActiveBatch, ClassifierHead, HeadStep
+from workers.heads import ActiveBatch, HeadStep, RowHead
 from workers.metrics import StepClock, record_resume, watch_gear
 from workers.predict import images_to_input
 from workers.prefetch import Prefetcher, PreparedBatch
@@ -136,7 +136,7 @@ class Trainer:
     """
 
     def __init__(self, *, client: ShardedClient, table: str, backbone: nn.Module,
-                 optimizer: torch.optim.Optimizer, head: ClassifierHead, train_set: Dataset,
+                 optimizer: torch.optim.Optimizer, head: RowHead, train_set: Dataset,
                  test_set: Dataset | None, options: LoopOptions, device: torch.device,
                  build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
                  world: int = 1, gear: Gear | None = None,
@@ -154,8 +154,9 @@ class Trainer:
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
         total = self.plan.steps_per_epoch * options.epochs
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
+        combine = head.combine_row_grads
         self.rows = RowUpdater(client, table, [self._head_lr(t) for t in range(self.total_steps)],
-                               rank=rank, world=world)
+                               rank=rank if combine else 0, world=world if combine else 1)
         self._amp = options.amp and device.type == "cuda"
         self._scaler = torch.amp.GradScaler("cuda") if self._amp else None
         self.evaluator = Evaluator(client, table, self._unwrapped(), device,
@@ -278,7 +279,7 @@ class Trainer:
         clock.lap("wait")
         out = self.head.forward_backward(features, prepared.active)
         clock.lap("head")
-        self.rows.update(self.step, prepared.active.active_ids, out.row_grad)
+        self.rows.update(self.step, out.active_ids, out.row_grad)
         clock.lap("push")
         if self.gear is not None:
             # the slow gear steps the backbone from accumulated dL/dX

@@ -64,8 +64,15 @@ class ModelConfig:
 class HeadConfig:
     kind: str = "knn"
     """which classes are active per step: full | partial | knn (workers.heads.HeadKind)"""
+    placement: str = "ams"
+    """where the class rows live: ams (the model server: in process, or the shards of
+    ams.addresses / ams.scheduler) | collective (sliced over the worker ranks, rank r
+    holding the classes c % W == r in its own memory, softmax computed model-parallel; no
+    server on the step's path; for tables whose rows and optimizer state fit the workers,
+    up to a few tens of millions of classes per host; workers.collective)"""
     sample_rate: float = 0.1
-    """partial: fraction of all classes active per step, in (0, 1]"""
+    """partial: fraction of all classes active per step, in (0, 1] (collective: of each
+    rank's slice, PartialFC's scheme)"""
     k: int = 16
     """knn: neighbors per label taken into the active set, > 0 and <= graph.k"""
     budget: int = 0
@@ -287,10 +294,11 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     from bridge import GearBackend
     from workers.comm import Compression
     from workers.gear import SlowGearMode
-    from workers.heads import HeadKind
+    from workers.heads import HeadKind, Placement
     from workers.losses import Margin
 
-    return {"head.kind": HeadKind, "head.margin": Margin, "ams.dtype": RowDtype,
+    return {"head.kind": HeadKind, "head.placement": Placement, "head.margin": Margin,
+            "ams.dtype": RowDtype,
             "graph.method": GraphMethod, "graph.refresh": GraphRefresh,
             "ams.state_dtype": RowDtype, "ams.storage": StorageKind,
             "gear.backend": GearBackend, "gear.slow": SlowGearMode,
@@ -394,6 +402,13 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
                           f"got {cfg.gear.prefix!r}")
     _check_scheduler(cfg.ams)
+    if cfg.head.placement == "collective":
+        if cfg.ams.addresses or cfg.ams.scheduler:
+            raise ConfigError("head.placement: 'collective' keeps the rows in the workers; "
+                              "leave ams.addresses and ams.scheduler empty (or use "
+                              "placement 'ams')")
+        if cfg.gear.enabled:
+            raise ConfigError("head.placement: gear mode trains with placement 'ams' only")
     if not 0 < cfg.comm.density <= 1:
         raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
     if not 0 <= cfg.optim.momentum < 1:

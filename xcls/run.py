@@ -105,9 +105,10 @@ def build_run(cfg: ExperimentConfig,
     from ams.graph import budget_for_sample_rate
     from ams.graph.ivf import load_faiss
     from ams.graph_build import GraphMethod, GraphUpdater
+    from workers.collective import CollectiveHead
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import LmdbImageDataset
-    from workers.heads import HeadKind, build_head
+    from workers.heads import HeadKind, Placement, RowHead, build_head
     from workers.losses import CombinedMarginLoss
     from workers.trainer import LoopOptions, Trainer
 
@@ -116,10 +117,11 @@ def build_run(cfg: ExperimentConfig,
         torch.set_num_threads(cfg.train.threads)
     if not cfg.data.train:
         raise ConfigError("data.train: no training dataset given (an LMDB dataset directory)")
-    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler):
+    collective = cfg.head.placement == Placement.COLLECTIVE
+    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler or collective):
         raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
                           "AMS lives inside one process); start shards with 'xcls serve shard' "
-                          "or use 'xcls cluster up'")
+                          "or use 'xcls cluster up', or head.placement = 'collective'")
     try:
         train_set = LmdbImageDataset(cfg.data.train)
         test_set = LmdbImageDataset(cfg.data.test) if cfg.data.test else None
@@ -145,9 +147,12 @@ def build_run(cfg: ExperimentConfig,
         if cfg.ams.token_file else None
     tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
         if cfg.ams.tls_ca_file else None
-    # A training worker keeps a lease; eval and export (no placement) only find the shards.
-    client = connect_ams(cfg, out_dir, token, lease_rank=rank if placement is not None else None,
-                         tls_ca=tls_ca)
+    if collective:
+        client = collective_slices(cfg, out_dir, rank, world)
+    else:
+        # A training worker keeps a lease; eval and export (no placement) only find the shards.
+        client = connect_ams(cfg, out_dir, token,
+                             lease_rank=rank if placement is not None else None, tls_ca=tls_ca)
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
                         momentum=cfg.optim.head_momentum,
@@ -159,10 +164,16 @@ def build_run(cfg: ExperimentConfig,
     compressor = build_compressor(cfg, backbone, model, optimizer, device)
     margin = CombinedMarginLoss.from_preset(cfg.head.margin, s=cfg.head.scale)
     budget = cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, num_classes)
-    head = build_head(cfg.head.kind, client, cfg.ams.table, num_classes, margin,
-                      sample_rate=cfg.head.sample_rate, k=cfg.head.k, budget=budget,
-                      random_share=cfg.head.random_share,
-                      logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
+    head_args = dict(sample_rate=cfg.head.sample_rate, k=cfg.head.k, budget=budget,
+                     random_share=cfg.head.random_share,
+                     logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
+    try:
+        head: RowHead = CollectiveHead(client, cfg.ams.table, num_classes, margin,
+                                       cfg.head.kind, rank=rank, world=world, **head_args) \
+            if collective else build_head(cfg.head.kind, client, cfg.ams.table, num_classes,
+                                          margin, **head_args)
+    except ValueError as e:
+        raise ConfigError(f"head: {e}") from None
     build_graph = None
     if cfg.head.kind == HeadKind.KNN:
         if cfg.graph.method == GraphMethod.IVF:
@@ -259,6 +270,29 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
 # How long a worker waits for every shard to register with the scheduler: the shards may start
 # after the workers.
 SHARDS_WAIT_S = 300.0
+
+
+def collective_slices(cfg: ExperimentConfig, out_dir: Path, rank: int,
+                      world: int) -> ShardedClient:
+    """Collective mode's client: this rank's slice of the rows in process, the other ranks'
+    slices reached through the shard servers they start (``workers.collective``). Snapshots
+    go to ``out_dir/ams`` as the embedded AMS's do, so eval and export (one process) restore
+    them into one shard. The slices of ranks on one host talk over 127.0.0.1; a job over
+    several hosts serves them on this host's name."""
+    import atexit
+    import os
+    import socket
+
+    from workers.collective import CollectiveShards
+
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE") or world) == world
+    host = "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())
+    shards = CollectiveShards(rank, world, data_dir=out_dir / "ams",
+                              keep_snapshots=cfg.train.snapshots_to_keep,
+                              storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables",
+                              host=host)
+    atexit.register(shards.close)
+    return shards.client
 
 
 def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,

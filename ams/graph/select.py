@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ams.sharding import owned_count
+
 
 def budget_for_sample_rate(sample_rate: float, num_classes: int) -> int:
     """PartialFC's budget: ``sample_rate * num_classes`` classes (at least 1)."""
@@ -94,8 +96,6 @@ def select_weighted(
 ) -> Selection:
     """``select_active`` (same arguments, same draws) returning a :class:`Selection`."""
     _check_ids("labels", labels, 1, num_classes)
-    if not 0.0 <= random_share <= 1.0:
-        raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
     if neighbors is None:
         order = labels
     else:
@@ -105,8 +105,65 @@ def select_weighted(
                              f"{labels.shape[0]} labels")
         ranked = neighbors.T.reshape(-1)  # rank 0 of all lists, then rank 1, ...
         order = torch.cat([labels, ranked[ranked >= 0]])
-    ranked_unique = _unique_in_order(order.numpy())
-    num_labels = np.unique(labels.numpy()).size  # the labels lead the order
+    active, log_weight = _choose(order.numpy(), np.unique(labels.numpy()).size, budget,
+                                 generator, num_classes, random_share)
+    return Selection(active=active, target=torch.searchsorted(active, labels),
+                     log_weight=log_weight)
+
+
+def select_in_slice(
+    labels: Tensor,
+    neighbors: Tensor | None,
+    budget: int,
+    generator: torch.Generator,
+    num_classes: int,
+    rank: int,
+    world: int,
+    random_share: float = 0.0,
+) -> Selection:
+    """``select_weighted`` within slice ``rank`` of ``world``: the classes ``c`` with
+    ``c % world == rank`` (the layout of ``ams.sharding``), as collective mode's ranks select.
+
+    The priority order is the global one (labels, then neighbors by rank) with the classes of
+    other slices left out; ``budget`` and the uniform fill count within the slice, so
+    ``world == 1`` draws exactly what ``select_weighted`` draws. ``labels`` (B,) and
+    ``neighbors`` (B, k) are the whole global batch's. Returns the slice's active classes
+    (global ids, sorted), ``target`` (B,) with -1 for the labels of other slices, and the
+    logQ weights with ``pool`` counted within the slice.
+    """
+    _check_ids("labels", labels, 1, num_classes)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must lie in [0, world={world})")
+    size = owned_count(num_classes, rank, world)
+    if size == 0:
+        raise ValueError(f"slice {rank} of {world} holds no class of {num_classes}")
+    own = labels % world == rank
+    order = labels[own] // world
+    num_labels = np.unique(order.numpy()).size
+    if neighbors is not None:
+        _check_ids("neighbors", neighbors, 2, num_classes, allow_padding=True)
+        if neighbors.shape[0] != labels.shape[0]:
+            raise ValueError(f"neighbors has {neighbors.shape[0]} lists for "
+                             f"{labels.shape[0]} labels")
+        ranked = neighbors.T.reshape(-1)
+        ranked = ranked[(ranked >= 0) & (ranked % world == rank)]
+        order = torch.cat([order, ranked // world])
+    local, log_weight = _choose(order.numpy(), num_labels, budget, generator, size,
+                                random_share)
+    active = local * world + rank
+    target = torch.full_like(labels, -1)
+    target[own] = torch.searchsorted(local, labels[own] // world)
+    return Selection(active=active, target=target, log_weight=log_weight)
+
+
+def _choose(order: np.ndarray, num_labels: int, budget: int, generator: torch.Generator,
+            num_classes: int, random_share: float) -> tuple[Tensor, Tensor]:
+    """The core of ``select_weighted``: from ``order`` (n,) int64, the priority order whose
+    first distinct ``num_labels`` values are the labels, the active classes (A,) sorted and
+    their logQ weights (A,) float32."""
+    if not 0.0 <= random_share <= 1.0:
+        raise ValueError(f"random_share must lie in [0, 1], got {random_share}")
+    ranked_unique = _unique_in_order(order)
     total = max(min(budget, num_classes), num_labels)
     negatives = total - num_labels
     chosen = ranked_unique[:total - round(random_share * negatives)]
@@ -117,8 +174,7 @@ def select_weighted(
         pool = num_classes - chosen.size
         log_weight[torch.searchsorted(active, torch.from_numpy(fill))] = \
             float(np.log(pool / fill.size))
-    return Selection(active=active, target=torch.searchsorted(active, labels),
-                     log_weight=log_weight)
+    return active, log_weight
 
 
 def select_partial(

@@ -1,0 +1,174 @@
+"""workers.collective on 2 and 3 real gloo ranks: the model-parallel softmax against a float64
+single-process reference (loss, dL/dX, the updated rows), and the slices' selections against
+what a single process selects."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import ams
+from ams.graph.select import budget_for_sample_rate, select_weighted
+from ams.graph_build import build_graph
+from tests.conftest import free_port, set_torchrun_env
+from workers.collective import CollectiveHead, CollectiveShards
+from workers.distributed import process_group
+from workers.losses import CombinedMarginLoss
+from workers.row_update import RowUpdater
+
+N, D, B = 23, 6, 4  # 23 classes: no world size here divides them evenly
+SCALE, MARGIN = 16.0, 0.35  # CosFace
+LR, WD = 0.7, 0.01
+KNN_BUDGET = 6  # small enough that every slice cuts its priority order
+
+
+def make_table(client) -> None:
+    client.create_table("fc", num_rows=N, dim=D, momentum=0.0, weight_decay=WD, seed=3,
+                        init_std=0.3)
+
+
+def global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    features = torch.randn(world * B, D, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, N, (world * B,), generator=g)
+    labels[:3] = torch.tensor([0, 0, N - 1])  # a repeated label and the last class
+    return features, labels
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    set_torchrun_env(rank, world, port)
+    with process_group(world, torch.device("cpu")):
+        shards = CollectiveShards(rank, world, data_dir=Path(out) / f"ams-{rank}",
+                                  keep_snapshots=1)
+        client = shards.client
+        make_table(client)
+        features, labels = global_batch(world)
+        mine = slice(rank * B, (rank + 1) * B)
+        margin = CombinedMarginLoss(SCALE, m3=MARGIN)
+        result = {}
+
+        full = CollectiveHead(client, "fc", N, margin, "full", rank=rank, world=world)
+        before = client.pull("fc", torch.arange(N))
+        step = full.forward_backward(features[mine], full.prepare(labels[mine]))
+        RowUpdater(client, "fc", [LR]).update(0, step.active_ids, step.row_grad)
+        result["full"] = {"loss": step.loss, "accuracy": step.accuracy,
+                          "feature_grad": step.feature_grad, "active": step.active_ids,
+                          "row_grad": step.row_grad, "num_active": step.num_active,
+                          "before": before, "after": client.pull("fc", step.active_ids)}
+
+        partial = CollectiveHead(client, "fc", N, margin, "partial", rank=rank, world=world,
+                                 sample_rate=0.5, seed=5 + rank)
+        drawn_from = partial.generator.get_state()
+        dist_barrier()  # every slice has taken the full step
+        now = client.pull("fc", torch.arange(N))
+        step = partial.forward_backward(features[mine], partial.prepare(labels[mine]))
+        partial.generator.set_state(drawn_from)  # the same draw again, for its logQ weights
+        result["partial"] = {"loss": step.loss, "active": step.active_ids,
+                             "again": vars(partial._select(labels)),
+                             "generator_state": drawn_from, "rows": now}
+
+        dist_barrier()
+        if rank == 0:
+            build_graph(client, "fc", 4)
+        dist_barrier()
+        knn = CollectiveHead(client, "fc", N, margin, "knn", rank=rank, world=world, k=3,
+                             budget=KNN_BUDGET, random_share=0.0, seed=9)
+        result["knn"] = {"active": knn._select(labels).active}
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist_barrier()
+        shards.close()
+
+
+def dist_barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def reference_step(world: int, rows: torch.Tensor, columns: torch.Tensor,
+                   log_weight: torch.Tensor | None = None):
+    """Float64 CosFace softmax over the rows of ``columns`` for the global batch: loss,
+    dL/dX (W·B, D), dL/dW of those rows, and the top-1 accuracy."""
+    features, labels = global_batch(world)
+    x = features.clone().requires_grad_(True)
+    w = rows[columns].double().requires_grad_(True)
+    cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
+    target = torch.searchsorted(columns, labels)
+    assert torch.equal(columns[target], labels)
+    onehot = F.one_hot(target, columns.numel()).double()
+    logits = SCALE * (cosine - MARGIN * onehot)
+    if log_weight is not None:
+        logits = logits + log_weight.double()
+    loss = F.cross_entropy(logits, target)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    accuracy = (cosine.argmax(dim=1) == target).double().mean()
+    return float(loss), dx, dw, float(accuracy)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_heads_match_one_process_in_float64(tmp_path, world):
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    rows = parts[0]["full"]["before"].double()
+    _, labels = global_batch(world)
+
+    # full: loss, dL/dX and the rows after one step equal the single-process full head
+    loss, dx, dw, accuracy = reference_step(world, rows, torch.arange(N))
+    for r, part in enumerate(parts):
+        got = part["full"]
+        assert got["loss"] == pytest.approx(loss, rel=1e-12)
+        assert got["accuracy"] == pytest.approx(accuracy)
+        assert got["num_active"] == N
+        assert torch.equal(got["active"], torch.arange(r, N, world))
+        # each rank's dL/dX is that of the mean loss over its own samples (DDP averages)
+        torch.testing.assert_close(got["feature_grad"], dx[r * B:(r + 1) * B] * world,
+                                   rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got["row_grad"].double(), dw[got["active"]],
+                                   rtol=1e-5, atol=1e-7)
+        before = rows[got["active"]]
+        want = before - LR * (dw[got["active"]] + WD * before)  # dense SGD, float64
+        torch.testing.assert_close(got["after"].double(), want, rtol=1e-5, atol=1e-6)
+
+    # partial: each slice draws what the single-process partial selector draws over the
+    # slice's classes with the same seed; the loss is the softmax over all slices' columns
+    # with each slice's logQ weights
+    columns = torch.cat([p["partial"]["active"] for p in parts])
+    log_weight = torch.cat([p["partial"]["again"]["log_weight"] for p in parts])
+    order = columns.argsort()
+    loss, _, _, _ = reference_step(world, parts[0]["partial"]["rows"].double(), columns[order],
+                                   log_weight[order])
+    for r, part in enumerate(parts):
+        assert part["partial"]["loss"] == pytest.approx(loss, rel=1e-12)
+        assert torch.equal(part["partial"]["again"]["active"], part["partial"]["active"])
+        size = len(range(r, N, world))
+        generator = torch.Generator()
+        generator.set_state(part["partial"]["generator_state"])
+        local = labels[labels % world == r] // world
+        want = select_weighted(local, None, budget_for_sample_rate(0.5, size), generator, size)
+        assert torch.equal(part["partial"]["active"], want.active * world + r)
+
+    # knn (random_share 0): each slice takes the first classes of the global priority order
+    # (labels, then the lists' entries rank by rank) that fall in it, up to its share of the
+    # budget; the lists are a brute-force float64 search (the class itself first)
+    normed = F.normalize(parts[0]["partial"]["rows"].double(), dim=1)
+    nearest = (normed @ normed.t()).topk(3, dim=1).indices
+    priority = labels.tolist() + [int(nearest[c, j]) for j in range(3) for c in labels]
+    for r, part in enumerate(parts):
+        size = len(range(r, N, world))
+        mine = list(dict.fromkeys(c for c in priority if c % world == r))
+        labels_here = len({int(c) for c in labels if c % world == r})
+        total = max(min(math.ceil(KNN_BUDGET * size / N), size), labels_here)
+        assert part["knn"]["active"].tolist() == sorted(mine[:total])
+
+
+def test_collective_head_refuses_more_ranks_than_classes():
+    client = ams.connect(local_shards=1)
+    make_table(client)
+    with pytest.raises(ValueError, match="one class per rank"):
+        CollectiveHead(client, "fc", 2, CombinedMarginLoss(SCALE), "full", rank=0, world=3)
