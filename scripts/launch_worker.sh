@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Start this host's training workers (one per GPU) with torchrun, against running AMS shards.
+# Start this host's training workers (one per GPU) with torchrun, against running AMS shards
+# or, with --collective, holding the class rows themselves.
 set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: scripts/launch_worker.sh [options] (--ams ADDR[,ADDR...] | --scheduler HOST:PORT) CONFIG
-                                [XCLS_TRAIN_ARGS...]
+Usage: scripts/launch_worker.sh [options] (--ams ADDR[,ADDR...] | --scheduler HOST:PORT |
+                                          --collective) CONFIG [XCLS_TRAIN_ARGS...]
 
 Run 'xcls train CONFIG' under torchrun on this host: NPROC_PER_NODE workers here, NNODES hosts
 in all, data-parallel over NCCL (gloo without CUDA). The shards (scripts/launch_server.sh) must
@@ -23,6 +24,9 @@ Options (each falls back to the environment variable named, then the default):
   --scheduler HOST:PORT   find the shards through the job's scheduler  AMS_SCHEDULER
                           and keep a lease with it (a lost shard or
                           worker rolls training back); give this or --ams
+  --collective            no shards: the workers hold the class rows,  (off)
+                          sliced over the ranks (head.placement =
+                          collective); give this, --ams or --scheduler
   --auth-token-file FILE  the shards' shared secret                    AMS_TOKEN_FILE (none)
   --rdzv-endpoint H:P     c10d rendezvous (a host all can reach; any   RDZV_ENDPOINT (none:
                           free port)                                   static)
@@ -56,6 +60,7 @@ EOF
 }
 
 ams=${AMS_ADDRESSES:-}
+collective=0
 scheduler=${AMS_SCHEDULER:-}
 metrics_port=${METRICS_PORT:-}
 max_restarts=${MAX_RESTARTS:-3}
@@ -91,6 +96,7 @@ while (($#)); do
         --dry-run) dry_run=1; shift ;;
         --ams) need_value "$1" $#; ams=$2; shift 2 ;;
         --scheduler) need_value "$1" $#; scheduler=$2; shift 2 ;;
+        --collective) collective=1; shift ;;
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
         --max-restarts) need_value "$1" $#; max_restarts=$2; shift 2 ;;
         --auth-token-file) need_value "$1" $#; token=$2; shift 2 ;;
@@ -111,9 +117,13 @@ if [[ -z $config ]]; then
     echo "error: CONFIG is required (see --help)" >&2
     exit 2
 fi
-if [[ -z $ams && -z $scheduler ]]; then
+if ((collective)) && [[ -n $ams || -n $scheduler ]]; then
+    echo "error: --collective keeps the rows in the workers; give no --ams or --scheduler" >&2
+    exit 2
+fi
+if [[ -z $ams && -z $scheduler ]] && ! ((collective)); then
     echo "error: --ams (or AMS_ADDRESSES) or --scheduler (or AMS_SCHEDULER) is required:" \
-        "the shards' host:port list, or the scheduler that knows them" >&2
+        "the shards' host:port list, or the scheduler that knows them (or --collective)" >&2
     exit 2
 fi
 if [[ -n $ams && -n $scheduler ]]; then
@@ -173,7 +183,9 @@ else
 fi
 cmd+=(--nproc-per-node "$nproc" --max-restarts "$max_restarts" "${torchrun_args[@]}"
       -m xcls train "$config")
-if [[ -n $scheduler ]]; then
+if ((collective)); then
+    cmd+=(--set "head.placement=collective")
+elif [[ -n $scheduler ]]; then
     cmd+=(--set "ams.scheduler=$scheduler")
 else
     cmd+=(--set "ams.addresses=$ams")
@@ -189,4 +201,7 @@ if ((dry_run)); then
     echo "${cmd[*]@Q}"
     exit 0
 fi
+# A restarted group must not read the addresses of the group before it from torchrun's shared
+# store (docs/reliability.md); a store per restart avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "${cmd[@]}"

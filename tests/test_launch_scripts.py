@@ -89,6 +89,17 @@ def test_server_bad_args(argv, message):
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
+def test_worker_dry_run_in_collective_mode_starts_workers_without_shards():
+    argv = dry_run(WORKER, "--collective", "--nproc-per-node", "2", "exp.toml")
+    launch = torchrun_parser().parse_args(argv[3:])
+    args = xcls_args(launch.training_script_args)
+    assert args.overrides == ["head.placement=collective"]
+
+    from xcls.config import load_config
+
+    assert load_config(None, args.overrides).head.placement == "collective"
+
+
 def test_worker_dry_run_is_a_valid_torchrun_command():
     argv = dry_run(WORKER, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
                    "--nproc-per-node", "8", "--ams", "s0:7001,s1:7001", "--auth-token-file",
@@ -150,6 +161,7 @@ def test_worker_with_a_scheduler_and_metrics():
     (["--ams", "h:1"], "CONFIG is required"),
     (["exp.toml"], "--ams (or AMS_ADDRESSES) or --scheduler"),
     (["--ams", "h:1", "--scheduler", "s:1", "e.toml"], "not both"),
+    (["--collective", "--ams", "h:1", "e.toml"], "give no --ams or --scheduler"),
     (["--scheduler", "s", "e.toml"], "must be HOST:PORT"),
     (["--ams", "h:1", "--metrics-port", "p", "e.toml"], "--metrics-port must be a number"),
     (["--ams", "h:1", "--max-restarts", "-1", "e.toml"], "--max-restarts must be a number"),

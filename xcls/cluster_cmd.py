@@ -146,6 +146,10 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
         raise SystemExit("error: --slow-workers needs gear.enabled=true, gear.slow=external and "
                          "gear.backend=redis in the config (the slow gear reads the Redis "
                          "stream the trainers write)")
+    if cfg.head.placement == "collective":
+        raise SystemExit("error: head.placement = 'collective' keeps the rows in the workers and "
+                         "needs no shards: run 'torchrun --nproc-per-node W -m xcls train "
+                         "CONFIG' (or scripts/launch_worker.sh)")
     if cfg.ams.addresses:
         log.warning("config_addresses_replaced was=%s", ",".join(cfg.ams.addresses))
     if cfg.ams.token_file and not Path(cfg.ams.token_file).is_file():
