@@ -160,6 +160,9 @@ def test_run_assembly_refuses_what_compression_cannot_take():
                          optimizer, cpu)
     with pytest.raises(ConfigError, match="train.amp=false"):
         build_compressor(load_config(None, topk), model, model, optimizer, cuda)
+    with pytest.raises(ConfigError, match="optim.name=sgd"):
+        build_compressor(load_config(None, [*topk, "optim.name=lars"]), model, model,
+                         optimizer, cpu)
     # a lone worker sends nothing: no hook, and the optimizer keeps its momentum
     assert build_compressor(load_config(None, topk), model, model, optimizer, cpu) is None
     assert optimizer.param_groups[0]["momentum"] == 0.9

@@ -433,7 +433,12 @@ class Trainer:
         # The momentum is this run's own: top-k compression moves it out of the optimizer, so
         # a checkpoint saved with or without compression must not bring its setting along.
         momenta = [group.get("momentum") for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(shared["optimizer"])
+        try:
+            self.optimizer.load_state_dict(shared["optimizer"])
+        except ValueError as e:
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.checkpoint_dir(out, step)}: its optimizer state does not fit this "
+                f"run's optimizer (optim.name changed?): {e}") from None
         for group, momentum in zip(self.optimizer.param_groups, momenta, strict=True):
             if momentum is not None:
                 group["momentum"] = momentum

@@ -96,6 +96,13 @@ class HeadConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "sgd"
+    """the backbone's optimizer: sgd (momentum SGD) | lars (momentum SGD with each weight
+    tensor's step scaled by its trust ratio, lars_eta * |w| / (|g| + weight_decay * |w|);
+    biases and norms excluded: no decay, no trust ratio; for large global batches;
+    workers.lars)"""
+    lars_eta: float = 0.001
+    """lars: the trust coefficient, > 0"""
     lr: float = 0.1
     """peak learning rate of the backbone, >= 0"""
     head_lr: float = 0.0
@@ -279,6 +286,7 @@ class ExperimentConfig:
 
 
 CHOICES = {
+    "optim.name": ("sgd", "lars"),
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
 }
@@ -411,6 +419,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             raise ConfigError("head.placement: gear mode trains with placement 'ams' only")
     if not 0 < cfg.comm.density <= 1:
         raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
+    if cfg.optim.lars_eta <= 0:
+        raise ConfigError(f"optim.lars_eta: must be > 0, got {cfg.optim.lars_eta}")
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
     if not 0 <= cfg.optim.head_momentum < 1:

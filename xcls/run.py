@@ -73,7 +73,7 @@ def worker_placement(cfg: ExperimentConfig) -> tuple[int, int, torch.device]:
 def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
                                  device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``cfg.model``'s backbone for ``meta``'s images, seeded with ``train.seed`` and moved to
-    ``device``, and the SGD optimizer of ``cfg.optim`` over its parameters.
+    ``device``, and the optimizer of ``cfg.optim`` (SGD or LARS) over its parameters.
 
     Every process that builds from the same config starts from the same weights: the
     data-parallel ranks, and a slow-gear worker standing in for weights nobody published yet.
@@ -81,6 +81,7 @@ def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
     import torch
 
     from workers.backbones import build_backbone
+    from workers.lars import LARS, lars_param_groups
 
     torch.manual_seed(cfg.train.seed)
     try:
@@ -90,8 +91,14 @@ def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
     backbone = backbone.to(device)
     # A DistributedDataParallel wrapper shares these parameter objects, so this optimizer
     # also steps a wrapped backbone.
-    optimizer = torch.optim.SGD(backbone.parameters(), lr=cfg.optim.lr,
-                                momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    o = cfg.optim
+    if o.name == "lars":
+        optimizer: torch.optim.Optimizer = LARS(
+            lars_param_groups(backbone, o.weight_decay), lr=o.lr, momentum=o.momentum,
+            weight_decay=o.weight_decay, eta=o.lars_eta)
+    else:
+        optimizer = torch.optim.SGD(backbone.parameters(), lr=o.lr, momentum=o.momentum,
+                                    weight_decay=o.weight_decay)
     return backbone, optimizer
 
 
@@ -251,6 +258,10 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
     if cfg.gear.enabled:
         raise ConfigError("comm.compression: gear mode steps the backbone in the slow gear, "
                           "which takes no compressed gradients; set comm.compression=none")
+    if cfg.optim.name == "lars":
+        raise ConfigError("comm.compression: top-k moves the momentum into the hook, ahead of "
+                          "LARS's trust ratios, which would then scale velocities; use "
+                          "optim.name=sgd with compression")
     if device.type == "cuda" and cfg.train.amp:
         raise ConfigError("comm.compression: top-k does not take AMP's scaled gradients "
                           "(a changing loss scale would corrupt the kept residuals); set "
