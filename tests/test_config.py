@@ -116,6 +116,11 @@ def test_hostile_files(tmp_path, text, needle):
     ("head.kind.x=1", "not a section"),
     ("optim.lr=fast", "optim.lr: expected a number"),
     ("nokey", "expected KEY=VALUE"),
+    ("train.batch_schedule=[64, 0]", "train.batch_schedule: every batch must be > 0"),
+    ("train.batch_schedule=64", "train.batch_schedule: expected a list"),
+    ("train.batch_schedule=[64, 1.5]", "expected an integer"),
+    ("head.placement=ps", "head.placement: 'ps' is not one of"),
+    ("optim.name=adam", "optim.name: 'adam' is not one of"),
 ])
 def test_hostile_overrides(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -164,3 +169,10 @@ def test_written_config_hides_url_passwords(tmp_path, url, written, secret):
 def test_written_config_keeps_urls_without_password(tmp_path):
     cfg = load_config(None, ["gear.redis_url=redis://alice@127.0.0.1:6379/3"])
     assert tomllib.loads(to_toml(cfg))["gear"]["redis_url"] == "redis://alice@127.0.0.1:6379/3"
+
+
+def test_collective_placement_refuses_shards_and_gear():
+    with pytest.raises(ConfigError, match="leave ams.addresses and ams.scheduler empty"):
+        load_config(None, ["head.placement=collective", "ams.addresses=[\"h:1\"]"])
+    with pytest.raises(ConfigError, match="gear mode trains with placement 'ams' only"):
+        load_config(None, ["head.placement=collective", "gear.enabled=true"])

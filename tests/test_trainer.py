@@ -222,6 +222,20 @@ def test_class_rows_take_sgd_with_the_configured_row_momentum(glyphs_small, tmp_
                                atol=1e-6)
 
 
+def test_a_growing_batch_scales_the_learning_rates_of_its_epochs(glyphs_small, tmp_path):
+    n = len(LmdbImageDataset(glyphs_small / "train"))
+    for scaling, factor in ((True, 2.0), (False, 1.0)):
+        cfg = load_config(None, overrides(glyphs_small, tmp_path / f"run-{scaling}", **{
+            "train.batch_schedule": "[32, 64]", "train.batch_lr_scaling": scaling,
+            "train.epochs": 3, "optim.warmup_steps": 0, "optim.schedule": "constant",
+            "optim.head_lr": 0.2}))
+        trainer = build_run(cfg).trainer
+        first = n // 32
+        assert trainer.total_steps == first + 2 * (n // 64)
+        assert trainer.rows.lrs == [0.2] * first + [0.2 * factor] * (2 * (n // 64))
+        assert trainer._lr(first - 1) == 0.1 and trainer._lr(first) == 0.1 * factor
+
+
 def final_state(out: Path, step: int):
     """Backbone weights of the checkpoint and the class rows of its AMS snapshot."""
     from ams.snapshot import read_piece, step_dir

@@ -6,7 +6,7 @@ the samples it had not yet seen, whatever the number of workers it resumes with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -16,40 +16,67 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class BatchPlan:
-    """Each epoch is a seeded permutation of all samples; global batch g covers permutation
-    entries [g·B·W, (g+1)·B·W) and rank r takes its r-th slice of B. The position saved in a
-    checkpoint is (epoch, samples consumed in the epoch), so a resumed run — with the same or
-    a different worker count W — continues with exactly the samples not yet seen.
+    """Each epoch is a seeded permutation of all samples; global batch g of epoch e covers
+    permutation entries [g·B_e·W, (g+1)·B_e·W) and rank r takes its r-th slice of B_e. The
+    position saved in a checkpoint is (epoch, samples consumed in the epoch), so a resumed run
+    — with the same or a different worker count W — continues with exactly the samples not yet
+    seen.
+
+    batch_size: the per-rank batch B, or the growing batch of each epoch (``[B_0, B_1, ...]``;
+    epochs past the list keep its last entry; the fast continuous convergence strategy grows
+    the batch at the start of every epoch).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world: int,
-                 seed: int) -> None:
-        self.num_samples, self.batch_size = num_samples, batch_size
+    def __init__(self, num_samples: int, batch_size: int | Sequence[int], rank: int,
+                 world: int, seed: int) -> None:
+        sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0
+                            for b in sizes):
+            raise ValueError(f"batch sizes must be positive integers, got {batch_size!r}")
+        self.num_samples, self.batch_sizes = num_samples, sizes
         self.rank, self.world, self.seed = rank, world, seed
-        self.global_batch = batch_size * world
-        if num_samples < self.global_batch:
+        if num_samples < max(sizes) * world:
             raise ValueError(f"the dataset has {num_samples} samples, fewer than one global "
-                             f"batch ({batch_size} x {world} workers)")
+                             f"batch ({max(sizes)} x {world} workers)")
+
+    @property
+    def batch_size(self) -> int:
+        """The per-rank batch of the first epoch."""
+        return self.batch_sizes[0]
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch
+        """The steps of the first epoch (of every epoch, without a growing batch)."""
+        return self.steps_in_epoch(0)
+
+    def batch_size_at(self, epoch: int) -> int:
+        """The per-rank batch of ``epoch``."""
+        return self.batch_sizes[min(epoch, len(self.batch_sizes) - 1)]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.num_samples // (self.batch_size_at(epoch) * self.world)
+
+    def epoch_of_steps(self, epochs: int) -> list[int]:
+        """The epoch of each step of a run of ``epochs`` epochs."""
+        return [e for e in range(epochs) for _ in range(self.steps_in_epoch(e))]
 
     def batches(self, epoch: int, consumed: int) -> Iterator[list[int]]:
         """This rank's sample ids of each remaining global batch of ``epoch``, starting
         ``consumed`` samples into it."""
         order = torch.randperm(self.num_samples,
                                generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
-        for start in range(consumed, self.steps_per_epoch * self.global_batch,
-                           self.global_batch):
-            mine = start + self.rank * self.batch_size
-            yield order[mine:mine + self.batch_size].tolist()
+        size = self.batch_size_at(epoch)
+        whole = size * self.world
+        for start in range(consumed, self.steps_in_epoch(epoch) * whole, whole):
+            mine = start + self.rank * size
+            yield order[mine:mine + size].tolist()
 
     def advance(self, position: tuple[int, int]) -> tuple[int, int]:
         """The (epoch, consumed) position after one more global batch from ``position``."""
         epoch, consumed = position
-        consumed += self.global_batch
-        if consumed >= self.steps_per_epoch * self.global_batch:
+        whole = self.batch_size_at(epoch) * self.world
+        consumed += whole
+        if consumed >= self.steps_in_epoch(epoch) * whole:
             return epoch + 1, 0
         return epoch, consumed
 

@@ -64,7 +64,9 @@ class LoopOptions:
     out_dir: Path
     epochs: int = 10
     max_steps: int = 0
-    batch_size: int = 256
+    batch_size: int | list[int] = 256  # per rank; a list: the growing batch of each epoch
+    # with a growing batch, scale the learning rates with it (linear scaling rule)
+    batch_lr_scaling: bool = True
     num_workers: int = 2
     prefetch_depth: int = 1
     lr: float = 0.1
@@ -152,7 +154,8 @@ class Trainer:
         self.compressor = compressor
         watch_gear(gear)  # its cache and accumulator counters, read at scrape time
         self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
-        total = self.plan.steps_per_epoch * options.epochs
+        self._epoch_of_step = self.plan.epoch_of_steps(options.epochs)
+        total = len(self._epoch_of_step)
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
         combine = head.combine_row_grads
         self.rows = RowUpdater(client, table, [self._head_lr(t) for t in range(self.total_steps)],
@@ -295,11 +298,18 @@ class Trainer:
 
     def _lr(self, step: int) -> float:
         return lr_at(step, self.options.lr, self.options.warmup_steps, self.total_steps,
-                     self.options.schedule)
+                     self.options.schedule) * self._batch_scale(step)
 
     def _head_lr(self, step: int) -> float:
         return lr_at(step, self.options.head_lr, self.options.warmup_steps, self.total_steps,
-                     self.options.schedule)
+                     self.options.schedule) * self._batch_scale(step)
+
+    def _batch_scale(self, step: int) -> float:
+        """The step's batch over the first epoch's, when the learning rates follow a growing
+        batch (1 otherwise)."""
+        if not self.options.batch_lr_scaling or step >= len(self._epoch_of_step):
+            return 1.0
+        return self.plan.batch_size_at(self._epoch_of_step[step]) / self.plan.batch_size
 
     def _epoch_batches(self) -> Iterator[tuple[int, Batch]]:
         """(epoch, batch) from the current position to the end of training."""

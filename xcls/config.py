@@ -196,6 +196,15 @@ class TrainConfig:
     epochs: int = 10
     max_steps: int = 0
     """stop after this many steps (0: run all epochs)"""
+    batch_schedule: list[int] = field(default_factory=list)
+    """a batch that grows during training: the per-rank batch of each epoch, e.g. [64, 96,
+    128, 192, 256] (epochs past the list keep its last entry; each > 0); empty: data.batch_size
+    throughout. With optim.name = lars and optim.schedule = constant this is the fast
+    continuous convergence strategy (docs/accuracy.md)"""
+    batch_lr_scaling: bool = True
+    """with a batch_schedule, multiply each step's learning rates (backbone and rows) by its
+    batch over the first epoch's (the linear scaling rule); false keeps them as optim says
+    (growing the batch then stands in for decaying the learning rate)"""
     seed: int = 0
     prefetch_depth: int = 1
     """batches whose active rows are pulled ahead (0: strict, pull after the last push)"""
@@ -419,6 +428,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             raise ConfigError("head.placement: gear mode trains with placement 'ams' only")
     if not 0 < cfg.comm.density <= 1:
         raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
+    if any(b <= 0 for b in cfg.train.batch_schedule):
+        raise ConfigError(f"train.batch_schedule: every batch must be > 0, got "
+                          f"{cfg.train.batch_schedule}")
     if cfg.optim.lars_eta <= 0:
         raise ConfigError(f"optim.lars_eta: must be > 0, got {cfg.optim.lars_eta}")
     if not 0 <= cfg.optim.momentum < 1:

@@ -196,7 +196,8 @@ def build_run(cfg: ExperimentConfig,
 
     options = LoopOptions(
         out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
-        batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
+        batch_size=cfg.train.batch_schedule or cfg.data.batch_size,
+        batch_lr_scaling=cfg.train.batch_lr_scaling, num_workers=cfg.data.num_workers,
         prefetch_depth=cfg.train.prefetch_depth, lr=cfg.optim.lr,
         head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
         schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
