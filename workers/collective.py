@@ -87,6 +87,8 @@ class CollectiveHead:
             self.budget = max(1, math.ceil(budget * self.slice_size / num_classes))
         else:
             self.budget = self.slice_size
+        self._slice = torch.arange(rank, num_classes, world, dtype=torch.int64)
+        self._no_weight = torch.zeros(self.slice_size, dtype=torch.float32)
         self.k, self.random_share = k, random_share
         self.logq_correction = logq_correction and self.kind != HeadKind.FULL
         self.generator = torch.Generator().manual_seed(seed)
@@ -128,7 +130,7 @@ class CollectiveHead:
         dtype = torch.promote_types(features.dtype, torch.float32)
         local_batch = features.shape[0]
         all_labels = self._gather(labels.to(device)).cpu()
-        selection = self._select(all_labels)
+        selection = self._select(all_labels, device)
         rows = self.store.pull(self.table, selection.active)
         if features.shape[1] != rows.shape[1]:
             raise ValueError(f"features have dim {features.shape[1]} but table {self.table!r} "
@@ -141,27 +143,33 @@ class CollectiveHead:
             logits = self.margin(cosine, target).to(dtype)
             if self.logq_correction:
                 logits = logits + selection.log_weight.to(device=device, dtype=dtype)
-            loss, accuracy, logit_grad = self._softmax(logits.detach(), cosine.detach(), target)
+            loss, accuracy, num_active, logit_grad = self._softmax(
+                logits.detach(), cosine.detach(), target)
             feature_grad, row_grad = torch.autograd.grad(logits, (x, w), logit_grad)
         feature_grad = self._all_reduce(feature_grad)
         mine = feature_grad[self.rank * local_batch:(self.rank + 1) * local_batch] * self.world
-        num_active = self._all_reduce(torch.tensor([float(selection.active.numel())],
-                                                   device=device))
         return HeadStep(loss=loss, feature_grad=mine.to(features.dtype), accuracy=accuracy,
-                        num_active=int(num_active.item()),
+                        num_active=num_active,
                         row_grad=row_grad.float().cpu(), active_ids=selection.active)
 
     # ---- parts ------------------------------------------------------------------------
 
-    def _select(self, labels: torch.Tensor) -> Selection:
-        """This slice's active classes for the global batch's labels (W·B,)."""
+    def _select(self, labels: torch.Tensor, device: torch.device | None = None) -> Selection:
+        """This slice's active classes for the global batch's labels (W·B,) (CPU; ``device``:
+        where the collectives run, the features' device)."""
+        if self.kind == HeadKind.FULL:
+            # the whole slice, the same every step: no draw, no selection
+            own = labels % self.world == self.rank
+            target = torch.where(own, labels // self.world, -1)
+            return Selection(active=self._slice, target=target, log_weight=self._no_weight)
         neighbors = None
         if self.kind == HeadKind.KNN:
-            neighbors = self._neighbor_lists(labels)
+            neighbors = self._neighbor_lists(labels, device)
         return select_in_slice(labels, neighbors, self.budget, self.generator,
                                self.num_classes, self.rank, self.world, self.random_share)
 
-    def _neighbor_lists(self, labels: torch.Tensor) -> torch.Tensor:
+    def _neighbor_lists(self, labels: torch.Tensor, device: torch.device | None
+                        ) -> torch.Tensor:
         """The first ``k`` neighbors of every label, int64 (W·B, k), -1 padding: each rank
         reads the lists of the labels in its slice, and a max all-reduce (every other entry
         -1) hands all of them to every rank."""
@@ -174,12 +182,14 @@ class CollectiveHead:
                                  f"{self.table!r} keeps {found.shape[1]}; rebuild the graph "
                                  f"with k >= {self.k}")
             lists[own] = found[:, :self.k]
-        return self._all_reduce(lists, dist.ReduceOp.MAX)
+        # NCCL reduces device tensors only
+        return self._all_reduce(lists.to(device or "cpu"), dist.ReduceOp.MAX).cpu()
 
     def _softmax(self, logits: torch.Tensor, cosine: torch.Tensor, target: torch.Tensor
-                 ) -> tuple[float, float, torch.Tensor]:
+                 ) -> tuple[float, float, int, torch.Tensor]:
         """Cross-entropy of the global batch over the columns of all slices: (loss, top-1
-        accuracy by cosine, dL/dlogits of this slice's columns (W·B, A_r))."""
+        accuracy by cosine, active classes of all slices, dL/dlogits of this slice's columns
+        (W·B, A_r))."""
         samples = logits.shape[0]
         rows = torch.arange(samples, device=logits.device)
         here = target >= 0
@@ -192,12 +202,15 @@ class CollectiveHead:
         #    largest, each held by exactly one slice
         target_logit = torch.where(here, logits[rows, column], 0.0)
         correct = here & (cosine[rows, column].to(logits.dtype) >= maxima[1])
-        sums = self._all_reduce(torch.stack([shifted.sum(dim=1), target_logit,
-                                             correct.to(logits.dtype)]))
+        columns = torch.tensor([float(logits.shape[1])], dtype=logits.dtype,
+                               device=logits.device)
+        packed = self._all_reduce(torch.cat([shifted.sum(dim=1), target_logit,
+                                             correct.to(logits.dtype), columns]))
+        sums = packed[:-1].view(3, samples)
         loss = (sums[0].log() + maxima[0] - sums[1]).mean()
         grad = shifted / sums[0, :, None]
         grad[rows[here], column[here]] -= 1.0
-        return float(loss), float(sums[2].mean()), grad / samples
+        return float(loss), float(sums[2].mean()), int(packed[-1]), grad / samples
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on all) stacked along dim 0, rank order."""

@@ -60,6 +60,21 @@ def test_bench_heads_refuses_cuda_without_a_gpu() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_bench_collective_quick_times_every_placement() -> None:
+    done = run_benchmark("bench_collective.py", "--quick", "--threads", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CPU only" in done.stdout
+    # --quick: N=2,000 on 2 ranks, batch 32 per rank, sample rate 0.1: the collective ranks
+    # draw 100 of their 1,000 classes each, an AMS rank 200 of the 2,000
+    rows = {cells[1]: cells for cells in table_rows(done.stdout, "2,000")}
+    assert {head: cells[2] for head, cells in rows.items()} == {"partial": "200",
+                                                                "full": "2,000"}, done.stdout
+    # N | head | active | collective | ams grpc | ams embedded | grpc ÷ collective | steps
+    for cells in rows.values():
+        assert all(float(ms.replace(",", "")) > 0 for ms in cells[3:6]), cells
+        assert cells[6].endswith("x") and cells[7] == "1", cells
+
+
 def bench_graph_row(n: int, *extra: str) -> list[str]:
     """The cells of bench_graph's table row for N=n (k=8, 200 recall queries)."""
     done = run_benchmark("bench_graph.py", "--sizes", str(n), "--k", "8", "--threads", "1",
