@@ -196,7 +196,7 @@ class Trainer:
         if self.step >= self.total_steps:
             # finished already, or rolled back to the last checkpoint before its evaluation
             self._evaluate(result)
-            return result
+            return self._finish(result)
         if fresh:
             # a step every rank and shard can roll back to before the first periodic
             # checkpoint: the snapshot of step 0 holds the initial rows (and first graph)
@@ -257,12 +257,18 @@ class Trainer:
                 self._prefetcher.close()
         if result.terminated:
             result.steps = self.step
-            return result
+            return self._finish(result)
 
         # the end: a final evaluation unless the last boundary made one
         result.steps = self.step
         if not result.eval:
             self._evaluate(result)
+        return self._finish(result)
+
+    def _finish(self, result: TrainResult) -> TrainResult:
+        """Every rank returns together: rank 0's last evaluation may still be reading the other
+        ranks' rows (in collective mode their slices live in those ranks' processes)."""
+        self._barrier()
         return result
 
     def _step(self, prepared: PreparedBatch) -> HeadStep:

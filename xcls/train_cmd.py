@@ -7,6 +7,7 @@ it, and prints.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -146,6 +147,10 @@ def run_train(args: argparse.Namespace) -> int:
         try:
             run = build_run(cfg, placement)
             result = run.trainer.train()
+            # DDP's reducer holds the process group: freed after the group is destroyed, gloo's
+            # destructor can deadlock at exit, so it goes first
+            del run
+            gc.collect()
         except (ShardRestarted, Unavailable) as e:
             # the shards may now hold different steps: stop without a checkpoint and let the
             # restarted group put every shard and rank back at one

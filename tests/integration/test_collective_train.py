@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import free_port
 from tests.integration.conftest import our_processes
 
 
@@ -70,10 +69,11 @@ def test_a_killed_rank_rolls_the_group_back_then_one_rank_reshards(glyphs_small,
     config = write_config(glyphs_small, out, tmp / "collective.toml")
     log_path = tmp / "torchrun.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--master-port", str(free_port()), "-m", "xcls", "train",
+           "--max-restarts", "1", "--standalone", "-m", "xcls", "train",
            str(config)]
     with open(log_path, "wb") as log:
-        # a store per group restart, as scripts/launch_worker.sh sets (docs/reliability.md)
+        # c10d rendezvous with a store per group restart, as 'xcls cluster up' runs torchrun
+        # (docs/reliability.md)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={
             **os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
