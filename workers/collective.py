@@ -41,7 +41,7 @@ from ams.graph.select import Selection, budget_for_sample_rate, select_in_slice
 from ams.local import LocalShard
 from ams.server import RunningServer, create_server
 from ams.sharding import owned_count
-from workers.heads import ActiveBatch, HeadKind, HeadStep, RowStore
+from workers.heads import ActiveBatch, HeadKind, HeadStep, RowStore, checked_labels
 from workers.losses import CombinedMarginLoss
 
 log = logging.getLogger(__name__)
@@ -99,13 +99,7 @@ class CollectiveHead:
         """Check ``labels`` (int64 (B,)) and pass them on: selection needs every rank's labels,
         a collective, so it runs in :meth:`forward_backward` on the trainer's thread, never in
         the prefetch thread. The batch holds only ``target`` = the labels."""
-        if labels.dim() != 1 or labels.dtype != torch.int64:
-            raise ValueError(f"labels must be int64 (B,), got {labels.dtype} "
-                             f"{tuple(labels.shape)}")
-        labels = labels.cpu()
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ValueError(f"labels must lie in [0, {self.num_classes}), got range "
-                             f"[{int(labels.min())}, {int(labels.max())}]")
+        labels = checked_labels(labels, self.num_classes)
         empty = torch.empty(0, dtype=torch.int64)
         return ActiveBatch(active_ids=empty, target=labels, rows=torch.empty(0, 0),
                            log_weight=torch.empty(0))

@@ -163,6 +163,18 @@ class NeighborClasses:
                                self.num_classes, self.random_share)
 
 
+def checked_labels(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``labels`` on the CPU after checking they are int64 (B,) class ids in [0, num_classes);
+    ValueError otherwise."""
+    if labels.dim() != 1 or labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64 (B,), got {labels.dtype} {tuple(labels.shape)}")
+    labels = labels.cpu()
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes}), got range "
+                         f"[{int(labels.min())}, {int(labels.max())}]")
+    return labels
+
+
 class RowHead(Protocol):
     """What the trainer drives: ``ClassifierHead`` (rows in the AMS) or
     ``workers.collective.CollectiveHead`` (rows sliced over the ranks)."""
@@ -206,13 +218,7 @@ class ClassifierHead:
         Not reentrant (the selector's random generator is shared), but independent of
         ``forward_backward``, so one prefetch thread may call it while the trainer steps.
         """
-        if labels.dim() != 1 or labels.dtype != torch.int64:
-            raise ValueError(f"labels must be int64 (B,), got {labels.dtype} "
-                             f"{tuple(labels.shape)}")
-        labels = labels.cpu()
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ValueError(f"labels must lie in [0, {self.num_classes}), got range "
-                             f"[{int(labels.min())}, {int(labels.max())}]")
+        labels = checked_labels(labels, self.num_classes)
         selection = self.selector(labels)
         rows = self.store.pull(self.table, selection.active)
         return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,

@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ams.snapshot import read_piece
-from tests.integration.conftest import our_processes
+from tests.integration.conftest import our_processes, wait_for_file
 
 CHECKPOINTS = "checkpoints"
 
@@ -137,11 +136,7 @@ def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "train.csv").exists():  # training is under way
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        wait_for_file(out / "train.csv", proc, log_path)  # training is under way
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=180)
     finally:
@@ -205,11 +200,7 @@ def test_a_killed_shard_is_restarted_and_the_workers_roll_back(glyphs_small, no_
         proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
     try:
         marker = out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt"
-        deadline = time.monotonic() + 240
-        while not marker.exists():  # training is past its first periodic checkpoint
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.05)
+        wait_for_file(marker, proc, log_path)  # training is past its first periodic checkpoint
         os.kill(shard_pid(tmp, 1), signal.SIGKILL)
         code = proc.wait(timeout=240)
     finally:

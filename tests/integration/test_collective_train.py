@@ -10,10 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from tests.integration.conftest import our_processes
+from tests.integration.conftest import our_processes, wait_for_file
 
 
 def write_config(glyphs: Path, out: Path, path: Path) -> Path:
@@ -77,12 +76,7 @@ def test_a_killed_rank_rolls_the_group_back_then_one_rank_reshards(glyphs_small,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={
             **os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
-        deadline = time.monotonic() + 240
-        first = out / "checkpoints" / f"step-{10:012d}" / "worker.pt"
-        while not first.exists():
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        wait_for_file(out / "checkpoints" / f"step-{10:012d}" / "worker.pt", proc, log_path)
         pid = rank_pid(tmp, 1)
         assert pid is not None, log_path.read_text()
         os.kill(pid, signal.SIGKILL)
