@@ -3,7 +3,9 @@
 Runs one job twice with ``xcls cluster up`` (2 shard processes, torchrun workers, all on
 127.0.0.1): once without faults (the reference), once while a fault thread kills a shard
 (SIGKILL) or pauses one (SIGSTOP, held past the cluster's hang timeout) every ``--fault-every``
-seconds, and, in the gear job, stops the job's redis-server once for ``--redis-down`` seconds.
+seconds, or each time the job reaches another ``--fault-every-checkpoints`` checkpoints (what
+``--quick`` does, so that a fast machine cannot finish before the first fault), and, in the
+gear job, stops the job's redis-server once for ``--redis-down`` seconds.
 ``cluster up`` restarts the dead or hung shard and the workers roll back to their newest
 checkpoint (every shard restores that checkpoint's snapshot step).
 
@@ -66,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="steps between checkpoints (what a rollback can lose)")
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
+    p.add_argument("--fault-every-checkpoints", type=int, default=0,
+                   help="instead of by time: a fault once the job has written checkpoint "
+                        "K·checkpoint_every, 2K·checkpoint_every, ... below the last step "
+                        "(progress, whatever the machine's speed; 2 with --quick)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
                    help="cluster up --hang-timeout: seconds a paused shard may stay silent")
     p.add_argument("--redis-down", type=float, default=30.0,
@@ -74,15 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true",
                    help="keep both runs' directories (checkpoints, snapshots, logs)")
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: knn job, 200 steps (unless --steps), a fault every 10 s")
+                   help="the CI version: knn job, 200 steps (unless --steps), a checkpoint "
+                        "every 20 steps, a fault after every second one")
     args = p.parse_args(argv)
     if args.quick:
-        args.job, args.checkpoint_every, args.fault_every = "knn", 20, 10.0
+        args.job, args.checkpoint_every, args.fault_every_checkpoints = "knn", 20, 2
         args.hang_timeout = 4.0
     if args.steps is None:
         args.steps = 200 if args.quick else 12000
     if args.steps < 1 or args.checkpoint_every < 1 or args.fault_every <= 0:
         p.error("--steps, --checkpoint-every and --fault-every must be positive")
+    if args.fault_every_checkpoints < 0:
+        p.error("--fault-every-checkpoints must be >= 0")
     return args
 
 
@@ -169,7 +178,8 @@ def shard_pids(tag: Path) -> dict[int, int]:
 
 
 class Faults:
-    """Every ``every`` seconds: kill, then pause, a shard in turn; Redis stopped once."""
+    """Kill, then pause, a shard in turn, every ``--fault-every`` seconds or every
+    ``--fault-every-checkpoints`` checkpoints of progress; Redis stopped once."""
 
     def __init__(self, tag: Path, args: argparse.Namespace, redis: RedisProcess | None) -> None:
         self.tag, self.args, self.redis = tag, args, redis
@@ -180,7 +190,7 @@ class Faults:
     def _run(self) -> None:
         n = 0
         redis_due = self.redis is not None
-        while not self.done.wait(self.args.fault_every):
+        while not self._wait_for_fault(n):
             if self._trained():
                 return  # a fault now would hit shards the job no longer needs
             pids = shard_pids(self.tag)
@@ -195,7 +205,8 @@ class Faults:
                 continue
             shard = n % 2
             pid = pids.get(shard)
-            if pid is None:
+            if pid is None:  # between a death and its restart: try again shortly
+                self.done.wait(0.2)
                 continue
             if n % 2 == 0:
                 os.kill(pid, signal.SIGKILL)
@@ -211,6 +222,20 @@ class Faults:
                     pass
             n += 1
 
+
+    def _wait_for_fault(self, n: int) -> bool:
+        """Wait until fault ``n`` (0-based) is due; True if the run ended first."""
+        if not self.args.fault_every_checkpoints:
+            return self.done.wait(self.args.fault_every)
+        step = (n + 1) * self.args.fault_every_checkpoints * self.args.checkpoint_every
+        if step >= self.args.steps:
+            self.done.wait()
+            return True
+        marker = self.tag / "checkpoints" / f"step-{step:012d}"
+        while not marker.is_dir():
+            if self.done.wait(0.05):
+                return True
+        return False
 
     def _trained(self) -> bool:
         """Whether the job wrote its final checkpoint (every step done, every shard's
@@ -376,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.2f} %"
 
+    cadence = (f"a fault after every {args.fault_every_checkpoints} checkpoints"
+               if args.fault_every_checkpoints else f"a fault every {args.fault_every:.0f} s")
     print(f"\n### chaos: {args.job} job, {args.steps} steps, checkpoint every "
-          f"{args.checkpoint_every}, a fault every {args.fault_every:.0f} s\n")
+          f"{args.checkpoint_every}, {cadence}\n")
     print("| measure | reference | chaos |")
     print("|---|---:|---:|")
     print(f"| faults injected | 0 | {len(chaos.faults)} ({'; '.join(chaos.faults)}) |")
