@@ -4,17 +4,20 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: scripts/launch_server.sh [options] SHARD_ID NUM_SHARDS PORT DATA_DIR TOKEN_FILE
+Usage: scripts/launch_server.sh [options] --auth-token-file FILE SHARD_ID NUM_SHARDS PORT DATA_DIR
 
 Serve shard SHARD_ID (0-based) of NUM_SHARDS on PORT, on every interface of this host, with the
-shared secret in TOKEN_FILE (every client must send it). Snapshots go to DATA_DIR, a directory
+shared secret in FILE (every client must send it; required, since the shard listens on every
+interface). Snapshots go to DATA_DIR, a directory
 all shards of the cluster share (e.g. an NFS mount); the newest complete one is restored first.
 Runs in the foreground; SIGTERM (or Ctrl-C) stops it cleanly: in-flight pushes finish, exit 0.
 
+  --auth-token-file FILE  the shared secret (default: $AMS_TOKEN_FILE), as every xcls command
+                          and launch_worker.sh take it
   --scheduler HOST:PORT   register with the job's scheduler and keep a lease (workers then
                           find the shards there); start it once, on any host, with
                           xcls serve scheduler --num-shards NUM_SHARDS --host 0.0.0.0 \
-                              --port 7000 --auth-token-file TOKEN_FILE
+                              --port 7000 --auth-token-file FILE
   --advertise HOST        the name the scheduler hands to workers (default: this host's name)
   --data-port PORT        the port pulls and pushes travel on (default: a free one, which
                           clients learn from the shard); open both it and PORT in a firewall
@@ -23,16 +26,17 @@ Runs in the foreground; SIGTERM (or Ctrl-C) stops it cleanly: in-flight pushes f
   -h, --help              this help
 
 Environment: PYTHON  the Python that has xcls installed (default: python3)
+             AMS_TOKEN_FILE  the token file, when --auth-token-file is not given
 
 Example, shard 0 of 4 (run the same with 1, 2, 3 on the other shard hosts):
   openssl rand -hex 32 > /etc/xcls/token      # once; copy to every host, chmod 600
   scripts/launch_server.sh --scheduler sched:7000 --metrics-port 9100 \
-      0 4 7001 /mnt/shared/ams /etc/xcls/token
+      --auth-token-file /etc/xcls/token 0 4 7001 /mnt/shared/ams
 EOF
 }
 
 dry_run=0
-scheduler="" advertise="" metrics_port="" data_port=""
+scheduler="" advertise="" metrics_port="" data_port="" token=${AMS_TOKEN_FILE:-}
 args=()
 need_value() {
     if (($2 < 2)); then
@@ -44,6 +48,7 @@ while (($#)); do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --dry-run) dry_run=1; shift ;;
+        --auth-token-file) need_value "$1" $#; token=$2; shift 2 ;;
         --scheduler) need_value "$1" $#; scheduler=$2; shift 2 ;;
         --advertise) need_value "$1" $#; advertise=$2; shift 2 ;;
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
@@ -52,12 +57,17 @@ while (($#)); do
         *) args+=("$1"); shift ;;
     esac
 done
-if ((${#args[@]} != 5)); then
-    echo "error: expected SHARD_ID NUM_SHARDS PORT DATA_DIR TOKEN_FILE, got ${#args[@]}" \
-        "argument(s) (see --help)" >&2
+if ((${#args[@]} != 4)); then
+    echo "error: expected SHARD_ID NUM_SHARDS PORT DATA_DIR, got ${#args[@]}" \
+        "argument(s) (the token file goes in --auth-token-file; see --help)" >&2
     exit 2
 fi
-shard_id=${args[0]} num_shards=${args[1]} port=${args[2]} data_dir=${args[3]} token=${args[4]}
+if [[ -z $token ]]; then
+    echo "error: --auth-token-file FILE (or AMS_TOKEN_FILE) is required: the shard listens on" \
+        "every interface (see --help)" >&2
+    exit 2
+fi
+shard_id=${args[0]} num_shards=${args[1]} port=${args[2]} data_dir=${args[3]}
 for pair in "SHARD_ID:$shard_id" "NUM_SHARDS:$num_shards" "PORT:$port" \
         ${metrics_port:+"--metrics-port:$metrics_port"} ${data_port:+"--data-port:$data_port"}; do
     if ! [[ ${pair#*:} =~ ^[0-9]+$ ]]; then
@@ -75,7 +85,7 @@ if [[ -n $advertise && -z $scheduler ]]; then
 fi
 # A dry run only shows the command, so the token file need not exist on this machine yet.
 if ((!dry_run)) && [[ ! -s $token ]]; then
-    echo "error: TOKEN_FILE $token is missing or empty" >&2
+    echo "error: token file $token is missing or empty" >&2
     exit 2
 fi
 

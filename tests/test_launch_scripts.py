@@ -55,7 +55,8 @@ def test_scripts_are_strict_and_executable():
 
 
 def test_server_dry_run_is_a_valid_shard_command():
-    argv = dry_run(SERVER, "1", "4", "7002", "/data/ams", "/etc/xcls/token", PYTHON="py")
+    argv = dry_run(SERVER, "--auth-token-file", "/etc/xcls/token", "1", "4", "7002", "/data/ams",
+                   PYTHON="py")
     assert argv[:3] == ["py", "-m", "xcls"]
     args = xcls_args(argv[3:])
     assert (args.command, args.role) == ("serve", "shard")
@@ -67,25 +68,30 @@ def test_server_dry_run_is_a_valid_shard_command():
 def test_server_with_a_scheduler_and_metrics():
     argv = dry_run(SERVER, "--scheduler", "sched:7000", "--advertise", "shardhost",
                    "--metrics-port", "9100", "--data-port", "7102", "1", "4", "7002",
-                   "/data/ams", "/etc/xcls/token")
+                   "/data/ams", AMS_TOKEN_FILE="/etc/xcls/token")
     args = xcls_args(argv[3:])
     assert (args.scheduler, args.advertise) == ("sched:7000", "shardhost")
     assert (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
     assert (args.port, args.data_port) == (7002, 7102)
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "expected SHARD_ID"),
-    (["--scheduler", "sched", "0", "2", "7001", "/d", "/t"], "must be HOST:PORT"),
-    (["--advertise", "h", "0", "2", "7001", "/d", "/t"], "--advertise needs --scheduler"),
-    (["--metrics-port", "x", "0", "2", "7001", "/d", "/t"], "--metrics-port must be a number"),
-    (["--data-port", "7x", "0", "2", "7001", "/d", "/t"], "--data-port must be a number"),
-    (["0", "2", "70x1", "/d", "/t"], "PORT must be a number"),
-    (["--bogus", "0", "2", "7001", "/d", "/t"], "unknown option"),
-    (["0", "2", "7001", "/d", "/nonexistent/token"], "missing or empty"),
+# every case but the first two has a token file in the environment, so that exactly one
+# thing is wrong in each
+@pytest.mark.parametrize("argv, token, message", [
+    (["0", "2", "7001", "/d"], "", "--auth-token-file FILE (or AMS_TOKEN_FILE) is required"),
+    (["0", "2", "7001", "/d"], "/nonexistent/token", "missing or empty"),
+    ([], "/t", "expected SHARD_ID"),
+    (["0", "2", "7001", "/d", "/t"], "/t", "the token file goes in --auth-token-file"),
+    (["0", "2", "7001", "/d", "--auth-token-file"], "/t", "--auth-token-file needs a value"),
+    (["--scheduler", "sched", "0", "2", "7001", "/d"], "/t", "must be HOST:PORT"),
+    (["--advertise", "h", "0", "2", "7001", "/d"], "/t", "--advertise needs --scheduler"),
+    (["--metrics-port", "x", "0", "2", "7001", "/d"], "/t", "--metrics-port must be a number"),
+    (["--data-port", "7x", "0", "2", "7001", "/d"], "/t", "--data-port must be a number"),
+    (["0", "2", "70x1", "/d"], "/t", "PORT must be a number"),
+    (["--bogus", "0", "2", "7001", "/d"], "/t", "unknown option"),
 ])
-def test_server_bad_args(argv, message):
-    out = run(SERVER, *argv)
+def test_server_bad_args(argv, token, message):
+    out = run(SERVER, *argv, AMS_TOKEN_FILE=token)
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
