@@ -129,3 +129,43 @@ def test_a_pair_file_that_carries_code_is_refused_without_running_it(tmp_path):
                          timeout=60)
     assert out.returncode == 2 and "names posix.mkdir" in out.stderr
     assert not target.exists() and not (tmp_path / "ds").exists()
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """n pairs of random 3x4x4 images; pair i is 'same' when i is even."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.images = torch.randint(0, 256, (2 * n, 3, 4, 4), generator=g, dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        return torch.tensor(i), self.images[i], torch.tensor(int(i // 2 % 2 == 0))
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_verification_adds_the_mirror_images_embedding_when_asked(flipped):
+    from workers.evaluation import Evaluator
+
+    torch.manual_seed(0)
+    # a linear backbone that is not mirror-symmetric, so the mirror changes every feature
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 6, bias=False))
+    pairs = _Pairs(40)
+    evaluator = Evaluator(None, "rows", backbone, torch.device("cpu"), num_classes=2, dim=6,
+                          train_set=pairs, test_set=None, pair_sets={"toy": pairs},
+                          verify_flipped=flipped)
+    got = evaluator.verify()
+
+    weight = backbone[1].weight.detach().double().numpy()
+    x = pairs.images.double().numpy() / 127.5 - 1.0
+    features = x.reshape(len(x), -1) @ weight.T
+    if flipped:
+        features = features + x[..., ::-1].reshape(len(x), -1) @ weight.T
+    unit = features / np.linalg.norm(features, axis=1, keepdims=True)
+    scores = np.round((unit[0::2] * unit[1::2]).sum(axis=1), 5)  # float32 noise off the ties
+    same = np.arange(40) % 2 == 0
+    expect_mean, expect_std = brute_force(scores, same, 10)
+    assert got["verify_toy"] == pytest.approx(expect_mean, abs=1e-12)
+    assert got["verify_toy_std"] == pytest.approx(expect_std, abs=1e-12)

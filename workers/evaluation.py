@@ -33,25 +33,29 @@ class Evaluator:
     DDP-wrapped); train_set / test_set: ``dataset[i]`` -> (id, uint8 image (C, H, W), label);
     pair_sets: name -> pair dataset (``xcls data bin``: samples 2i and 2i+1 are pair i, both
     labelled 1 for the same identity, 0 for different ones), scored by ``verify``;
-    amp: embed under autocast (CUDA); show_progress: draw a progress bar while embedding.
+    verify_flipped: a pair image's embedding is the sum of its own and its mirror image's
+    (insightface's test-time flip; for models trained with ``data.flip``); amp: embed under
+    autocast (CUDA); show_progress: draw a progress bar while embedding.
     """
 
     def __init__(self, client: RowScanner, table: str, backbone: nn.Module, device: torch.device,
                  *, num_classes: int, dim: int, train_set: Dataset, test_set: Dataset | None,
-                 pair_sets: dict[str, Dataset] | None = None, amp: bool = False,
-                 show_progress: bool = False) -> None:
+                 pair_sets: dict[str, Dataset] | None = None, verify_flipped: bool = False,
+                 amp: bool = False, show_progress: bool = False) -> None:
         self.client, self.table = client, table
         self.backbone, self.device = backbone, device
         self.num_classes, self.dim = num_classes, dim
         self.train_set, self.test_set = train_set, test_set
         self.pair_sets = dict(pair_sets or {})
+        self.verify_flipped = verify_flipped
         self.amp, self.show_progress = amp, show_progress
 
     @torch.no_grad()
-    def embed(self, dataset: Dataset, max_samples: int | None = None
+    def embed(self, dataset: Dataset, max_samples: int | None = None, flipped: bool = False
               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(features float32 (b, dim) on CPU, labels int64 (b,)) batches of ``dataset`` in id
-        order, embedded in eval mode (the backbone's mode is restored after)."""
+        order, embedded in eval mode (the backbone's mode is restored after); ``flipped``: each
+        feature is the sum of the image's and its left-right mirror's."""
         was_training = self.backbone.training
         self.backbone.eval()
         # Loaded in this process: worker processes forked here would inherit the training
@@ -62,8 +66,11 @@ class Evaluator:
             bar = tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True,
                        disable=not (self.show_progress and sys.stderr.isatty()))
             for _, images, labels in bar:
+                inputs = images_to_input(images.to(self.device))
                 with torch.autocast(self.device.type, enabled=self.amp):
-                    features = self.backbone(images_to_input(images.to(self.device)))
+                    features = self.backbone(inputs)
+                    if flipped:
+                        features = features.float() + self.backbone(inputs.flip(-1)).float()
                 yield features.float().cpu(), labels
                 seen += labels.numel()
                 if max_samples and seen >= max_samples:
@@ -101,10 +108,11 @@ class Evaluator:
 
     def verify(self) -> dict:
         """``{"verify_<name>": accuracy, "verify_<name>_std": ...}`` of each pair set: the
-        10-fold accuracy at the best cosine threshold (``workers.verification``)."""
+        10-fold accuracy at the best cosine threshold (``workers.verification``), with the
+        mirror images' embeddings added when ``verify_flipped``."""
         scores = {}
         for name, pairs in self.pair_sets.items():
-            batches = list(self.embed(pairs))
+            batches = list(self.embed(pairs, flipped=self.verify_flipped))
             features = torch.cat([f for f, _ in batches])
             flags = torch.cat([y for _, y in batches])
             mean, std = kfold_accuracy(pair_scores(features), flags[0::2] == 1)

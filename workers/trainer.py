@@ -78,7 +78,7 @@ class LoopOptions:
     checkpoint_every: int = 0
     rebuild_every: int = 0
     seed: int = 0
-    flip: bool = False  # mirror training images left-right with probability 1/2
+    flip: bool = False  # mirror images are the same class: training flips, verification adds
     amp: bool = True
     resume: bool = True
     keep_checkpoints: int = 2
@@ -165,7 +165,8 @@ class Trainer:
         self.evaluator = Evaluator(client, table, self._unwrapped(), device,
                                    num_classes=head.num_classes, dim=client.spec(table).dim,
                                    train_set=train_set, test_set=test_set,
-                                   pair_sets=pair_sets, amp=self._amp, show_progress=rank == 0)
+                                   pair_sets=pair_sets, verify_flipped=options.flip,
+                                   amp=self._amp, show_progress=rank == 0)
         self.run_log = RunLog(options.out_dir, enabled=rank == 0)
         self.step = 0
         self.position = (0, 0)  # (epoch, samples consumed in it)

@@ -44,8 +44,10 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes (0: load in the training process)"""
     flip: bool = False
-    """mirror each training image left-right with probability 1/2 (faces, products; not for
-    glyphs, whose mirror image is another character or none)"""
+    """mirror images are the same class: each training image is mirrored left-right with
+    probability 1/2, and verification adds each pair image's mirror embedding to its own, as
+    insightface scores LFW (faces, products; not for glyphs, whose mirror image is another
+    character or none)"""
     verification: list[str] = field(default_factory=list)
     """pair sets ('xcls data bin': LFW, CFP-FP, AgeDB-30) whose face-verification accuracy
     each evaluation reports as verify_<directory name>: 10-fold, at the best cosine threshold,
