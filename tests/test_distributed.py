@@ -140,3 +140,20 @@ def test_commands_report_cuda_without_a_gpu(tmp_path, command):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     stderr = refused_command_stderr(tmp_path, command, '[train]\ndevice = "cuda"\n', env)
     assert "error: train.device: 'cuda' but no CUDA device is available" in stderr
+
+
+@pytest.mark.parametrize("peer, expect", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                                          ("::1", "::1")])
+def test_the_address_toward_a_loopback_peer_is_loopback(peer, expect):
+    from workers.distributed import address_toward
+
+    assert address_toward(peer) == expect
+
+
+@pytest.mark.parametrize("peer, message", [("", "MASTER_ADDR is not set"),
+                                           ("no-such-host.invalid", "no route to")])
+def test_the_address_toward_no_peer_is_a_clear_error(peer, message):
+    from workers.distributed import address_toward
+
+    with pytest.raises(ValueError, match=message):
+        address_toward(peer)

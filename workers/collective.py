@@ -14,7 +14,8 @@ step (:meth:`CollectiveHead.forward_backward`):
 3. it reads those rows from its own shard and computes the cosine logits of all W·B features
    against them; the softmax is model-parallel: the row maxima and the sums of exponentials
    are all-reduced, so every rank holds the loss of the global batch;
-4. dL/dX is all-reduced and each rank keeps its own samples' part; dL/dW of the slice is the
+4. dL/dX is reduce-scattered: each rank receives the sum over slices of its own samples'
+   rows (B·dim, where an all-reduce would deliver all W·B·dim); dL/dW of the slice is the
    gradient of the global batch's mean loss, which the rank applies to its own shard (one
    update per row per step, as the AMS applies the rank-0 push).
 
@@ -122,7 +123,6 @@ class CollectiveHead:
                              f"got {tuple(features.shape)}")
         device = features.device
         dtype = torch.promote_types(features.dtype, torch.float32)
-        local_batch = features.shape[0]
         all_labels = self._gather(labels.to(device)).cpu()
         selection = self._select(all_labels, device)
         rows = self.store.pull(self.table, selection.active)
@@ -140,8 +140,7 @@ class CollectiveHead:
             loss, accuracy, num_active, logit_grad = self._softmax(
                 logits.detach(), cosine.detach(), target)
             feature_grad, row_grad = torch.autograd.grad(logits, (x, w), logit_grad)
-        feature_grad = self._all_reduce(feature_grad)
-        mine = feature_grad[self.rank * local_batch:(self.rank + 1) * local_batch] * self.world
+        mine = self._reduce_scatter(feature_grad) * self.world
         return HeadStep(loss=loss, feature_grad=mine.to(features.dtype), accuracy=accuracy,
                         num_active=num_active,
                         row_grad=row_grad.float().cpu(), active_ids=selection.active)
@@ -213,6 +212,16 @@ class CollectiveHead:
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts)
+
+    def _reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part (rows ``rank·n/W`` to ``(rank+1)·n/W``) of the sum over ranks of
+        ``tensor`` (n, ...)."""
+        if self.world == 1:
+            return tensor
+        part = torch.empty((tensor.shape[0] // self.world, *tensor.shape[1:]),
+                           dtype=tensor.dtype, device=tensor.device)
+        dist.reduce_scatter_tensor(part, tensor.contiguous())
+        return part
 
     def _all_reduce(self, tensor: torch.Tensor,
                     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -4,6 +4,7 @@ lifetime."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,23 @@ def torchrun_env() -> tuple[int, int, int]:
         raise ValueError(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}: need "
                          "WORLD_SIZE >= 1 and 0 <= RANK, LOCAL_RANK < WORLD_SIZE")
     return rank, world, local_rank
+
+
+def address_toward(peer: str) -> str:
+    """This host's IP address on the route to ``peer`` (a host name or address): the address
+    the other hosts of a job can reach it at. A lookup of the host's own name may give a
+    loopback address instead (Debian maps it to 127.0.1.1), which no other host can reach.
+    Nothing is sent: connecting a UDP socket only picks the route. Raises ValueError when
+    ``peer`` does not resolve or no route leads there."""
+    if not peer:
+        raise ValueError("no peer to tell this host's address by (MASTER_ADDR is not set)")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"no route to {peer!r} to tell this host's address by: {e}") from None
 
 
 def worker_device(setting: str, local_rank: int) -> torch.device:

@@ -290,15 +290,19 @@ def collective_slices(cfg: ExperimentConfig, out_dir: Path, rank: int,
     slices reached through the shard servers they start (``workers.collective``). Snapshots
     go to ``out_dir/ams`` as the embedded AMS's do, so eval and export (one process) restore
     them into one shard. The slices of ranks on one host talk over 127.0.0.1; a job over
-    several hosts serves them on this host's name."""
+    several hosts serves them on this host's address toward the rendezvous host
+    (``MASTER_ADDR``, which torchrun sets), the interface the other hosts reach it on."""
     import atexit
     import os
-    import socket
 
     from workers.collective import CollectiveShards
+    from workers.distributed import address_toward
 
     one_host = int(os.environ.get("LOCAL_WORLD_SIZE") or world) == world
-    host = "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())
+    try:
+        host = "127.0.0.1" if one_host else address_toward(os.environ.get("MASTER_ADDR", ""))
+    except ValueError as e:
+        raise ConfigError(f"head.placement = collective over several hosts: {e}") from None
     shards = CollectiveShards(rank, world, data_dir=out_dir / "ams",
                               keep_snapshots=cfg.train.snapshots_to_keep,
                               storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables",
