@@ -53,6 +53,28 @@ def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_bench_ams_quick_measures_every_backend() -> None:
+    """Every backend (embedded, xcls shards, Redis, raw socket, bare gRPC) moves rows in every
+    cell of the quick table, the 1-row latencies are ordered, and the memory probe shows a
+    table whose momentum was never written costing about half its payload."""
+    done = run_benchmark("bench_ams.py", "--quick", "--shards", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = table_rows(done.stdout, "pull") + table_rows(done.stdout, "push")
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == sorted(
+        (op, dtype, batch, "1") for op in ("pull", "push") for dtype in ("float32", "float16")
+        for batch in ("1,000", "10,000"))
+    for r in rows:
+        assert all(float(cell.split()[0]) > 0 for cell in r[4:9]), r
+    for backend in ("in-proc", "xcls", "redis", "raw", "grpc"):
+        (cells,) = table_rows(done.stdout, backend)
+        assert 0 < float(cells[1]) <= float(cells[2]), cells
+    memory = re.search(r"after create_table [\d.]+ B/class \(([\d.]+)x\); momentum written "
+                       r"[\d.]+ B/class \(([\d.]+)x\)", done.stdout)
+    assert memory, done.stdout[-2000:]
+    created, written = (float(x) for x in memory.groups())
+    assert created < 0.75 and 0.9 < written < 1.2, (created, written)
+
+
 def test_bench_heads_refuses_cuda_without_a_gpu() -> None:
     done = run_benchmark("bench_heads.py", "--quick", "--device", "cuda")
     assert done.returncode == 2
