@@ -57,16 +57,18 @@ def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(rank: int, steps: int, start: int, *, compressor_args: dict | None,
-           momentum: float, state: dict | None = None) -> tuple[nn.Module, dict, list[float]]:
+           momentum: float, weight_decay: float = 0.0, state: dict | None = None
+           ) -> tuple[nn.Module, dict, list[float]]:
     model = _model(1)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
     compressor = None
     if compressor_args is not None:
-        compressor = TopkCompressor(model, momentum=momentum, dense_below=100,
-                                    **compressor_args)
+        compressor = TopkCompressor(model, momentum=momentum, weight_decay=weight_decay,
+                                    dense_below=100, **compressor_args)
         ddp.register_comm_hook(None, compressor.hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2,
-                                momentum=0.0 if compressor else momentum)
+                                momentum=0.0 if compressor else momentum,
+                                weight_decay=0.0 if compressor else weight_decay)
     if state is not None:
         model.load_state_dict(state["model"])
         compressor.load_state_dict(state["comm"])
@@ -85,8 +87,9 @@ def _train(rank: int, steps: int, start: int, *, compressor_args: dict | None,
 def _ranks_first(rank: int, world: int, port: int, out: dict) -> None:
     set_torchrun_env(rank, world, port)
     with process_group(world, torch.device("cpu")):
-        dense, _, _ = _train(rank, 5, 0, compressor_args=None, momentum=0.9)
-        hooked, _, _ = _train(rank, 5, 0, compressor_args={"density": 1.0}, momentum=0.9)
+        dense, _, _ = _train(rank, 5, 0, compressor_args=None, momentum=0.9, weight_decay=0.05)
+        hooked, _, _ = _train(rank, 5, 0, compressor_args={"density": 1.0}, momentum=0.9,
+                              weight_decay=0.05)
         args = {"density": 0.05, "warmup_steps": 3}
         whole, _, losses = _train(rank, 40, 0, compressor_args=args, momentum=0.9)
         _, half, _ = _train(rank, 20, 0, compressor_args=args, momentum=0.9)
@@ -109,7 +112,8 @@ def test_the_hook_on_two_gloo_ranks():
     first = dict(first)
     for rank in (0, 1):
         r = first[rank]
-        # density 1: DDP's dense all-reduce, momentum now in the hook, SGD without it
+        # density 1: DDP's dense all-reduce and SGD with momentum and weight decay, both now
+        # in the hook, SGD without them
         for name, tensor in r["dense"].items():
             torch.testing.assert_close(r["hooked"][name], tensor, rtol=0, atol=1e-6)
         # the ranks hold the same weights: every rank applied the same averaged sparse sums
@@ -138,7 +142,9 @@ def test_bad_settings_are_refused():
     model = _model(0)
     for kwargs, match in [({"density": 0.0}, "density"), ({"density": 1.5}, "density"),
                           ({"density": 0.1, "momentum": 1.0}, "momentum"),
-                          ({"density": 0.1, "warmup_steps": -1}, "warmup_steps")]:
+                          ({"density": 0.1, "warmup_steps": -1}, "warmup_steps"),
+                          ({"density": 0.1, "weight_decay": -0.1}, "weight_decay"),
+                          ({"density": 0.1, "weight_decay": float("nan")}, "weight_decay")]:
         with pytest.raises(ValueError, match=match):
             TopkCompressor(model, **kwargs)
     compressor = TopkCompressor(model, density=0.1)

@@ -447,18 +447,18 @@ class Trainer:
             return False
         shared, private = checkpoint.load(out, step, self.rank)
         self._unwrapped().load_state_dict(shared["backbone"])
-        # The momentum is this run's own: top-k compression moves it out of the optimizer, so
-        # a checkpoint saved with or without compression must not bring its setting along.
-        momenta = [group.get("momentum") for group in self.optimizer.param_groups]
+        # The momentum and weight decay are this run's own: top-k compression moves them out of
+        # the optimizer, so a checkpoint saved with or without it must not bring its setting.
+        own = [{key: group[key] for key in ("momentum", "weight_decay") if key in group}
+               for group in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(shared["optimizer"])
         except ValueError as e:
             raise checkpoint.CheckpointError(
                 f"{checkpoint.checkpoint_dir(out, step)}: its optimizer state does not fit this "
                 f"run's optimizer (optim.name changed?): {e}") from None
-        for group, momentum in zip(self.optimizer.param_groups, momenta, strict=True):
-            if momentum is not None:
-                group["momentum"] = momentum
+        for group, settings in zip(self.optimizer.param_groups, own, strict=True):
+            group.update(settings)
         if self._scaler and shared.get("scaler"):
             self._scaler.load_state_dict(shared["scaler"])
         self.step = shared["step"]

@@ -250,8 +250,8 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
                      device: torch.device) -> TopkCompressor | None:
     """``cfg.comm``'s gradient compression registered on the DDP wrapper ``model`` of
     ``backbone`` (None: dense all-reduce, or a lone worker, which sends nothing). The
-    compressor takes over ``optimizer``'s momentum (momentum correction runs before the
-    gradients are sparsified, so the optimizer must not apply it again)."""
+    compressor takes over ``optimizer``'s momentum and weight decay (momentum correction runs
+    before the gradients are sparsified, so the optimizer must not apply them again)."""
     from workers.comm import Compression, TopkCompressor
 
     if cfg.comm.compression == Compression.NONE:
@@ -271,11 +271,12 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
         return None
     compressor = TopkCompressor(backbone, density=cfg.comm.density,
                                 momentum=cfg.optim.momentum,
+                                weight_decay=cfg.optim.weight_decay,
                                 warmup_steps=cfg.comm.warmup_steps,
                                 dense_below=cfg.comm.dense_below)
     model.register_comm_hook(None, compressor.hook)
     for group in optimizer.param_groups:
-        group["momentum"] = 0.0
+        group["momentum"] = group["weight_decay"] = 0.0
     return compressor
 
 

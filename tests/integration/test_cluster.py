@@ -118,10 +118,12 @@ def test_cluster_trains_then_resumes_with_fewer_workers(glyphs_small, no_orphans
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed step=20" in second.stderr
-    # a lone worker sends nothing: its optimizer takes the momentum back from the hook
+    # a lone worker sends nothing: its optimizer takes the momentum and weight decay back
+    # from the hook
     optimizer = torch.load(out / CHECKPOINTS / f"step-{30:012d}" / "worker.pt",
                            weights_only=True)["optimizer"]
     assert optimizer["param_groups"][0]["momentum"] == 0.9
+    assert optimizer["param_groups"][0]["weight_decay"] == 5e-4  # the config's default
     assert all("momentum_buffer" in state for state in optimizer["state"].values())
     assert [int(r["step"]) for r in train_rows(out)] == [5, 10, 15, 20, 25, 30]
     assert pushes_per_shard(second.stdout) == [10, 10], second.stdout

@@ -7,12 +7,14 @@ gradient. What a rank did not send is kept and added next step (error feedback),
 is lost, only delayed. Momentum moves from the optimizer into the hook (momentum correction):
 each rank keeps a local velocity u = m·u + g and accumulates it, v = v + u; the top-k of |v|
 is sent, and the sent entries of both v and u are cleared (momentum factor masking: a
-delayed entry does not also carry stale momentum). The optimizer must then run without
-momentum; ``xcls`` builds it so.
+delayed entry does not also carry stale momentum). Weight decay moves along with it: g is the
+local gradient plus ``weight_decay``·w, as SGD adds it before its momentum (the decay would
+otherwise skip the momentum and act 1/(1-m) times weaker). The optimizer must then run without
+momentum and weight decay; ``xcls`` builds it so.
 
 Layers below ``dense_below`` entries (biases, norms) and every layer during the first
 ``warmup_steps`` steps are all-reduced densely, and take their momentum after averaging,
-which is exactly SGD with momentum. A density of 1 sends everything densely.
+which is exactly SGD with momentum and weight decay. A density of 1 sends everything densely.
 
 Values travel as bfloat16 (fp32's range, so a large gradient cannot overflow). The rounding
 error stays in the residual v, so what was sent plus the residual is still exactly the sum
@@ -22,9 +24,9 @@ sparse layer costs 6 bytes per sent entry against 4 bytes per entry dense, 67x f
 Use::
 
     ddp = DistributedDataParallel(model)
-    compressor = TopkCompressor(model, density=0.01, momentum=0.9)
+    compressor = TopkCompressor(model, density=0.01, momentum=0.9, weight_decay=5e-4)
     ddp.register_comm_hook(None, compressor.hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, weight_decay=0.0)
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations as objects.
@@ -80,22 +82,25 @@ class TopkCompressor:
 
     model: the module DDP wraps (parameters are keyed by their names in it); density: share
     of each sparse layer's entries sent per step, in (0, 1]; momentum: the backbone's SGD
-    momentum, applied here instead of in the optimizer; warmup_steps: dense steps first;
+    momentum, applied here instead of in the optimizer; weight_decay: the backbone's SGD
+    weight decay, every parameter's, likewise added here; warmup_steps: dense steps first;
     dense_below: layers with fewer entries always go dense; group: the process group (None:
     the default group).
     """
 
     def __init__(self, model: nn.Module, *, density: float, momentum: float = 0.0,
-                 warmup_steps: int = 0, dense_below: int = 128,
+                 weight_decay: float = 0.0, warmup_steps: int = 0, dense_below: int = 128,
                  group: dist.ProcessGroup | None = None) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density={density} must be in (0, 1]")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum} must be in [0, 1)")
+        if not 0.0 <= weight_decay < math.inf:
+            raise ValueError(f"weight_decay={weight_decay} must be a finite number >= 0")
         if warmup_steps < 0 or dense_below < 0:
             raise ValueError(f"warmup_steps={warmup_steps} and dense_below={dense_below} "
                              "must be >= 0")
-        self.density, self.momentum = density, momentum
+        self.density, self.momentum, self.weight_decay = density, momentum, weight_decay
         self.warmup_steps, self.dense_below = warmup_steps, dense_below
         self.group = group
         self.step = 0  # completed steps; the hook of a step's last bucket advances it
@@ -119,6 +124,8 @@ class TopkCompressor:
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
             name, n = self._names[param], grad.numel()
             flat = grad.reshape(-1)
+            if self.weight_decay:
+                flat = flat + self.weight_decay * param.detach().reshape(-1)
             if dense_phase or n < self.dense_below:
                 dense.append((name, offset, flat))
             else:
