@@ -222,7 +222,6 @@ class Faults:
                     pass
             n += 1
 
-
     def _wait_for_fault(self, n: int) -> bool:
         """Wait until fault ``n`` (0-based) is due; True if the run ended first."""
         if not self.args.fault_every_checkpoints:
