@@ -97,21 +97,14 @@ class MappedFiles:
 
     home: Path
     maps: list[mmap.mmap] = field(default_factory=list)
-    _beyond_memory: bool | None = None
+    # False: never read a request's pages ahead (prefetch_rows); the baseline bench_scale
+    # measures the read-ahead against
+    read_ahead: bool = True
 
     def flush(self) -> None:
         """Write every dirty page to the files and wait until it is written (msync)."""
         for m in self.maps:
             m.flush()
-
-    def beyond_memory(self) -> bool:
-        """Whether the files are too large to stay in the page cache: more than half the
-        machine's memory (the rest goes to processes and other files)."""
-        if self._beyond_memory is None:
-            memory = _physical_memory_bytes()
-            self._beyond_memory = memory is not None and \
-                sum(len(m) for m in self.maps) > memory // 2
-        return self._beyond_memory
 
 
 @dataclass
@@ -528,23 +521,59 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     """Ask the kernel to start reading the pages that hold rows ``positions`` (int64 (m,)) of
     an mmap table, all at once (madvise WILLNEED), before they are copied. A copy that faults
     its pages in one after another waits for one disk read at a time; started together, the
-    reads overlap (benchmarks/RESULTS.md, "Scale"). Only for tables beyond memory: on a table
-    the page cache holds, the calls would cost more than the copy."""
-    if tensors.files is None or positions.numel() == 0 or not tensors.files.beyond_memory():
+    reads overlap (benchmarks/RESULTS.md, "Scale").
+
+    Only when some of them are not in memory: a few of the request's row pages are looked up
+    first (mincore), and where all are resident, as on a table the page cache holds, nothing
+    more is asked (the calls would cost more than the copy). The page cache is the host's,
+    so this also reads ahead where several shards together outgrow it though each one alone
+    would fit."""
+    if (tensors.files is None or not tensors.files.read_ahead or positions.numel() == 0
+            or tensors.rows.numel() == 0):
         return
     madvise = libc_function("madvise")
     if madvise is None:
         return
-    for tensor in (tensors.rows, tensors.state, tensors.row_clock):
-        if tensor.numel() == 0:
-            continue
-        row_bytes = tensor.stride(0) * tensor.element_size()
-        first = positions * row_bytes // mmap.PAGESIZE
-        last = (positions * row_bytes + row_bytes - 1) // mmap.PAGESIZE
+    mapped = [t for t in (tensors.rows, tensors.state, tensors.row_clock) if t.numel()]
+    pages = [_pages_of(t, positions) for t in mapped]
+    if _all_resident(tensors.rows, pages[0]):
+        return
+    for tensor, tensor_pages in zip(mapped, pages, strict=True):
         base = tensor.data_ptr()
-        for page in torch.unique(torch.cat([first, last])).tolist():
+        for page in tensor_pages.tolist():
             madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
                     mmap.MADV_WILLNEED)
+
+
+# pages of a request looked up before its read-ahead: if the page cache lacks a share p of
+# the table, all of them are found resident with probability (1 - p)^8
+_RESIDENCY_PROBES = 8
+
+
+def _pages_of(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 (p,) ascending: the pages of ``tensor``'s mapping that rows ``positions`` touch."""
+    row_bytes = tensor.stride(0) * tensor.element_size()
+    first = positions * row_bytes // mmap.PAGESIZE
+    last = (positions * row_bytes + row_bytes - 1) // mmap.PAGESIZE
+    return torch.unique(torch.cat([first, last]))
+
+
+def _all_resident(tensor: torch.Tensor, pages: torch.Tensor) -> bool:
+    """Whether up to ``_RESIDENCY_PROBES`` of ``pages`` (int64 (p,) of ``tensor``'s
+    mapping), spread over them, are all in memory (mincore). False where mincore is
+    missing or fails: the read-ahead is then always asked for."""
+    mincore = libc_function("mincore")
+    if mincore is None:
+        return False
+    picks = pages[torch.linspace(0, pages.numel() - 1, min(_RESIDENCY_PROBES, pages.numel()))
+                  .round().long()]
+    status = ctypes.c_ubyte()
+    base = tensor.data_ptr()
+    for page in torch.unique(picks).tolist():
+        if mincore(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
+                   ctypes.byref(status)) != 0 or not status.value & 1:
+            return False
+    return True
 
 
 def _write_json(path: Path, doc: dict, what: str) -> None:

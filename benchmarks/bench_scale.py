@@ -246,16 +246,16 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
             install_standin_graph(client, n, args.k, args.seed, TABLE)
             files = [shard.store.table(TABLE).files for shard in client.shards]
             if storage == "mmap":
-                # read-ahead off, then on (as it is for any table beyond half the memory;
-                # forced for a smaller one); the baseline first, so that the read-ahead run
-                # does not find its pages cached
+                # read-ahead off, then on (it then reads whatever the page cache lacks);
+                # the baseline first, so that the read-ahead run does not find its pages
+                # cached
                 print(f"N={n:,}: knn steps embedded, no read-ahead", file=sys.stderr,
                       flush=True)
                 for f in files:
-                    f._beyond_memory = False
+                    f.read_ahead = False
                 result.no_read_ahead = knn_head_steps(client, n, args, seed_offset=1)
                 for f in files:
-                    f._beyond_memory = True
+                    f.read_ahead = True
             result.embedded = knn_head_steps(client, n, args)
     return result
 

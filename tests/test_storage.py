@@ -424,46 +424,71 @@ def page_out(tensor: torch.Tensor) -> None:
     libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), 21)
 
 
-def test_rows_of_a_table_beyond_memory_are_read_ahead_together(tmp_path):
-    from ams.storage import prefetch_rows
+def reopened_out_of_memory(tmp_path) -> ShardStore:
+    """An mmap store holding table "big" (50,000 x 64 float32 rows: 3,125 pages), closed,
+    its files dropped from the page cache (POSIX_FADV_DONTNEED) and opened again, so that
+    none of its rows are in memory; skips where the kernel keeps the pages."""
+    import os
 
     store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
-    store.create_table(TableSpec(name="big", num_rows=50_000, dim=64, seed=1))  # 1,600 pages
+    store.create_table(TableSpec(name="big", num_rows=50_000, dim=64, seed=1))
+    store.close()
+    for path in tmp_path.rglob("*.bin"):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
+    if resident_pages(store.table("big").rows).any():
+        store.close()
+        pytest.skip("this kernel keeps the pages (POSIX_FADV_DONTNEED)")
+    return store
+
+
+READ_POSITIONS = torch.tensor([5_000, 7_777, 20_000, 49_999])
+READ_PAGES = torch.unique(READ_POSITIONS * 64 * 4 // 4096)  # of the rows (256 bytes each)
+
+
+def test_rows_missing_from_memory_are_read_ahead_together(tmp_path):
+    from ams.storage import prefetch_rows
+
+    store = reopened_out_of_memory(tmp_path)
     table = store.table("big")
-    table.files.flush()
-    positions = torch.tensor([5_000, 7_777, 20_000, 49_999])
-    wanted = torch.unique(positions * 64 * 4 // 4096)
-    for _ in range(50):  # pages still being written back are dropped on a later try
-        page_out(table.rows)
-        if resident_pages(table.rows).sum() <= 16 and not resident_pages(table.rows)[wanted].any():
-            break
-        time.sleep(0.02)
-    else:
-        pytest.skip("this kernel keeps the pages (MADV_PAGEOUT)")
-    prefetch_rows(table.tensors, positions)  # fits in memory: nothing is asked for
+    table.files.read_ahead = False  # bench_scale's baseline: nothing is asked for
+    prefetch_rows(table.tensors, READ_POSITIONS)
     time.sleep(0.2)
-    assert not resident_pages(table.rows)[wanted].any()
-    table.files._beyond_memory = True  # as on a host with less than twice its bytes
-    prefetch_rows(table.tensors, positions)
+    assert not resident_pages(table.rows)[READ_PAGES].any()
+    table.files.read_ahead = True
+    prefetch_rows(table.tensors, READ_POSITIONS)
     deadline = time.monotonic() + 5
-    while not resident_pages(table.rows)[wanted].all():
+    while not resident_pages(table.rows)[READ_PAGES].all():
         assert time.monotonic() < deadline, "the pages were not read"
         time.sleep(0.01)
     # those pages only: no read-around window of neighbours nobody asked for
-    assert resident_pages(table.rows).sum() <= wanted.numel() + 16
+    assert resident_pages(table.rows).sum() <= READ_PAGES.numel() + 16
     store.close()
 
 
-def test_a_table_is_beyond_memory_above_half_the_machine(tmp_path, monkeypatch):
+def test_rows_in_memory_are_not_asked_for_again(tmp_path, monkeypatch):
     import ams.storage as storage
 
-    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
-    store.create_table(TableSpec(name="t", num_rows=1000, dim=64, seed=1))  # 256,000 row bytes
-    files = store.table("t").files
-    files_bytes = sum(len(m) for m in files.maps)
-    monkeypatch.setattr(storage, "_physical_memory_bytes", lambda: 2 * files_bytes)
-    assert not files.beyond_memory()
-    files._beyond_memory = None
-    monkeypatch.setattr(storage, "_physical_memory_bytes", lambda: 2 * files_bytes - 2)
-    assert files.beyond_memory()
+    store = reopened_out_of_memory(tmp_path)
+    real = storage.libc_function
+    asked: list[int] = []
+
+    def counting(name: str):
+        function = real(name)
+        if name != "madvise" or function is None:
+            return function
+        return lambda address, length, advice: asked.append(advice) or function(
+            address, length, advice)
+
+    monkeypatch.setattr(storage, "libc_function", counting)
+    store.pull("big", READ_POSITIONS)
+    # one request per page: the rows' 4, the momentum's 4 (same width) and the decay
+    # clocks' (8 bytes a row)
+    clock_pages = torch.unique(READ_POSITIONS * 8 // 4096).numel()
+    assert asked == [storage.mmap.MADV_WILLNEED] * (2 * READ_PAGES.numel() + clock_pages)
+    asked.clear()
+    store.pull("big", READ_POSITIONS)  # its pages are in memory now
+    assert asked == []
     store.close()
