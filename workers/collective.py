@@ -47,6 +47,10 @@ from workers.losses import CombinedMarginLoss
 
 log = logging.getLogger(__name__)
 
+# torch renamed reduce_scatter_tensor (2.13 warns on every call); older torch builds, which GPU
+# hosts may bring, have only the old name
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CollectiveHead:
     """Margin softmax over the classes of all ranks' slices, model-parallel.
@@ -220,7 +224,7 @@ class CollectiveHead:
             return tensor
         part = torch.empty((tensor.shape[0] // self.world, *tensor.shape[1:]),
                            dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_tensor(part, tensor.contiguous())
+        _reduce_scatter_single(part, tensor.contiguous())
         return part
 
     def _all_reduce(self, tensor: torch.Tensor,
