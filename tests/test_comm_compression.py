@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.conftest import free_port, set_torchrun_env
-from workers.comm.compression import TopkCompressor, error_feedback_step
+from workers.comm.compression import TopkCompressor, error_feedback_step, warmup_density
 from workers.distributed import process_group
 
 
@@ -122,13 +122,16 @@ def test_the_hook_on_two_gloo_ranks():
         losses = r["losses"]
         assert sum(losses[-10:]) < 0.7 * sum(losses[:10]), losses
 
-    # bytes: sparse layers ceil(0.05 n) entries of 6 bytes, dense layers 4 bytes an entry
+    # bytes: sparse layers ceil(d n) entries of 6 bytes, dense layers 4 bytes an entry; the
+    # warm-up's density d falls from 1 (sent dense) through 0.05^(1/3) and 0.05^(2/3) to 0.05
     sparse_n, dense_n = (32 * 64, 64 * 64, 64 * 8), (64, 64, 8)
-    per_step_sparse = sum(math.ceil(0.05 * n) * 6 for n in sparse_n) + sum(dense_n) * 4
     per_step_dense = (sum(sparse_n) + sum(dense_n)) * 4
+    densities = [0.05 ** (1 / 3), 0.05 ** (2 / 3)] + [0.05] * 17
+    sent = per_step_dense + sum(sum(math.ceil(d * n) * 6 for n in sparse_n) + sum(dense_n) * 4
+                                for d in densities)
     counters = first[0]["half"]["counters"]
     assert counters["steps"] == 20
-    assert counters["bytes_sent"] == 3 * per_step_dense + 17 * per_step_sparse
+    assert counters["bytes_sent"] == sent
     assert counters["dense_bytes"] == 20 * per_step_dense
 
     resumed = manager.dict()
@@ -136,6 +139,14 @@ def test_the_hook_on_two_gloo_ranks():
     for rank in (0, 1):
         for name, tensor in resumed[rank].items():
             assert torch.equal(tensor, first[rank]["whole"][name]), name
+
+
+def test_the_warmup_density_falls_geometrically_to_the_density():
+    assert warmup_density(0, 0.01, 100) == 1.0
+    assert warmup_density(50, 0.01, 100) == pytest.approx(0.1)  # halfway: sqrt(0.01)
+    assert warmup_density(99, 0.01, 100) == pytest.approx(0.01 * 100 ** (1 / 100))
+    assert warmup_density(100, 0.01, 100) == warmup_density(10**6, 0.01, 100) == 0.01
+    assert warmup_density(0, 0.01, 0) == 0.01  # no warm-up: sparse from the first step
 
 
 def test_bad_settings_are_refused():

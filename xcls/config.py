@@ -276,9 +276,12 @@ class CommConfig:
     workers.comm; optim.momentum then runs in it, not in the optimizer). CPU or fp32 only:
     not with train.amp on CUDA"""
     density: float = 0.01
-    """topk: share of each layer's entries sent per step, in (0, 1] (1: dense)"""
+    """topk: share of each layer's entries sent per step, in (0, 1]; from 2/3 on a layer is
+    sent dense (fewer bytes than index-value pairs)"""
     warmup_steps: int = 0
-    """topk: steps sent dense first, >= 0"""
+    """topk: steps over which the share falls geometrically from 1 (dense) to comm.density,
+    as deep gradient compression warms up, >= 0 (0: comm.density from the first step; a
+    tenth of the run is what docs/accuracy.md measured level with dense)"""
     dense_below: int = 128
     """topk: layers with fewer entries (biases, norms) are always sent dense, >= 0"""
 

@@ -12,9 +12,12 @@ local gradient plus ``weight_decay``·w, as SGD adds it before its momentum (the
 otherwise skip the momentum and act 1/(1-m) times weaker). The optimizer must then run without
 momentum and weight decay; ``xcls`` builds it so.
 
-Layers below ``dense_below`` entries (biases, norms) and every layer during the first
-``warmup_steps`` steps are all-reduced densely, and take their momentum after averaging,
-which is exactly SGD with momentum and weight decay. A density of 1 sends everything densely.
+Over the first ``warmup_steps`` steps the density falls geometrically from 1 to ``density``
+(``warmup_density``; deep gradient compression's exponential warm-up), so training starts
+dense and thins its messages while the weights settle. Layers below ``dense_below`` entries
+(biases, norms), and every layer in a step whose density is at least ``DENSE_FROM``, are
+all-reduced densely and take their momentum after averaging, which is exactly SGD with
+momentum and weight decay; a density of 1 sends everything densely.
 
 Values travel as bfloat16 (fp32's range, so a large gradient cannot overflow). The rounding
 error stays in the residual v, so what was sent plus the residual is still exactly the sum
@@ -39,6 +42,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workers.comm.topk_selection import topk
+
+# a sent entry costs 6 bytes (int32 offset, bfloat16 value), a dense one 4: from this density
+# on, the dense all-reduce is the smaller message, and exact
+DENSE_FROM = 2 / 3
+
+
+def warmup_density(step: int, density: float, warmup_steps: int) -> float:
+    """Share of a sparse layer's entries sent in ``step`` (0-based): 1 at step 0, falling
+    geometrically to ``density`` at ``warmup_steps`` (``density ** (step / warmup_steps)``),
+    then ``density``."""
+    if step >= warmup_steps:
+        return density
+    return density ** (step / warmup_steps)
 
 
 class Compression(StrEnum):
@@ -83,7 +99,8 @@ class TopkCompressor:
     model: the module DDP wraps (parameters are keyed by their names in it); density: share
     of each sparse layer's entries sent per step, in (0, 1]; momentum: the backbone's SGD
     momentum, applied here instead of in the optimizer; weight_decay: the backbone's SGD
-    weight decay, every parameter's, likewise added here; warmup_steps: dense steps first;
+    weight decay, every parameter's, likewise added here; warmup_steps: steps over which the
+    density falls from 1 to ``density`` (``warmup_density``);
     dense_below: layers with fewer entries always go dense; group: the process group (None:
     the default group).
     """
@@ -116,7 +133,8 @@ class TopkCompressor:
         future of the bucket's averaged (momentum-corrected) gradient, (n,) like the bucket."""
         buffer = bucket.buffer()
         world = dist.get_world_size(self.group)
-        dense_phase = self.step < self.warmup_steps or self.density >= 1.0
+        density = warmup_density(self.step, self.density, self.warmup_steps)
+        dense_phase = density >= DENSE_FROM
         dense: list[tuple[str, int, Tensor]] = []
         sparse_ids: list[Tensor] = []
         sparse_values: list[Tensor] = []
@@ -129,7 +147,7 @@ class TopkCompressor:
             if dense_phase or n < self.dense_below:
                 dense.append((name, offset, flat))
             else:
-                k = max(1, math.ceil(self.density * n))
+                k = max(1, math.ceil(density * n))
                 velocity = self._state(self._velocity, name, flat)
                 residual = self._state(self._residual, name, flat)
                 ids, values = error_feedback_step(velocity, residual, flat.float(), k,
