@@ -385,6 +385,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_scale_", dir=args.workdir) as tmp:
         workdir = Path(tmp)
         baseline = baseline_rss(args, workdir)
