@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import TextIO
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -23,10 +24,27 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to ``sys.stderr`` as it is when each record comes: the
+    command line may be run in process (tests, notebooks), where the stream there was at
+    setup is later replaced and closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def setup_logging(verbosity: int = 0) -> None:
     """Route logs to stderr. ``verbosity``: -1 warnings only, 0 key events, 1+ debug."""
     level = logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0 else logging.DEBUG
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(LogfmtFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
