@@ -534,13 +534,15 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     madvise = libc_function("madvise")
     if madvise is None:
         return
-    mapped = [t for t in (tensors.rows, tensors.state, tensors.row_clock) if t.numel()]
-    pages = [_pages_of(t, positions) for t in mapped]
-    if _all_resident(tensors.rows, pages[0]):
+    row_pages = _pages_of(tensors.rows, positions)
+    if _all_resident(tensors.rows, row_pages):
         return
-    for tensor, tensor_pages in zip(mapped, pages, strict=True):
+    for tensor in (tensors.rows, tensors.state, tensors.row_clock):
+        if tensor.numel() == 0:
+            continue
+        pages = row_pages if tensor is tensors.rows else _pages_of(tensor, positions)
         base = tensor.data_ptr()
-        for page in tensor_pages.tolist():
+        for page in pages.tolist():
             madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
                     mmap.MADV_WILLNEED)
 
@@ -565,11 +567,12 @@ def _all_resident(tensor: torch.Tensor, pages: torch.Tensor) -> bool:
     mincore = libc_function("mincore")
     if mincore is None:
         return False
+    # evenly spaced over the request, never the same page twice (steps are at least 1 apart)
     picks = pages[torch.linspace(0, pages.numel() - 1, min(_RESIDENCY_PROBES, pages.numel()))
                   .round().long()]
     status = ctypes.c_ubyte()
     base = tensor.data_ptr()
-    for page in torch.unique(picks).tolist():
+    for page in picks.tolist():
         if mincore(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
                    ctypes.byref(status)) != 0 or not status.value & 1:
             return False

@@ -415,15 +415,6 @@ def resident_pages(tensor: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(vec), dtype=torch.uint8).bool()
 
 
-def page_out(tensor: torch.Tensor) -> None:
-    """Write ``tensor``'s mapping back and drop it from memory (MADV_PAGEOUT)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    nbytes = tensor.numel() * tensor.element_size()
-    libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), 21)
-
-
 def reopened_out_of_memory(tmp_path) -> ShardStore:
     """An mmap store holding table "big" (50,000 x 64 float32 rows: 3,125 pages), closed,
     its files dropped from the page cache (POSIX_FADV_DONTNEED) and opened again, so that
