@@ -17,12 +17,16 @@ default), ``--shards`` shard processes on loopback:
     step's cost depends on the lists' length, not their content. ``--resident N`` adds one
     capacity-only row: the largest table kept in RAM (memory storage) on this host.
 (b) The knn head step: select (labels + neighbors by rank, budget B*k) + pull + forward and
-    backward on fixed random features + push, for ``--steps`` steps after ``--warmup``, over
-    gRPC and on the embedded AMS (``ams.connect(local_shards=S)``; an mmap table is reopened
-    from the files the processes left, not created again). p50 / p99 milliseconds and rows
-    pulled per second. An mmap table is also stepped embedded with the read-ahead of its rows'
-    pages turned off (``ams.storage.prefetch_rows``), before the run with it: the baseline of
-    what the read-ahead gains.
+    backward on fixed random features + push, for ``--steps`` steps after ``--warmup`` (an
+    mmap table: and after ``--mmap-warmup-s`` seconds of steps, so that the kernel is writing
+    back dirty row pages as fast as the steps make them), over gRPC and on the embedded AMS
+    (``ams.connect(local_shards=S)``; an mmap table is reopened from the files the processes
+    left, not created again). p50 / p99 milliseconds, rows pulled per second, and the host's
+    disk traffic per step: pages read, made dirty and written back. For an mmap table, the
+    rate at which this host's disk reads row pages at random is measured after the steps;
+    the pages a step reads, at that rate, are a floor under it. An mmap table is also stepped
+    embedded with the read-ahead of its rows' pages turned off (``ams.storage.prefetch_rows``),
+    before the run with it: the baseline of what the read-ahead gains.
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
     softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
@@ -34,7 +38,9 @@ default), ``--shards`` shard processes on loopback:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import mmap
 import os
 import platform
 import statistics
@@ -91,6 +97,11 @@ def create_table(client: ShardedClient, n: int, args: argparse.Namespace) -> flo
 class StepTimes:
     seconds: list[float] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    # the host's disk traffic while the measured steps ran, 4 KiB pages per step
+    # (/proc/vmstat): read from disk, made dirty, written back
+    pages_read: float = 0.0
+    pages_dirtied: float = 0.0
+    pages_written: float = 0.0
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.seconds)
@@ -101,23 +112,89 @@ class StepTimes:
 
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
-                   seed_offset: int = 0) -> StepTimes:
+                   seed_offset: int = 0, warmup_s: float = 0.0) -> StepTimes:
+    """``args.steps`` timed steps after ``args.warmup`` steps and at least ``warmup_s``
+    seconds of them."""
     margin = CombinedMarginLoss.from_preset("arcface")
     head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
                       seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed + seed_offset)
     features = torch.randn(args.batch, args.dim, generator=generator)
     times = StepTimes()
-    for i in range(args.warmup + args.steps):
+    warm_until = time.perf_counter() + warmup_s
+    warm_steps = 0
+    while len(times.seconds) < args.steps:
         labels = torch.randint(n, (args.batch,), generator=generator)
+        warm = warm_steps >= args.warmup and time.perf_counter() >= warm_until
+        if warm and not times.seconds:
+            disk = disk_pages()
         started = time.perf_counter()
         batch = head.prepare(labels)
         out = head.forward_backward(features, batch)
         client.push(TABLE, batch.active_ids, out.row_grad, LR)
-        if i >= args.warmup:
+        if warm:
             times.seconds.append(time.perf_counter() - started)
             times.rows.append(batch.active_ids.numel())
+        else:
+            warm_steps += 1
+    read, dirtied, written = (after - before for after, before
+                              in zip(disk_pages(), disk, strict=True))
+    times.pages_read = read / args.steps
+    times.pages_dirtied = dirtied / args.steps
+    times.pages_written = written / args.steps
     return times
+
+
+def disk_pages() -> tuple[int, int, int]:
+    """The host's 4 KiB pages read from disk (pgpgin counts KiB), file pages made dirty
+    (nr_dirtied) and written back (nr_written) so far, from /proc/vmstat; zeros where there
+    is none."""
+    counts = {}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("pgpgin", "nr_dirtied", "nr_written"):
+                    counts[key] = int(value)
+    except OSError:
+        return 0, 0, 0
+    return (counts.get("pgpgin", 0) // 4, counts.get("nr_dirtied", 0),
+            counts.get("nr_written", 0))
+
+
+def random_read_rate(rows: list[torch.Tensor], pages: int = 4000) -> float | None:
+    """Pages per second this host reads from disk at random: ``pages`` 4 KiB pages of the
+    mapped ``rows`` tensors (mmap storage) that are not in memory (mincore), spread over the
+    tensors, asked for together (madvise WILLNEED, as the store's read-ahead does) and then
+    touched. The ceiling for a step whose rows miss the page cache. None where every page
+    is in memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    chosen: list[tuple[torch.Tensor, list[int]]] = []
+    for tensor in rows:
+        nbytes = tensor.numel() * tensor.element_size()
+        status = (ctypes.c_ubyte * (nbytes // page))()
+        whole_pages = ctypes.c_size_t(nbytes - nbytes % page)
+        if libc.mincore(ctypes.c_void_p(tensor.data_ptr()), whole_pages, status) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        missing = torch.frombuffer(status, dtype=torch.uint8).bitwise_and(1).eq(0)
+        candidates = missing.nonzero().squeeze(1)
+        take = candidates[torch.randperm(candidates.numel())[:pages // len(rows)]]
+        chosen.append((tensor, take.sort().values.tolist()))
+    total = sum(len(p) for _, p in chosen)
+    if total == 0:
+        return None
+    started = time.perf_counter()
+    for tensor, picked in chosen:
+        base = tensor.data_ptr()
+        for p in picked:
+            libc.madvise(ctypes.c_void_p(base + p * page), ctypes.c_size_t(page),
+                         mmap.MADV_WILLNEED)
+    for tensor, picked in chosen:
+        flat = tensor.view(torch.uint8).view(-1)
+        for p in picked:
+            flat[p * page].item()
+    return total / (time.perf_counter() - started)
 
 
 # ---- (c) whole step: knn against the blocked full softmax -------------------------------
@@ -212,6 +289,7 @@ class SizeResult:
     grpc: StepTimes | None = None
     embedded: StepTimes | None = None
     no_read_ahead: StepTimes | None = None
+    disk_pages_per_s: float | None = None  # mmap: random_read_rate after the steps
 
 
 def storage_of(n: int, args: argparse.Namespace) -> str:
@@ -225,6 +303,7 @@ def shard_rss(shards: list) -> list[tuple[int, int]]:
 def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
              storage: str | None = None) -> SizeResult:
     storage = storage or storage_of(n, args)
+    warmup_s = args.mmap_warmup_s if storage == "mmap" else 0.0
     data_dir = workdir / f"n{n}"
     print(f"N={n:,} storage={storage}: creating", file=sys.stderr, flush=True)
     with shard_processes(args.shards, data_dir=data_dir, xcls_flags=["-q"], log_dir=workdir,
@@ -237,7 +316,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
         result = SizeResult(n, storage, create_s, graph_s, rss_created, rss_graph)
         if steps:
             print(f"N={n:,}: knn steps over gRPC", file=sys.stderr, flush=True)
-            result.grpc = knn_head_steps(client, n, args)
+            result.grpc = knn_head_steps(client, n, args, warmup_s=warmup_s)
     if steps:
         print(f"N={n:,}: knn steps embedded", file=sys.stderr, flush=True)
         with ams.connect(local_shards=args.shards, storage=storage,
@@ -253,10 +332,16 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
                       flush=True)
                 for f in files:
                     f.read_ahead = False
-                result.no_read_ahead = knn_head_steps(client, n, args, seed_offset=1)
+                result.no_read_ahead = knn_head_steps(client, n, args, seed_offset=1,
+                                                      warmup_s=warmup_s)
                 for f in files:
                     f.read_ahead = True
-            result.embedded = knn_head_steps(client, n, args)
+            # other labels than the gRPC run's, whose rows that run left in the page cache
+            result.embedded = knn_head_steps(client, n, args, seed_offset=2,
+                                             warmup_s=warmup_s)
+            if storage == "mmap":
+                result.disk_pages_per_s = random_read_rate(
+                    [shard.store.table(TABLE).rows for shard in client.shards])
     return result
 
 
@@ -312,8 +397,10 @@ def capacity_table(results: list[SizeResult], baseline: int,
 
 
 def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]:
-    lines = ["| N | storage | AMS | p50 ms | p99 ms | rows pulled/s | p50 vs smallest N |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+    lines = ["| N | storage | AMS | p50 ms | p99 ms | rows pulled/s | p50 vs smallest N "
+             "| disk pages read / dirtied / written per step "
+             "| reads at the disk's random-read rate, ms per step |",
+             "|---:|---|---|---:|---:|---:|---:|---|---:|"]
     for mode in ("grpc", "embedded", "no_read_ahead"):
         timed = [r for r in results if getattr(r, mode) is not None]
         if not timed:
@@ -326,9 +413,18 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
                  "no_read_ahead": f"embedded ({args.shards} shards), no read-ahead"}[mode]
         for r in timed:
             t: StepTimes = getattr(r, mode)
+            floor = (f"{t.pages_read / r.disk_pages_per_s * 1000:,.1f}"
+                     if r.disk_pages_per_s else "—")
             lines.append(f"| {r.n:,} | {r.storage} | {label} | {ms(t.quantile(0.5))} "
                          f"| {ms(t.quantile(0.99))} | {t.rows_per_second():,.0f} "
-                         f"| {t.quantile(0.5) / first:.2f}x |")
+                         f"| {t.quantile(0.5) / first:.2f}x "
+                         f"| {t.pages_read:,.0f} / {t.pages_dirtied:,.0f} / {t.pages_written:,.0f} "
+                         f"| {floor} |")
+    for r in results:
+        if r.disk_pages_per_s:
+            lines += ["", f"Random reads of 4 KiB row pages missing from memory (N = {r.n:,}, "
+                      f"after the steps, madvise WILLNEED together as the read-ahead asks): "
+                      f"{r.disk_pages_per_s:,.0f} pages/s."]
     return lines
 
 
@@ -361,6 +457,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100, help="measured knn head steps")
+    parser.add_argument("--mmap-warmup-s", type=float, default=60.0,
+                        help="mmap tables: warm-up steps for at least this many seconds, so "
+                             "that the kernel writes back dirty row pages as fast as the steps "
+                             "make them (steady state) before steps are timed")
     parser.add_argument("--ratio-steps", type=int, default=5, help="measured knn whole steps")
     parser.add_argument("--full-steps", type=int, default=1, help="measured full whole steps")
     parser.add_argument("--full-block", type=int, default=1 << 18,
@@ -374,7 +474,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.sizes, args.resident, args.mmap_from = "20000,200000", 0, 200000
         args.ratio_classes, args.batch, args.warmup, args.steps = 20000, 32, 1, 5
-        args.ratio_steps, args.full_block = 1, 4096
+        args.ratio_steps, args.full_block, args.mmap_warmup_s = 1, 4096, 0.0
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     if any(n < args.k for n in args.sizes):
         parser.error(f"every size must be at least --k={args.k}")
@@ -414,7 +514,7 @@ def main() -> None:
         *capacity_table(results, baseline, args),
         "",
         f"(b) knn head step (select + pull + forward/backward + push), {args.steps} steps "
-        f"after {args.warmup} warm-up",
+        f"after {args.warmup} warm-up (mmap: and after {args.mmap_warmup_s:,.0f} s of steps)",
         "",
         *step_table(results, args),
     ]

@@ -174,8 +174,11 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     # the plan's resident figure beside the measured one (memory storage only)
     after_create, after_graph = (float(x) for x in capacity["20,000"][10].split(", "))
     assert 0.5 < after_create < 2 and 0.5 < after_graph < 2 and capacity["200,000"][10] == "—"
-    steps = [(cells[0], cells[2]) for n in ("20,000", "200,000")
-             for cells in table_rows(done.stdout, n) if len(cells) == 7]
+    step_rows = [cells for n in ("20,000", "200,000")
+                 for cells in table_rows(done.stdout, n) if len(cells) == 9]
+    steps = [(cells[0], cells[2]) for cells in step_rows]
+    # disk pages read / dirtied / written per step: three counts
+    assert all(len(cells[7].split(" / ")) == 3 for cells in step_rows)
     assert sorted(steps) == sorted(
         [(n, ams) for n in ("20,000", "200,000")
          for ams in ("gRPC (4 processes)", "embedded (4 shards)")]
