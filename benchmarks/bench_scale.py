@@ -24,9 +24,9 @@ default), ``--shards`` shard processes on loopback:
     left, not created again). p50 / p99 milliseconds, rows pulled per second, and the host's
     disk traffic per step: pages read, made dirty and written back. For an mmap table, the
     rate at which this host's disk reads row pages at random is measured after the steps;
-    the pages a step reads, at that rate, are a floor under it. An mmap table is also stepped
-    embedded with the read-ahead of its rows' pages turned off (``ams.storage.prefetch_rows``),
-    before the run with it: the baseline of what the read-ahead gains.
+    the pages a step reads, at that rate, are a floor under it. An mmap table is stepped
+    embedded with the read-ahead of its rows' pages (``ams.storage.prefetch_rows``) on and
+    off in turns (on, off, off, on): the baseline of what the read-ahead gains.
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
     softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
@@ -109,6 +109,17 @@ class StepTimes:
 
     def rows_per_second(self) -> float:
         return sum(self.rows) / sum(self.seconds)
+
+    @staticmethod
+    def joined(parts: list[StepTimes]) -> StepTimes:
+        """The steps of ``parts`` as one run: disk pages per step averaged over all steps."""
+        steps = sum(len(p.seconds) for p in parts)
+        return StepTimes(
+            seconds=[t for p in parts for t in p.seconds],
+            rows=[r for p in parts for r in p.rows],
+            pages_read=sum(p.pages_read * len(p.seconds) for p in parts) / steps,
+            pages_dirtied=sum(p.pages_dirtied * len(p.seconds) for p in parts) / steps,
+            pages_written=sum(p.pages_written * len(p.seconds) for p in parts) / steps)
 
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
@@ -323,26 +334,38 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
                          storage_dir=data_dir / "tables") as client:
             create_table(client, n, args)  # a no-op where the mmap table was reopened
             install_standin_graph(client, n, args.k, args.seed, TABLE)
-            files = [shard.store.table(TABLE).files for shard in client.shards]
             if storage == "mmap":
-                # read-ahead off, then on (it then reads whatever the page cache lacks);
-                # the baseline first, so that the read-ahead run does not find its pages
-                # cached
-                print(f"N={n:,}: knn steps embedded, no read-ahead", file=sys.stderr,
-                      flush=True)
-                for f in files:
-                    f.read_ahead = False
-                result.no_read_ahead = knn_head_steps(client, n, args, seed_offset=1,
-                                                      warmup_s=warmup_s)
-                for f in files:
-                    f.read_ahead = True
-            # other labels than the gRPC run's, whose rows that run left in the page cache
-            result.embedded = knn_head_steps(client, n, args, seed_offset=2,
-                                             warmup_s=warmup_s)
-            if storage == "mmap":
+                print(f"N={n:,}: knn steps embedded, read-ahead on and off in turns",
+                      file=sys.stderr, flush=True)
+                result.embedded, result.no_read_ahead = read_ahead_in_turns(
+                    client, n, args, warmup_s)
                 result.disk_pages_per_s = random_read_rate(
                     [shard.store.table(TABLE).rows for shard in client.shards])
+            else:
+                result.embedded = knn_head_steps(client, n, args, seed_offset=2)
     return result
+
+
+def read_ahead_in_turns(client: ShardedClient, n: int, args: argparse.Namespace,
+                        warmup_s: float) -> tuple[StepTimes, StepTimes]:
+    """(with, without) the read-ahead of an mmap table's row pages
+    (``ams.storage.prefetch_rows``), ``args.steps`` timed steps each, taken in four turns
+    in the order on, off, off, on: a turn inherits the writeback its predecessor left, and
+    the labels of each turn are new (other than the gRPC run's too, whose rows that run
+    left in the page cache). The first turn warms up for ``warmup_s`` seconds, the others
+    for a third of it."""
+    files = [shard.store.table(TABLE).files for shard in client.shards]
+    turn_args = argparse.Namespace(**{**vars(args), "steps": max(1, args.steps // 2)})
+    turns: dict[bool, list[StepTimes]] = {True: [], False: []}
+    for i, read_ahead in enumerate((True, False, False, True)):
+        for f in files:
+            f.read_ahead = read_ahead
+        turns[read_ahead].append(knn_head_steps(
+            client, n, turn_args, seed_offset=2 + i,
+            warmup_s=warmup_s if i == 0 else warmup_s / 3))
+    for f in files:
+        f.read_ahead = True
+    return StepTimes.joined(turns[True]), StepTimes.joined(turns[False])
 
 
 def baseline_rss(args: argparse.Namespace, workdir: Path) -> int:
