@@ -529,10 +529,7 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     so this also reads ahead where several shards together outgrow it though each one alone
     would fit."""
     if (tensors.files is None or not tensors.files.read_ahead or positions.numel() == 0
-            or tensors.rows.numel() == 0):
-        return
-    madvise = libc_function("madvise")
-    if madvise is None:
+            or tensors.rows.numel() == 0 or libc_function("madvise") is None):
         return
     row_pages = _pages_of(tensors.rows, positions)
     if _all_resident(tensors.rows, row_pages):
@@ -540,11 +537,21 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     for tensor in (tensors.rows, tensors.state, tensors.row_clock):
         if tensor.numel() == 0:
             continue
-        pages = row_pages if tensor is tensors.rows else _pages_of(tensor, positions)
-        base = tensor.data_ptr()
-        for page in pages.tolist():
-            madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
-                    mmap.MADV_WILLNEED)
+        advise_will_need(tensor, row_pages if tensor is tensors.rows
+                         else _pages_of(tensor, positions))
+
+
+def advise_will_need(tensor: torch.Tensor, pages: list[int] | torch.Tensor) -> None:
+    """madvise(WILLNEED) on each of ``pages`` (page numbers within ``tensor``'s mapping,
+    which must be page aligned, as a mapped table's tensors are): the kernel starts reading
+    them and returns. A no-op where there is no glibc."""
+    madvise = libc_function("madvise")
+    if madvise is None:
+        return
+    base = tensor.data_ptr()
+    for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
+        madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
+                mmap.MADV_WILLNEED)
 
 
 # pages of a request looked up before its read-ahead: if the page cache lacks a share p of

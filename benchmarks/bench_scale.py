@@ -57,6 +57,7 @@ from bench_heads import install_standin_graph
 import ams
 from ams.client import ShardedClient
 from ams.plan import Job, load_rates, shard_memory
+from ams.storage import advise_will_need
 from workers.backbones import build_backbone
 from workers.heads import build_head
 from workers.losses import CombinedMarginLoss
@@ -123,9 +124,11 @@ class StepTimes:
 
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
-                   seed_offset: int = 0, warmup_s: float = 0.0) -> StepTimes:
-    """``args.steps`` timed steps after ``args.warmup`` steps and at least ``warmup_s``
-    seconds of them."""
+                   seed_offset: int = 0, warmup_s: float = 0.0,
+                   steps: int | None = None) -> StepTimes:
+    """``steps`` (default ``args.steps``) timed steps after ``args.warmup`` steps and at
+    least ``warmup_s`` seconds of them."""
+    steps = args.steps if steps is None else steps
     margin = CombinedMarginLoss.from_preset("arcface")
     head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
                       seed=args.seed)
@@ -134,7 +137,7 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
     times = StepTimes()
     warm_until = time.perf_counter() + warmup_s
     warm_steps = 0
-    while len(times.seconds) < args.steps:
+    while len(times.seconds) < steps:
         labels = torch.randint(n, (args.batch,), generator=generator)
         warm = warm_steps >= args.warmup and time.perf_counter() >= warm_until
         if warm and not times.seconds:
@@ -150,9 +153,9 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
             warm_steps += 1
     read, dirtied, written = (after - before for after, before
                               in zip(disk_pages(), disk, strict=True))
-    times.pages_read = read / args.steps
-    times.pages_dirtied = dirtied / args.steps
-    times.pages_written = written / args.steps
+    times.pages_read = read / steps
+    times.pages_dirtied = dirtied / steps
+    times.pages_written = written / steps
     return times
 
 
@@ -197,10 +200,7 @@ def random_read_rate(rows: list[torch.Tensor], pages: int = 4000) -> float | Non
         return None
     started = time.perf_counter()
     for tensor, picked in chosen:
-        base = tensor.data_ptr()
-        for p in picked:
-            libc.madvise(ctypes.c_void_p(base + p * page), ctypes.c_size_t(page),
-                         mmap.MADV_WILLNEED)
+        advise_will_need(tensor, picked)
     for tensor, picked in chosen:
         flat = tensor.view(torch.uint8).view(-1)
         for p in picked:
@@ -355,14 +355,13 @@ def read_ahead_in_turns(client: ShardedClient, n: int, args: argparse.Namespace,
     left in the page cache). The first turn warms up for ``warmup_s`` seconds, the others
     for a third of it."""
     files = [shard.store.table(TABLE).files for shard in client.shards]
-    turn_args = argparse.Namespace(**{**vars(args), "steps": max(1, args.steps // 2)})
     turns: dict[bool, list[StepTimes]] = {True: [], False: []}
     for i, read_ahead in enumerate((True, False, False, True)):
         for f in files:
             f.read_ahead = read_ahead
         turns[read_ahead].append(knn_head_steps(
-            client, n, turn_args, seed_offset=2 + i,
-            warmup_s=warmup_s if i == 0 else warmup_s / 3))
+            client, n, args, seed_offset=2 + i, warmup_s=warmup_s if i == 0 else warmup_s / 3,
+            steps=max(1, args.steps // 2)))
     for f in files:
         f.read_ahead = True
     return StepTimes.joined(turns[True]), StepTimes.joined(turns[False])
