@@ -564,7 +564,9 @@ class ShardedClient:
         grads = grads.detach().to(device="cpu", dtype=torch.float32).contiguous()
         # Each shard gets its ids once and ascending (its fast path); ``source[i]`` is the row
         # of ``values`` that holds the gradient of ``keys[i]``.
-        keys, source = ids.sort()
+        # numpy's introsort: several times torch's sort of int64 on one core
+        source = torch.from_numpy(np.argsort(ids.numpy()))
+        keys = ids.index_select(0, source)
         if keys.numel() > 1 and bool((keys[1:] == keys[:-1]).any()):
             keys, inverse = torch.unique_consecutive(keys, return_inverse=True)
             values = torch.zeros((keys.numel(), spec.dim), dtype=torch.float32)

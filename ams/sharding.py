@@ -7,6 +7,7 @@ ids over all shards, and lets a shard keep its rows in one dense tensor addresse
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -52,7 +53,11 @@ def split_by_shard(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
     """
     if num_shards == 1:
         return [torch.arange(ids.numel(), dtype=torch.int64)]
-    owner = shard_of(ids, num_shards)
-    order = torch.argsort(owner, stable=True)
-    counts = torch.bincount(owner, minlength=num_shards).tolist()
-    return list(torch.split(order, counts))
+    # numpy sorts owners of 16 bits by radix, several times faster than torch's stable merge
+    # sort on one core; this runs on every pull and push of a client
+    owner = np.remainder(ids.numpy(), num_shards)
+    if num_shards <= 1 << 16:
+        owner = owner.astype(np.uint16)
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=num_shards).tolist()
+    return list(torch.from_numpy(order).split(counts))
