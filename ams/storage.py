@@ -541,15 +541,15 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
                          else _pages_of(tensor, positions))
 
 
-def advise_will_need(tensor: torch.Tensor, pages: list[int] | torch.Tensor) -> None:
-    """madvise(WILLNEED) on each of ``pages`` (page numbers within ``tensor``'s mapping,
-    which must be page aligned, as a mapped table's tensors are): the kernel starts reading
-    them and returns. A no-op where there is no glibc."""
+def advise_will_need(tensor: torch.Tensor, pages: torch.Tensor) -> None:
+    """madvise(WILLNEED) on each of ``pages`` (int64 (p,) page numbers within ``tensor``'s
+    mapping, which must be page aligned, as a mapped table's tensors are): the kernel starts
+    reading them and returns. A no-op where there is no glibc."""
     madvise = libc_function("madvise")
     if madvise is None:
         return
     base = tensor.data_ptr()
-    for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
+    for page in pages.tolist():
         madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
                 mmap.MADV_WILLNEED)
 
@@ -584,6 +584,20 @@ def _all_resident(tensor: torch.Tensor, pages: torch.Tensor) -> bool:
                    ctypes.byref(status)) != 0 or not status.value & 1:
             return False
     return True
+
+
+def resident_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """bool (pages,): which pages of ``tensor``'s mapping (page aligned, as a mapped table's
+    tensors are) are in memory, by one mincore(2) over the whole mapping. OSError where
+    mincore is missing or fails."""
+    mincore = libc_function("mincore")
+    if mincore is None:
+        raise OSError(errno.ENOSYS, "mincore: no glibc")
+    nbytes = tensor.numel() * tensor.element_size()
+    status = (ctypes.c_ubyte * -(-nbytes // mmap.PAGESIZE))()
+    if mincore(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), status) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return torch.frombuffer(status, dtype=torch.uint8).bitwise_and(1).bool()
 
 
 def _write_json(path: Path, doc: dict, what: str) -> None:

@@ -38,7 +38,6 @@ default), ``--shards`` shard processes on loopback:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import mmap
 import os
@@ -57,7 +56,7 @@ from bench_heads import install_standin_graph
 import ams
 from ams.client import ShardedClient
 from ams.plan import Job, load_rates, shard_memory
-from ams.storage import advise_will_need
+from ams.storage import advise_will_need, resident_pages
 from workers.backbones import build_backbone
 from workers.heads import build_head
 from workers.losses import CombinedMarginLoss
@@ -115,12 +114,15 @@ class StepTimes:
     def joined(parts: list[StepTimes]) -> StepTimes:
         """The steps of ``parts`` as one run: disk pages per step averaged over all steps."""
         steps = sum(len(p.seconds) for p in parts)
-        return StepTimes(
-            seconds=[t for p in parts for t in p.seconds],
-            rows=[r for p in parts for r in p.rows],
-            pages_read=sum(p.pages_read * len(p.seconds) for p in parts) / steps,
-            pages_dirtied=sum(p.pages_dirtied * len(p.seconds) for p in parts) / steps,
-            pages_written=sum(p.pages_written * len(p.seconds) for p in parts) / steps)
+
+        def per_step(name: str) -> float:
+            return sum(getattr(p, name) * len(p.seconds) for p in parts) / steps
+
+        return StepTimes(seconds=[t for p in parts for t in p.seconds],
+                         rows=[r for p in parts for r in p.rows],
+                         pages_read=per_step("pages_read"),
+                         pages_dirtied=per_step("pages_dirtied"),
+                         pages_written=per_step("pages_written"))
 
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
@@ -182,20 +184,12 @@ def random_read_rate(rows: list[torch.Tensor], pages: int = 4000) -> float | Non
     tensors, asked for together (madvise WILLNEED, as the store's read-ahead does) and then
     touched. The ceiling for a step whose rows miss the page cache. None where every page
     is in memory."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    chosen: list[tuple[torch.Tensor, list[int]]] = []
+    chosen: list[tuple[torch.Tensor, torch.Tensor]] = []
     for tensor in rows:
-        nbytes = tensor.numel() * tensor.element_size()
-        status = (ctypes.c_ubyte * (nbytes // page))()
-        whole_pages = ctypes.c_size_t(nbytes - nbytes % page)
-        if libc.mincore(ctypes.c_void_p(tensor.data_ptr()), whole_pages, status) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        missing = torch.frombuffer(status, dtype=torch.uint8).bitwise_and(1).eq(0)
-        candidates = missing.nonzero().squeeze(1)
+        candidates = (~resident_pages(tensor)).nonzero().squeeze(1)
         take = candidates[torch.randperm(candidates.numel())[:pages // len(rows)]]
-        chosen.append((tensor, take.sort().values.tolist()))
-    total = sum(len(p) for _, p in chosen)
+        chosen.append((tensor, take.sort().values))
+    total = sum(p.numel() for _, p in chosen)
     if total == 0:
         return None
     started = time.perf_counter()
@@ -203,8 +197,8 @@ def random_read_rate(rows: list[torch.Tensor], pages: int = 4000) -> float | Non
         advise_will_need(tensor, picked)
     for tensor, picked in chosen:
         flat = tensor.view(torch.uint8).view(-1)
-        for p in picked:
-            flat[p * page].item()
+        for p in picked.tolist():
+            flat[p * mmap.PAGESIZE].item()
     return total / (time.perf_counter() - started)
 
 

@@ -20,7 +20,7 @@ import torch
 import ams
 from ams import snapshot
 from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
-from ams.storage import TABLE_JSON, table_dir_name
+from ams.storage import TABLE_JSON, resident_pages, table_dir_name
 from ams.store import ShardStore, TableSpec
 
 N, D = 103, 6
@@ -400,19 +400,6 @@ def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkey
     store.close()
     with pytest.raises(ValueError, match="out:"):
         initial_rows(torch.arange(4), D, 1, 0.01, out=torch.empty(4, D + 1))
-
-
-def resident_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """(pages,) bool: which pages of ``tensor``'s mapping are in memory, by mincore(2)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    nbytes = tensor.numel() * tensor.element_size()
-    pages = -(-nbytes // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes), vec) == 0
-    return torch.tensor(list(vec), dtype=torch.uint8).bool()
 
 
 def reopened_out_of_memory(tmp_path) -> ShardStore:
