@@ -24,9 +24,12 @@ default), ``--shards`` shard processes on loopback:
     left, not created again). p50 / p99 milliseconds, rows pulled per second, and the host's
     disk traffic per step: pages read, made dirty and written back. For an mmap table, the
     rate at which this host's disk reads row pages at random is measured after the steps;
-    the pages a step reads, at that rate, are a floor under it. An mmap table is stepped
-    embedded with the read-ahead of its rows' pages (``ams.storage.prefetch_rows``) on and
-    off in turns (on, off, off, on): the baseline of what the read-ahead gains.
+    the pages a step reads, at that rate, are a floor under it. Beside it: the CPU time of
+    the write faults that make the pages a step pushes to dirty, at their cost on this
+    host's file system (``page_dirty_cost``, also measured after the steps), and where the
+    host's CPUs were while the steps ran (busy, waiting for the disk, idle). An mmap table
+    is stepped embedded with the read-ahead of its rows' pages (``ams.storage.prefetch_rows``)
+    on and off in turns (on, off, off, on): the baseline of what the read-ahead gains.
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
     softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
@@ -38,6 +41,7 @@ default), ``--shards`` shard processes on loopback:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import mmap
 import os
@@ -54,6 +58,7 @@ import torch.nn.functional as F
 from bench_heads import install_standin_graph
 
 import ams
+from ams.alloc import libc_function
 from ams.client import ShardedClient
 from ams.plan import Job, load_rates, shard_memory
 from ams.storage import advise_will_need, resident_pages
@@ -65,6 +70,7 @@ from workers.trainer import step_backbone
 from xcls.shards import shard_processes
 
 TABLE = "scale"
+_MS_SYNC = 4  # msync(2): write the range back and wait (Linux)
 IMAGE_SIZE = 32
 LR = 0.1
 
@@ -102,6 +108,11 @@ class StepTimes:
     pages_read: float = 0.0
     pages_dirtied: float = 0.0
     pages_written: float = 0.0
+    # where the host's CPUs were while they ran (/proc/stat), shares of all CPU time: busy
+    # (user and kernel), waiting for the disk (iowait), idle
+    cpu_busy: float = 0.0
+    cpu_iowait: float = 0.0
+    cpu_idle: float = 0.0
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.seconds)
@@ -122,7 +133,9 @@ class StepTimes:
                          rows=[r for p in parts for r in p.rows],
                          pages_read=per_step("pages_read"),
                          pages_dirtied=per_step("pages_dirtied"),
-                         pages_written=per_step("pages_written"))
+                         pages_written=per_step("pages_written"),
+                         cpu_busy=per_step("cpu_busy"), cpu_iowait=per_step("cpu_iowait"),
+                         cpu_idle=per_step("cpu_idle"))
 
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
@@ -143,7 +156,7 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
         labels = torch.randint(n, (args.batch,), generator=generator)
         warm = warm_steps >= args.warmup and time.perf_counter() >= warm_until
         if warm and not times.seconds:
-            disk = disk_pages()
+            disk, cpu = disk_pages(), cpu_ticks()
         started = time.perf_counter()
         batch = head.prepare(labels)
         out = head.forward_backward(features, batch)
@@ -158,7 +171,23 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
     times.pages_read = read / steps
     times.pages_dirtied = dirtied / steps
     times.pages_written = written / steps
+    busy, iowait, idle = (after - before for after, before
+                          in zip(cpu_ticks(), cpu, strict=True))
+    total = max(1, busy + iowait + idle)
+    times.cpu_busy, times.cpu_iowait, times.cpu_idle = busy / total, iowait / total, idle / total
     return times
+
+
+def cpu_ticks() -> tuple[int, int, int]:
+    """The host's CPU time so far, all CPUs, in clock ticks (/proc/stat): (busy: user,
+    nice, system, irq, softirq, steal; iowait; idle); zeros where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0, 0
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal, iowait, idle
 
 
 def disk_pages() -> tuple[int, int, int]:
@@ -200,6 +229,42 @@ def random_read_rate(rows: list[torch.Tensor], pages: int = 4000) -> float | Non
         for p in picked.tolist():
             flat[p * mmap.PAGESIZE].item()
     return total / (time.perf_counter() - started)
+
+
+def page_dirty_cost(rows: list[torch.Tensor], pages: int = 4000) -> float | None:
+    """CPU seconds this host spends making one clean, resident page of the mapped ``rows``
+    tensors (mmap storage) dirty: the write fault a push takes on each row page it is the
+    first to change since the page was last written back (the file system's page_mkwrite).
+    ``pages`` random pages, spread over the tensors, are read into memory, written back and
+    made clean one by one (msync), then each is written once with the byte it holds (the
+    table does not change), timed as the process's CPU time, less the same writes again on
+    the now dirty pages. None where there is no msync."""
+    msync = libc_function("msync")
+    if msync is None:
+        return None
+    flats, offsets = [], []
+    for tensor in rows:
+        count = tensor.numel() * tensor.element_size() // mmap.PAGESIZE
+        picked = torch.randperm(count)[:pages // len(rows)].sort().values
+        advise_will_need(tensor, picked)
+        flats.append(tensor.view(torch.uint8).view(-1))
+        offsets.append(picked * mmap.PAGESIZE)
+    for flat, offset in zip(flats, offsets, strict=True):
+        flat[offset].sum()  # resident before timing, so no read is timed
+        base = flat.data_ptr()
+        for o in offset.tolist():
+            if msync(ctypes.c_void_p(base + o), mmap.PAGESIZE, _MS_SYNC) != 0:
+                return None
+
+    def write_each() -> float:
+        started = time.process_time()
+        for flat, offset in zip(flats, offsets, strict=True):
+            flat[offset] = flat[offset]
+        return time.process_time() - started
+
+    faulting = write_each()
+    total = sum(o.numel() for o in offsets)
+    return max(0.0, faulting - write_each()) / total
 
 
 # ---- (c) whole step: knn against the blocked full softmax -------------------------------
@@ -295,6 +360,7 @@ class SizeResult:
     embedded: StepTimes | None = None
     no_read_ahead: StepTimes | None = None
     disk_pages_per_s: float | None = None  # mmap: random_read_rate after the steps
+    page_dirty_s: float | None = None  # mmap: page_dirty_cost after the steps
 
 
 def storage_of(n: int, args: argparse.Namespace) -> str:
@@ -333,8 +399,9 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
                       file=sys.stderr, flush=True)
                 result.embedded, result.no_read_ahead = read_ahead_in_turns(
                     client, n, args, warmup_s)
-                result.disk_pages_per_s = random_read_rate(
-                    [shard.store.table(TABLE).rows for shard in client.shards])
+                rows = [shard.store.table(TABLE).rows for shard in client.shards]
+                result.disk_pages_per_s = random_read_rate(rows)
+                result.page_dirty_s = page_dirty_cost(rows)
             else:
                 result.embedded = knn_head_steps(client, n, args, seed_offset=2)
     return result
@@ -415,8 +482,10 @@ def capacity_table(results: list[SizeResult], baseline: int,
 def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]:
     lines = ["| N | storage | AMS | p50 ms | p99 ms | rows pulled/s | p50 vs smallest N "
              "| disk pages read / dirtied / written per step "
-             "| reads at the disk's random-read rate, ms per step |",
-             "|---:|---|---|---:|---:|---:|---:|---|---:|"]
+             "| reads at the disk's random-read rate, ms per step "
+             "| pages made dirty at this host's cost, CPU ms per step "
+             "| host CPU busy / iowait / idle % |",
+             "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
     for mode in ("grpc", "embedded", "no_read_ahead"):
         timed = [r for r in results if getattr(r, mode) is not None]
         if not timed:
@@ -431,16 +500,23 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
             t: StepTimes = getattr(r, mode)
             floor = (f"{t.pages_read / r.disk_pages_per_s * 1000:,.1f}"
                      if r.disk_pages_per_s else "—")
+            dirtying = (f"{t.pages_dirtied * r.page_dirty_s * 1000:,.1f}"
+                        if r.page_dirty_s is not None else "—")
             lines.append(f"| {r.n:,} | {r.storage} | {label} | {ms(t.quantile(0.5))} "
                          f"| {ms(t.quantile(0.99))} | {t.rows_per_second():,.0f} "
                          f"| {t.quantile(0.5) / first:.2f}x "
                          f"| {t.pages_read:,.0f} / {t.pages_dirtied:,.0f} / {t.pages_written:,.0f} "
-                         f"| {floor} |")
+                         f"| {floor} | {dirtying} | {t.cpu_busy:.0%} / {t.cpu_iowait:.0%} / "
+                         f"{t.cpu_idle:.0%} |")
     for r in results:
         if r.disk_pages_per_s:
             lines += ["", f"Random reads of 4 KiB row pages missing from memory (N = {r.n:,}, "
                       f"after the steps, madvise WILLNEED together as the read-ahead asks): "
                       f"{r.disk_pages_per_s:,.0f} pages/s."]
+        if r.page_dirty_s is not None:
+            lines += ["", f"Making a clean, resident row page dirty (N = {r.n:,}, after the "
+                      f"steps, the write fault of a push): {r.page_dirty_s * 1e6:,.1f} µs of "
+                      "CPU per page."]
     return lines
 
 

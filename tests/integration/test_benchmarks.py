@@ -168,17 +168,25 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     # --quick: 20,000 classes in memory, 200,000 in mmap storage, batch 32, k=12
     capacity = {cells[0]: cells for cells in table_rows(done.stdout, "20,000")
-                + table_rows(done.stdout, "200,000") if len(cells) == 11}
+                + table_rows(done.stdout, "200,000") if len(cells) == 11 and " + " in cells[3]}
     assert {n: cells[1] for n, cells in capacity.items()} == {"20,000": "memory",
                                                               "200,000": "mmap"}
     # the plan's resident figure beside the measured one (memory storage only)
     after_create, after_graph = (float(x) for x in capacity["20,000"][10].split(", "))
     assert 0.5 < after_create < 2 and 0.5 < after_graph < 2 and capacity["200,000"][10] == "—"
     step_rows = [cells for n in ("20,000", "200,000")
-                 for cells in table_rows(done.stdout, n) if len(cells) == 9]
+                 for cells in table_rows(done.stdout, n)
+                 if len(cells) == 11 and " + " not in cells[3]]
     steps = [(cells[0], cells[2]) for cells in step_rows]
     # disk pages read / dirtied / written per step: three counts
     assert all(len(cells[7].split(" / ")) == 3 for cells in step_rows)
+    # the CPU the pages made dirty cost: measured on the mmap table only
+    assert {(cells[1], cells[9] == "—") for cells in step_rows} == {("memory", True),
+                                                                   ("mmap", False)}
+    assert all(float(cells[9]) >= 0 for cells in step_rows if cells[1] == "mmap")
+    # the host's CPU while the steps ran: three shares of its time, adding up to 100 %
+    shares = [[float(x.rstrip("%")) for x in cells[10].split(" / ")] for cells in step_rows]
+    assert all(len(s) == 3 and 99 <= sum(s) <= 101 for s in shares), shares
     assert sorted(steps) == sorted(
         [(n, ams) for n in ("20,000", "200,000")
          for ams in ("gRPC (4 processes)", "embedded (4 shards)")]
