@@ -16,8 +16,10 @@ bound every shard's. Per owned class it keeps:
 Storage. ``memory`` keeps rows, state and clocks in RAM. ``mmap`` keeps them in files mapped
 into the shard: their pages are page cache that the kernel reads in on demand and evicts when
 memory is short, so they count as disk and as page cache (all of it for full speed, less costs
-disk reads), not as resident. What mmap leaves in RAM: the process, the graph, the touched
-marks and the message buffers.
+disk reads), not as resident. The files hold ``ams.slots.SPARE_SLOTS`` more slots than rows
+(a push moves its rows into free slots next to each other), and RAM holds each row's slot
+(int32 below 2**31 slots) and a free-slot mask (1 B a slot). What mmap leaves in RAM: the
+process, the graph, the slot map, the touched marks and the message buffers.
 
 Message buffers. A serving shard keeps the buffers of finished requests for the next ones
 (``ams.alloc.keep_large_buffers``): about one set per request served at a time, i.e. per
@@ -54,6 +56,7 @@ from ams.graph.csr import id_dtype
 from ams.graph.ivf import TRAIN_ROWS_PER_LIST, resolve_nlist
 from ams.graph.select import budget_for_sample_rate
 from ams.sharding import owned_count
+from ams.slots import slot_capacity, slot_dtype
 from ams.snapshot import COMMIT_BYTES
 from ams.storage import StorageKind
 
@@ -219,7 +222,8 @@ class ShardMemory:
     rows, state, clocks, touched, graph: its tensors; baseline: the process with no table;
     buffers: message buffers while serving; snapshot: one snapshot piece on disk;
     in_ram_table: whether rows, state and clocks are in RAM (memory storage) or in mapped
-    files (mmap).
+    files (mmap); spare: the files' spare slots (mmap); slot_map: each row's slot and the
+    free-slot mask, in RAM (mmap).
     """
 
     owned: int
@@ -232,6 +236,8 @@ class ShardMemory:
     buffers: int
     snapshot: int
     in_ram_table: bool
+    spare: int = 0
+    slot_map: int = 0
 
     @property
     def table(self) -> int:
@@ -242,7 +248,8 @@ class ShardMemory:
     def at_rest(self) -> int:
         """Resident bytes of a serving shard before traffic: right after its table was
         created or restored."""
-        return self.baseline + self.graph + (self.table if self.in_ram_table else 0)
+        return (self.baseline + self.graph + self.slot_map
+                + (self.table if self.in_ram_table else 0))
 
     @property
     def resident(self) -> int:
@@ -253,7 +260,7 @@ class ShardMemory:
     def files(self) -> int:
         """Bytes of mapped table files on disk (mmap), and the page cache that holds all of
         them; 0 for memory storage."""
-        return 0 if self.in_ram_table else self.table
+        return 0 if self.in_ram_table else self.table + self.spare
 
     @property
     def snapshot_peak(self) -> int:
@@ -265,9 +272,10 @@ class ShardMemory:
     @property
     def restore_peak(self) -> int:
         """Resident bytes at the peak of a restore over the live table: the piece read, the
-        assembled table (its rows, state and clocks in RAM for memory storage) and one
-        tensor's temporary while this shard's rows are selected from the piece."""
-        assembled = self.graph + (self.table if self.in_ram_table else 0)
+        assembled table (its rows, state and clocks in RAM for memory storage, its slot map
+        for mmap) and one tensor's temporary while this shard's rows are selected from the
+        piece."""
+        assembled = self.graph + self.slot_map + (self.table if self.in_ram_table else 0)
         return self.resident + self.snapshot + assembled + max(self.rows, self.state,
                                                                self.graph)
 
@@ -279,11 +287,15 @@ def shard_memory(job: Job, rates: Rates) -> ShardMemory:
     graph = owned * job.graph_k * job.id_bytes
     tensors = rows + state + clocks + graph
     streams = min(job.workers + 1, job.handler_threads)
+    in_ram = job.storage == StorageKind.MEMORY
+    slots = owned if in_ram else slot_capacity(owned)
     return ShardMemory(
         owned=owned, rows=rows, state=state, clocks=clocks, touched=owned * TOUCHED_BYTES,
         graph=graph, baseline=rates.baseline, buffers=streams * rates.buffers_per_stream,
         snapshot=tensors + math.ceil(tensors * rates.snapshot_overhead),
-        in_ram_table=job.storage == StorageKind.MEMORY)
+        in_ram_table=in_ram,
+        spare=(slots - owned) * (job.row_bytes + job.state_bytes + CLOCK_BYTES),
+        slot_map=0 if in_ram else owned * slot_dtype(slots).itemsize + slots)
 
 
 @dataclass(frozen=True)

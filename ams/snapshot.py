@@ -582,7 +582,7 @@ def _gather_pieces(store: ShardStore, pieces: list[Path], out: dict[str, dict]
         graph = None
         meta = acc["graph_meta"]
         if meta and acc["graph_parts"]:
-            graph = NeighborTable.from_parts(acc["graph_parts"], acc["staged"].rows.shape[0],
+            graph = NeighborTable.from_parts(acc["graph_parts"], acc["owned"],
                                              num_classes=acc["spec"].num_rows, k=meta["k"])
             graph.version, graph.step = meta["version"], meta["step"]
         result.append((acc["spec"], acc["staged"], acc["clock"], graph, acc["dedupe"]))
@@ -598,9 +598,11 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         acc = out.get(name)
         if acc is None:
             staged = store.storage.stage(spec)
+            owned = store.storage.owned(spec)
+            # staged rows are in position order: row p in slot p (``ams.slots``)
             acc = out[name] = {
-                "spec": spec, "staged": staged, "clock": 0.0,
-                "filled": torch.zeros(staged.rows.shape[0], dtype=torch.bool),
+                "spec": spec, "staged": staged, "clock": 0.0, "owned": owned,
+                "filled": torch.zeros(owned, dtype=torch.bool),
                 "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
             }
         if acc["spec"] != spec:

@@ -1,17 +1,24 @@
 """Where one shard's table tensors live: in memory, or in files mapped into the process.
 
-A shard keeps three tensors per table (``ams.store``): rows (owned, dim) of the row dtype,
-optimizer state (owned, state_width) of the state dtype, and each row's decay clock, float64
-(owned,). ``StorageKind.MEMORY`` keeps them in RAM. ``StorageKind.MMAP`` keeps them in files
-mapped shared, so pushes write the files and the OS pages rows in and out: a shard's part of a
-table may exceed the machine's memory. Its layout, in a storage dir the shards may share::
+A shard keeps three tensors per table (``ams.store``): rows (slots, dim) of the row dtype,
+optimizer state (slots, state_width) of the state dtype, and each row's decay clock, float64
+(slots,). ``StorageKind.MEMORY`` keeps them in RAM, one slot per row: row p in slot p.
+``StorageKind.MMAP`` keeps them in files mapped shared, so pushes write the files and the OS
+pages rows in and out: a shard's part of a table may exceed the machine's memory. An mmap
+table has spare slots and a slot map (``ams.slots.RowSlots``): each push moves the rows it
+updates into free slots next to each other, so that it dirties few pages. Its layout, in a
+storage dir the shards may share::
 
     STORAGE_DIR/shard-00000-of-00002/      one directory per shard (``sharding.piece_name``)
         .lock                              held (flock) by the store that uses it
         fc/                                one per table (``table_dir_name``)
-            rows.bin state.bin row_clock.bin   each tensor's bytes, row-major, native order
-            table.json                     spec, shard layout, "closed"; once closed also the
-                                           decay clock and the push dedupe state
+            rows.bin state.bin row_clock.bin   each tensor's bytes by slot, row-major, native
+                                           order
+            slots.bin                      once closed: each row's slot, int32 (or int64 past
+                                           2**31 slots), in position order
+            table.json                     spec, shard layout, slot count, "closed"; once
+                                           closed also the decay clock, the slots' cursor and
+                                           the push dedupe state
 
 Files are preallocated (``posix_fallocate``), so a full disk, a quota or a file-size limit
 fails when a table is made, with ``StorageFull``, not later as SIGBUS on a page's first write.
@@ -45,17 +52,23 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from ams import sharding
+from ams import rowcopy, sharding
 from ams.alloc import libc_function, zeros_on_huge_pages
 from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
+from ams.slots import RowSlots, slot_capacity, slot_dtype
 
 log = logging.getLogger(__name__)
 
-TABLE_FORMAT = 1  # the layout of table.json
+# the layout of a table's directory: 2 has slots (format 1 tables, one slot per row in
+# position order and no slots.bin, are read)
+TABLE_FORMAT = 2
+TABLE_FORMATS = (1, 2)
 TABLE_JSON = "table.json"
 TENSORS = ("rows", "state", "row_clock")  # each in <name>.bin
+SLOTS_FILE = "slots.bin"
 LOCK_FILE = ".lock"
 # What a store makes beside its live tables: tables being built, tables being replaced,
 # scratch copies. Hidden names, so no table's directory can take one; a store removes the
@@ -109,14 +122,20 @@ class MappedFiles:
 
 @dataclass
 class TableTensors:
-    """One shard's part of a table: rows (owned, dim) of the row dtype, state (owned,
-    state_width) of the state dtype, row_clock float64 (owned,); ``files``: where they are
-    mapped from (None: in memory)."""
+    """One shard's part of a table: rows (slots, dim) of the row dtype, state (slots,
+    state_width) of the state dtype, row_clock float64 (slots,); ``files``: where they are
+    mapped from (None: in memory); ``slots``: the slot of each row (None: row p in slot p,
+    and slots == owned rows)."""
 
     rows: torch.Tensor
     state: torch.Tensor
     row_clock: torch.Tensor
     files: MappedFiles | None = None
+    slots: RowSlots | None = None
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of local ``positions`` (int64 (m,)): int64 (m,)."""
+        return positions if self.slots is None else self.slots.lookup(positions)
 
 
 @dataclass
@@ -170,12 +189,18 @@ class Storage(ABC):
     def owned(self, spec: TableLayout) -> int:
         return sharding.owned_count(spec.num_rows, self.shard_id, self.num_shards)
 
-    def shapes(self, spec: TableLayout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each of this shard's tensors of ``spec``, in ``TENSORS`` order."""
-        owned = self.owned(spec)
-        return {"rows": ((owned, spec.dim), spec.dtype),
-                "state": ((owned, spec.state_width), spec.state_dtype),
-                "row_clock": ((owned,), torch.float64)}
+    def capacity(self, spec: TableLayout) -> int:
+        """Slots of this shard's tensors of ``spec``: one per owned row."""
+        return self.owned(spec)
+
+    def shapes(self, spec: TableLayout, slots: int | None = None
+               ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each of this shard's tensors of ``spec``, in ``TENSORS`` order,
+        with ``slots`` rows (None: ``capacity(spec)``)."""
+        slots = self.capacity(spec) if slots is None else slots
+        return {"rows": ((slots, spec.dim), spec.dtype),
+                "state": ((slots, spec.state_width), spec.state_dtype),
+                "row_clock": ((slots,), torch.float64)}
 
     @abstractmethod
     def stage(self, spec: TableLayout) -> TableTensors:
@@ -287,10 +312,15 @@ class MmapStorage(Storage):
             if p.name.startswith((_STAGE, _OLD, _SCRATCH)):
                 _remove(p)
 
+    def capacity(self, spec: TableLayout) -> int:
+        """Slots of this shard's files of ``spec``: its rows and spare slots
+        (``ams.slots``)."""
+        return slot_capacity(self.owned(spec))
+
     def _doc(self, spec: TableLayout, closed: bool) -> dict:
         return {"format": TABLE_FORMAT, "spec": spec.describe(), "shard_id": self.shard_id,
                 "num_shards": self.num_shards, "owned_rows": self.owned(spec),
-                "closed": closed}
+                "slots": self.capacity(spec), "closed": closed}
 
     def stage(self, spec: TableLayout) -> TableTensors:
         what = f"table {shorten(spec.name)}"
@@ -314,7 +344,8 @@ class MmapStorage(Storage):
         except BaseException:
             _remove(home)
             raise
-        return TableTensors(*tensors, files=files)
+        return TableTensors(*tensors, files=files,
+                            slots=RowSlots.identity(self.owned(spec), self.capacity(spec)))
 
     def install(self, spec: TableLayout, staged: TableTensors) -> TableTensors:
         files = staged.files
@@ -346,26 +377,43 @@ class MmapStorage(Storage):
             _remove(home)  # only ever a staging directory, never a live table's
 
     def copy(self, tensors: TableTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """File-backed copies in scratch files of this shard's directory, unlinked once
-        mapped; ``StorageFull`` when the disk cannot hold them."""
+        """File-backed copies, in position order, in scratch files of this shard's
+        directory, unlinked once mapped; ``StorageFull`` when the disk cannot hold them. Rows
+        are gathered from their slots a block at a time: no RAM copy of the table."""
+        slots = tensors.slots
+        owned = slots.owned if slots is not None else tensors.rows.shape[0]
         out = []
         for name in TENSORS:
             src = getattr(tensors, name)
             path = self.root / f"{_SCRATCH}{uuid.uuid4().hex[:12]}-{name}.bin"
             try:
-                copy = _map_new(path, tuple(src.shape), src.dtype, None, "a snapshot's copy")
+                copy = _map_new(path, (owned, *src.shape[1:]), src.dtype, None,
+                                "a snapshot's copy")
             finally:
                 path.unlink(missing_ok=True)
-            copy.copy_(src)
+            if slots is None:
+                copy.copy_(src)
+            elif copy.numel():
+                for start in range(0, owned, COPY_BLOCK_ROWS):
+                    stop = min(start + COPY_BLOCK_ROWS, owned)
+                    at = slots.lookup(torch.arange(start, stop))
+                    copy[start:stop] = rowcopy.gather(src.view(src.shape[0], -1), at
+                                                      ).view((stop - start, *src.shape[1:]))
             out.append(copy)
         return out[0], out[1], out[2]
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
+        """The maps are flushed and the slot map written before ``table.json`` says
+        closed: a crash in between leaves a table that is not closed, discarded."""
         files = tensors.files
+        what = f"table {shorten(spec.name)}"
         files.flush()
-        doc = {**self._doc(spec, closed=True), "decay_clock": clock, "push_dedupe": dedupe}
-        _write_json(files.home / TABLE_JSON, doc, f"table {shorten(spec.name)}")
+        slots = tensors.slots
+        _write_file(files.home / SLOTS_FILE, slots.slot_of.tobytes(), what)
+        doc = {**self._doc(spec, closed=True), "decay_clock": clock, "push_dedupe": dedupe,
+               "cursor": slots.cursor}
+        _write_json(files.home / TABLE_JSON, doc, what)
 
     def reopen(self, parse_spec: Callable[[dict], TableLayout],
                parse_dedupe: Callable[[object], object]) -> list[ReopenedTable]:
@@ -386,13 +434,14 @@ class MmapStorage(Storage):
                         "restore a snapshot", spec.name, home)
             _remove(home)
         out = []
-        for home, spec, (clock, dedupe) in closed:
+        for home, spec, (clock, dedupe, slots) in closed:
             files = MappedFiles(home)
             tensors = [_map_existing(home / f"{name}.bin", shape, dtype, files)
-                       for name, (shape, dtype) in self.shapes(spec).items()]
-            _write_json(home / TABLE_JSON, self._doc(spec, closed=False),
-                        f"table {shorten(spec.name)}")
-            out.append(ReopenedTable(spec, TableTensors(*tensors, files=files), clock, dedupe))
+                       for name, (shape, dtype) in self.shapes(spec, slots.capacity).items()]
+            doc = {**self._doc(spec, closed=False), "slots": slots.capacity}
+            _write_json(home / TABLE_JSON, doc, f"table {shorten(spec.name)}")
+            out.append(ReopenedTable(spec, TableTensors(*tensors, files=files, slots=slots),
+                                     clock, dedupe))
             log.info("table_reopened table=%s path=%s rows=%d", spec.name, home,
                      self.owned(spec))
         return out
@@ -407,9 +456,10 @@ class MmapStorage(Storage):
         except (OSError, ValueError) as e:
             raise StorageError(f"{where}: unreadable ({e}); {fix}") from None
         try:
-            if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+            if not isinstance(doc, dict) or doc.get("format") not in TABLE_FORMATS:
                 got = doc.get("format") if isinstance(doc, dict) else doc
-                raise ValueError(f"format {shorten(got)}, need {TABLE_FORMAT}")
+                raise ValueError(f"format {shorten(got)}, need one of "
+                                 f"{', '.join(map(str, TABLE_FORMATS))}")
             spec = parse_spec(doc["spec"])
             layout = (doc["shard_id"], doc["num_shards"])
             if not isinstance(doc["closed"], bool):
@@ -427,13 +477,36 @@ class MmapStorage(Storage):
         return doc, spec
 
     def _check_closed(self, home: Path, doc: dict, spec: TableLayout,
-                      parse_dedupe: Callable[[object], object]) -> tuple[float, object]:
-        """A closed table's files have their tensors' sizes; its clock and push dedupe
-        state parse. Returns (clock, dedupe)."""
+                      parse_dedupe: Callable[[object], object]
+                      ) -> tuple[float, object, RowSlots]:
+        """A closed table's files have their tensors' sizes; its clock, push dedupe state
+        and slot map parse. Returns (clock, dedupe, slots)."""
         fix = _fix(home)
-        for name, (shape, dtype) in self.shapes(spec).items():
-            path = home / f"{name}.bin"
-            want = _nbytes(shape, dtype)
+        where = home / TABLE_JSON
+        owned = self.owned(spec)
+        try:
+            clock = doc["decay_clock"]
+            if isinstance(clock, bool) or not isinstance(clock, (int, float)) \
+                    or not math.isfinite(clock) or clock < 0:
+                raise ValueError(f"decay_clock {shorten(clock)}")
+            dedupe = parse_dedupe(doc["push_dedupe"])
+            # format 1: no spare slots, row p in slot p
+            capacity, cursor = (doc["slots"], doc["cursor"]) if doc["format"] > 1 \
+                else (owned, owned)
+            for key, value in (("slots", capacity), ("cursor", cursor)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{key} {shorten(value)}")
+            if capacity < owned:
+                raise ValueError(f"slots {capacity}, fewer than the {owned} rows")
+        except (KeyError, TypeError, ValueError) as e:
+            raise StorageError(f"{where}: malformed ({type(e).__name__}: {shorten(str(e))}); "
+                               f"{fix}") from None
+        sizes = {f"{name}.bin": _nbytes(shape, dtype)
+                 for name, (shape, dtype) in self.shapes(spec, capacity).items()}
+        if doc["format"] > 1:
+            sizes[SLOTS_FILE] = owned * slot_dtype(capacity).itemsize
+        for name, want in sizes.items():
+            path = home / name
             try:
                 size = path.stat().st_size
             except OSError as e:
@@ -441,16 +514,14 @@ class MmapStorage(Storage):
             if size != want:
                 raise StorageError(f"{path}: {size} bytes, table {shorten(spec.name)} needs "
                                    f"{want} (truncated or damaged); {fix}")
-        where = home / TABLE_JSON
+        if doc["format"] == 1:
+            return float(clock), dedupe, RowSlots.identity(owned, capacity)
         try:
-            clock = doc["decay_clock"]
-            if isinstance(clock, bool) or not isinstance(clock, (int, float)) \
-                    or not math.isfinite(clock) or clock < 0:
-                raise ValueError(f"decay_clock {shorten(clock)}")
-            return float(clock), parse_dedupe(doc["push_dedupe"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise StorageError(f"{where}: malformed ({type(e).__name__}: {shorten(str(e))}); "
-                               f"{fix}") from None
+            slot_of = np.fromfile(home / SLOTS_FILE, dtype=slot_dtype(capacity))
+            return float(clock), dedupe, RowSlots(slot_of, capacity, cursor)
+        except (OSError, ValueError) as e:
+            raise StorageError(f"{home / SLOTS_FILE}: damaged ({shorten(str(e))}); {fix}"
+                               ) from None
 
     def close(self) -> None:
         self._lock.close()
@@ -517,6 +588,10 @@ def _random_access(m: mmap.mmap) -> None:
         m.madvise(mmap.MADV_RANDOM)
 
 
+# rows per block when an mmap table's rows are gathered from their slots into a copy
+COPY_BLOCK_ROWS = 1 << 16
+
+
 def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     """Ask the kernel to start reading the pages that hold rows ``positions`` (int64 (m,)) of
     an mmap table, all at once (madvise WILLNEED), before they are copied. A copy that faults
@@ -531,14 +606,37 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     if (tensors.files is None or not tensors.files.read_ahead or positions.numel() == 0
             or tensors.rows.numel() == 0 or libc_function("madvise") is None):
         return
-    row_pages = _pages_of(tensors.rows, positions)
+    at = tensors.at(positions)
+    row_pages = _pages_of(tensors.rows, at)
     if _all_resident(tensors.rows, row_pages):
         return
     for tensor in (tensors.rows, tensors.state, tensors.row_clock):
         if tensor.numel() == 0:
             continue
         advise_will_need(tensor, row_pages if tensor is tensors.rows
-                         else _pages_of(tensor, positions))
+                         else _pages_of(tensor, at))
+
+
+def prefetch_slots_ahead(tensors: TableTensors, count: int) -> None:
+    """Ask the kernel to start reading the pages of the slots a push of ``count`` rows will
+    most likely move its rows into (``RowSlots.span_ahead``): one run of pages per tensor,
+    which the kernel reads in large requests, where a write into a page missing from memory
+    would read it alone (the maps are read at random, ``_random_access``)."""
+    if (tensors.files is None or not tensors.files.read_ahead or tensors.slots is None
+            or count == 0 or libc_function("madvise") is None):
+        return
+    start, stop = tensors.slots.span_ahead(count)
+    if stop <= start:
+        return
+    madvise = libc_function("madvise")
+    for tensor in (tensors.rows, tensors.state, tensors.row_clock):
+        if tensor.numel() == 0:
+            continue
+        row_bytes = tensor.stride(0) * tensor.element_size()
+        first = start * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        end = stop * row_bytes
+        madvise(ctypes.c_void_p(tensor.data_ptr() + first), ctypes.c_size_t(end - first),
+                mmap.MADV_WILLNEED)
 
 
 def advise_will_need(tensor: torch.Tensor, pages: torch.Tensor) -> None:
@@ -601,12 +699,17 @@ def resident_pages(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _write_json(path: Path, doc: dict, what: str) -> None:
-    """Replace ``path`` with ``doc`` whole (temporary file, fsync, rename, fsync of the
+    """Replace ``path`` with ``doc`` whole (``_write_file``)."""
+    _write_file(path, json.dumps(doc, separators=(",", ":")).encode(), what)
+
+
+def _write_file(path: Path, data: bytes, what: str) -> None:
+    """Replace ``path`` with ``data`` whole (temporary file, fsync, rename, fsync of the
     directory), so a crash leaves the old or the new one."""
     tmp = path.with_name(f"{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -35,7 +35,15 @@ from ams.errors import (
 from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
 from ams.optim import RowUpdate, SparseMomentumSGD, all_finite, catch_up_factors, step_decay
 from ams.rowinit import initial_rows
-from ams.storage import MappedFiles, StorageKind, TableTensors, open_storage, prefetch_rows
+from ams.slots import RowSlots
+from ams.storage import (
+    MappedFiles,
+    StorageKind,
+    TableTensors,
+    open_storage,
+    prefetch_rows,
+    prefetch_slots_ahead,
+)
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
 
 # Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
@@ -189,8 +197,9 @@ class TableCopy:
 
 @dataclass
 class ShardTable:
-    """One shard's part of a table. rows/state: (owned, dim); row_clock: float64 (owned,), the
-    decay clock each row was last brought up to; clock: the newest clock a push reached here;
+    """One shard's part of a table. rows/state: (slots, dim); row_clock: float64 (slots,), the
+    decay clock each row was last brought up to, by slot (``slots`` None: slot = local
+    position, as in memory storage); clock: the newest clock a push reached here;
     graph: neighbor lists or None; files: the files rows, state and row_clock are mapped from
     (None: in memory); closed: ``ShardStore.close`` kept the table, pushes are refused."""
 
@@ -208,10 +217,16 @@ class ShardTable:
     files: MappedFiles | None = None
     closed: bool = False
     touched: torch.Tensor | None = None  # bool (owned,): pushed since take_touched
+    slots: RowSlots | None = None  # each row's slot in rows/state/row_clock (None: row p in p)
 
     @property
     def tensors(self) -> TableTensors:
-        return TableTensors(self.rows, self.state, self.row_clock, self.files)
+        return TableTensors(self.rows, self.state, self.row_clock, self.files, self.slots)
+
+    @property
+    def owned(self) -> int:
+        """Rows of the table on this shard (the tensors may have more slots)."""
+        return self.slots.owned if self.slots is not None else self.rows.shape[0]
 
 
 class ShardStore:
@@ -275,7 +290,9 @@ class ShardStore:
                 return False
             staged = self.storage.stage(spec)
             try:
-                _fill_initial_rows(staged.rows, spec, self.shard_id, self.num_shards)
+                # a new table's rows are in position order (``RowSlots.identity``)
+                _fill_initial_rows(staged.rows[:self.storage.owned(spec)], spec,
+                                   self.shard_id, self.num_shards)
                 tensors = self.storage.install(spec, staged)
             except BaseException:
                 self.storage.discard(staged)
@@ -405,7 +422,8 @@ class ShardStore:
                           f"{positions.numel()} rows", _row_bytes(table.spec), "rows per pull")
         prefetch_rows(table.tensors, positions)
         with table.lock:
-            out = _with_decay_owed(table, rowcopy.gather(table.rows, positions), positions)
+            at = table.tensors.at(positions)
+            out = _with_decay_owed(table, rowcopy.gather(table.rows, at), at)
             table.counters.pulls += 1
             table.counters.rows_pulled += positions.numel()
         return out
@@ -443,27 +461,35 @@ class ShardStore:
             return True
         prefetch_rows(table.tensors, positions)
         unique, summed = _summed_by_position(positions, grads)
+        prefetch_slots_ahead(table.tensors, unique.numel())
         with table.lock:  # the dedupe check, the update and its record are one step
             if table.closed:  # its files already say which pushes they hold
                 raise FailedPrecondition(f"table {shorten(name)}: the store was closed")
             if client_id and (client_id, sequence) in table.dedupe:
                 return False
-            row_clock = table.row_clock.index_select(0, unique) if clocked else None
+            at = table.tensors.at(unique)
+            # a slotted table moves the rows, so their clocks move too, updated or not
+            row_clock = table.row_clock.index_select(0, at) \
+                if clocked or table.slots is not None else None
             update = table.optimizer.compute(
-                table.rows, table.state, unique, summed, float(lr),
+                table.rows, table.state, at, summed, float(lr),
                 catch_up_factors(row_clock, decay_clock) if clocked else None)
-            self._refuse_non_finite(table, update, lr, grads)
-            table.optimizer.commit(table.rows, table.state, update)
+            self._refuse_non_finite(table, update, lr, grads, unique)
+            if table.slots is not None:  # nothing is refused past this point
+                at = table.slots.relocate(unique)
+            table.optimizer.commit(table.rows, table.state, replace(update, positions=at))
             if clocked:
                 after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
-                table.row_clock.index_copy_(0, unique, row_clock.clamp(min=after))
+                row_clock = row_clock.clamp(min=after)
                 table.clock = max(table.clock, after)
+            if row_clock is not None:
+                table.row_clock.index_copy_(0, at, row_clock)
             table.counters.pushes += 1
             table.counters.rows_pushed += positions.numel()
             if client_id:
                 table.dedupe.add(client_id, sequence)
             if table.touched is None:  # 1 byte per row, only for tables that take pushes
-                table.touched = torch.zeros(table.rows.shape[0], dtype=torch.bool)
+                table.touched = torch.zeros(table.owned, dtype=torch.bool)
             table.touched[unique] = True
         return True
 
@@ -485,9 +511,10 @@ class ShardStore:
         return positions * self.num_shards + self.shard_id
 
     def _refuse_non_finite(self, table: ShardTable, update: RowUpdate, lr: float,
-                           grads: torch.Tensor) -> None:
+                           grads: torch.Tensor, positions: torch.Tensor) -> None:
         """``InvalidArgument`` naming the first non-finite gradient row of the push, or else
-        the first row that ``update`` would make non-finite. A non-finite gradient always
+        the first row that ``update`` would make non-finite (of local ``positions``, int64
+        (m,), in ``update``'s order). A non-finite gradient always
         makes the update non-finite, so ``grads`` is looked at only then: one pass over the
         pushed rows fewer in every push that is accepted."""
         found = update.first_non_finite()
@@ -497,7 +524,7 @@ class ShardStore:
             bad = int((~torch.isfinite(grads)).any(dim=1).nonzero()[0, 0])
             raise InvalidArgument(f"grads: row {bad} has a non-finite value (nan or inf)")
         what, index = found
-        class_id = int(update.positions[index]) * self.num_shards + self.shard_id
+        class_id = int(positions[index]) * self.num_shards + self.shard_id
         kind = "row" if what == "rows" else "momentum"
         raise InvalidArgument(
             f"push refused: the {kind} of class {class_id} in table {shorten(table.spec.name)} "
@@ -529,15 +556,17 @@ class ShardStore:
         for field_name, value, low in (("block_rows", block_rows, 1), ("start", start, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"{field_name}={shorten(value)} must be an integer >= {low}")
-        n = table.rows.shape[0]
+        n = table.owned
         block_bytes = _row_bytes(table.spec) + 8  # each row travels with its int64 id
         self._check_reply(min(block_rows, n) * block_bytes,
                           f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
         start = min(start, n)
         stop = min(start + block_rows, n)
         with table.lock:
-            rows = _with_decay_owed(table, table.rows[start:stop].clone(),
-                                    torch.arange(start, stop))
+            at = table.tensors.at(torch.arange(start, stop))
+            rows = _with_decay_owed(table, table.rows[start:stop].clone()
+                                    if table.slots is None else rowcopy.gather(table.rows, at),
+                                    at)
         return sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards, start,
                                   stop), rows
 
@@ -626,7 +655,7 @@ class ShardStore:
         graph's id dtype as they arrive, so staging a graph sent in int64 blocks costs the
         finished table and no copy of the parts; any other mix is kept as parts and assembled
         at the end."""
-        owned = table.rows.shape[0]
+        owned = table.owned
         num_classes = table.spec.num_rows
         staged = table.staged_graph
         if staged is None or staged["version"] != version:
@@ -672,7 +701,7 @@ class ShardStore:
             g = t.graph
             out["tables"][name] = {
                 "spec": t.spec.describe(),
-                "owned_rows": t.rows.shape[0],
+                "owned_rows": t.owned,
                 "row_bytes": t.rows.numel() * t.rows.element_size(),
                 "state_bytes": t.state.numel() * t.state.element_size(),
                 "decay_clock": t.clock,
@@ -691,7 +720,7 @@ def _new_table(spec: TableSpec, tensors: TableTensors, clock: float = 0.0,
     return ShardTable(spec, tensors.rows, tensors.state, tensors.row_clock,
                       SparseMomentumSGD(spec.momentum, spec.weight_decay), clock, graph,
                       dedupe=dedupe if dedupe is not None else PushDedupe(),
-                      files=tensors.files)
+                      files=tensors.files, slots=tensors.slots)
 
 
 # Rows given their initial values at a time when a table is made: bounds the temporaries
@@ -743,12 +772,12 @@ def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
     return unique, summed
 
 
-def _with_decay_owed(table: ShardTable, rows: torch.Tensor, positions: torch.Tensor
+def _with_decay_owed(table: ShardTable, rows: torch.Tensor, at: torch.Tensor
                      ) -> torch.Tensor:
-    """``rows`` (m, dim), a copy of the rows at local ``positions`` (m,), times the decay each
-    owes up to the table's clock (rounded once to the row dtype); ``rows`` itself when none
-    is owed. Call under the table's lock."""
+    """``rows`` (m, dim), a copy of the rows in slots ``at`` (int64 (m,)), times the decay
+    each owes up to the table's clock (rounded once to the row dtype); ``rows`` itself when
+    none is owed. Call under the table's lock."""
     if table.clock == 0.0 or rows.shape[0] == 0:
         return rows
-    factors = catch_up_factors(table.row_clock.index_select(0, positions), table.clock)
+    factors = catch_up_factors(table.row_clock.index_select(0, at), table.clock)
     return (rows.to(torch.float32) * factors.to(torch.float32)[:, None]).to(rows.dtype)

@@ -42,6 +42,14 @@ def tmp_data_dir(tmp_path):
 
 # --- shard stores on each storage ------------------------------------------------------------
 
+
+def in_position_order(store, name: str = "fc") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, state, row_clock) of a store's table in local position order (row p first is
+    the shard's p-th class), whatever slots the storage keeps them in: the store's own
+    consistent copy (``ShardStore.copy_table``)."""
+    copy = store.copy_table(name)
+    return copy.rows, copy.state, copy.row_clock
+
 STORAGES = ["memory", "mmap"]
 
 

@@ -47,12 +47,14 @@ def test_memory_storage_holds_every_part_in_ram():
 
 def test_mmap_storage_keeps_the_table_out_of_ram():
     m = shard_memory(small_job(storage="mmap"), RATES)
-    assert m.at_rest == 1000 + 32
-    assert m.resident == 1032 + 4 + 200
-    assert m.files == 128
+    # 4 rows in 5 slots (a quarter more): each row's int32 slot, a 1-byte mask per slot
+    assert m.slot_map == 4 * 4 + 5
+    assert m.at_rest == 1000 + 32 + 21
+    assert m.resident == 1053 + 4 + 200
+    assert m.files == 5 * (8 + 16 + 8)  # rows, momentum, clocks by slot
     assert m.snapshot == 240
-    assert m.snapshot_peak == 1236 + 240  # the copy goes to scratch files
-    assert m.restore_peak == 1236 + 240 + 32 + 64
+    assert m.snapshot_peak == 1257 + 240  # the copy goes to scratch files
+    assert m.restore_peak == 1257 + 240 + 32 + 21 + 64
 
 
 def test_no_momentum_no_state_and_no_graph_without_knn():

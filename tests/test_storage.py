@@ -14,14 +14,17 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import ams
 from ams import snapshot
 from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
+from ams.slots import slot_capacity
 from ams.storage import TABLE_JSON, resident_pages, table_dir_name
 from ams.store import ShardStore, TableSpec
+from tests.conftest import in_position_order
 
 N, D = 103, 6
 LR, WD = 0.1, 0.05
@@ -55,8 +58,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def same_table(a: ShardStore, b: ShardStore, name="fc") -> bool:
     """Bit-identical rows, momentum, decay clocks, clock and push dedupe state."""
     ta, tb = a.table(name), b.table(name)
-    return all(torch.equal(bits(x), bits(y)) for x, y in (
-        (ta.rows, tb.rows), (ta.state, tb.state), (ta.row_clock, tb.row_clock))) \
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(
+        in_position_order(a, name), in_position_order(b, name), strict=True)) \
         and ta.clock == tb.clock and ta.dedupe.to_json() == tb.dedupe.to_json()
 
 
@@ -94,6 +97,33 @@ def test_tables_survive_close_and_reopen_exactly(tmp_path, dtype):
     assert not reopened.push("fc", torch.tensor([1]), torch.ones(1, D), LR, "w", 3)
     drive(memory, 3, first_sequence=4)
     drive(reopened, 3, first_sequence=4)
+    assert same_table(memory, reopened)
+    reopened.close()
+
+
+def test_tables_of_the_format_without_slots_are_read(tmp_path):
+    """A table closed by a version that kept row p at slot p and no spare slots (format 1:
+    no slots.bin) reopens with its rows, and takes pushes."""
+    memory, mapped = ShardStore(0, 1), mmap_store(tmp_path)
+    for store in (memory, mapped):
+        store.create_table(spec())
+        drive(store, 3)
+    rows, state, row_clock = in_position_order(mapped)
+    mapped.close()
+    home = tmp_path / "shard-00000-of-00001" / "fc"
+    for name, tensor in (("rows", rows), ("state", state), ("row_clock", row_clock)):
+        (home / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy()
+                                           .tobytes())
+    (home / "slots.bin").unlink()
+    doc = json.loads((home / TABLE_JSON).read_text())
+    for key in ("slots", "cursor"):
+        del doc[key]
+    (home / TABLE_JSON).write_text(json.dumps({**doc, "format": 1}))
+
+    reopened = mmap_store(tmp_path)
+    assert same_table(memory, reopened)
+    drive(memory, 3, first_sequence=3)
+    drive(reopened, 3, first_sequence=3)
     assert same_table(memory, reopened)
     reopened.close()
 
@@ -172,8 +202,26 @@ def _bad_clock(piece):
     return path
 
 
+def _repeated_slot(piece):
+    path = piece / "fc" / "slots.bin"
+    slots = np.fromfile(path, dtype=np.int32)
+    slots[1] = slots[0]  # two rows in one slot: one of them would be lost
+    slots.tofile(path)
+    return path
+
+
+def _unknown_format(piece):
+    path = piece / "fc" / TABLE_JSON
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "format": 3}))
+    return path
+
+
 DAMAGE = {
     "truncated rows.bin": (_truncate, "truncated or damaged"),
+    "truncated slots.bin": (lambda piece: _truncate(piece, "slots.bin"), "truncated or damaged"),
+    "repeated slot in slots.bin": (_repeated_slot, "two rows share a slot"),
+    "format of a newer version": (_unknown_format, "format 3, need one of 1, 2"),
     "grown state.bin": (_grow, "truncated or damaged"),
     "missing row_clock.bin": (_delete, "missing"),
     "another table's table.json": (_other_table, "describes table 'fc', not the table of"),
@@ -272,8 +320,8 @@ def test_restore_swaps_the_files_only_when_it_succeeds(tmp_path):
 
 # ---- a full disk or a file-size limit ------------------------------------------------------
 
-# Each table file of "fc" (1.28 MB) fits under the limit, its snapshot (2.7 MB) does not, nor
-# the rows of "huge" (6.4 MB).
+# Each table file of "fc" (1.6 MB with its spare slots) fits under the limit, its snapshot
+# (2.7 MB) does not, nor the rows of "huge" (8 MB).
 FSIZE_LIMIT = 2_000_000
 BIG_ROWS, BIG_DIM = 20_000, 16
 LIMITED = textwrap.dedent("""
@@ -318,7 +366,7 @@ def test_file_size_limit_refuses_a_table_and_a_snapshot_and_keeps_the_rest(tmp_p
     out = json.loads(done.stdout)
     kind, message = out["create"]
     assert kind == "StorageFull"  # a RequestTooLarge, as a remote caller sees it
-    assert "table 'huge'" in message and str(100_000 * 16 * 4) in message \
+    assert "table 'huge'" in message and str(slot_capacity(100_000) * 16 * 4) in message \
         and "file-size limit" in message and "rows.bin" in message
     assert "snapshot step 2 not written" in out["snapshot"]
     assert out["serves"]  # and it took the push below
@@ -362,7 +410,7 @@ def test_snapshot_of_mmap_table_copies_into_scratch_files_not_ram(tmp_path, monk
 
     def put_and_measure(txn, copy, digest):
         held.append(anonymous_rss() - before)  # the table's copy is held now
-        assert torch.equal(copy.rows[-5:], store.table("fc").rows[-5:])
+        assert torch.equal(copy.rows[-5:], store.pull("fc", torch.arange(199_995, 200_000)))
         return put(txn, copy, digest)
 
     monkeypatch.setattr(snapshot, "_put_table", put_and_measure)
@@ -396,7 +444,7 @@ def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkey
     store = mmap_store(tmp_path, 2, 3)
     store.create_table(spec())
     whole = initial_rows(torch.arange(2, N, 3), D, seed=1, std=0.01)
-    assert torch.equal(store.table("fc").rows, whole)
+    assert torch.equal(in_position_order(store)[0], whole)
     store.close()
     with pytest.raises(ValueError, match="out:"):
         initial_rows(torch.arange(4), D, 1, 0.01, out=torch.empty(4, D + 1))

@@ -11,7 +11,7 @@ import torch
 
 from ams import errors
 from ams.store import ShardStore, TableSpec
-from tests.conftest import Storages
+from tests.conftest import Storages, in_position_order
 
 N, D = 50, 8
 STORAGE: Storages | None = None  # the storage of the running test, see _on_each_storage
@@ -65,13 +65,12 @@ def test_push_matches_dense_sgd(shard_id, num_shards):
         assert store.push("fc", ids, grads, lr)
         reference_sgd_step(w, v, pos, grads, lr, 0.9, 5e-4)
     torch.testing.assert_close(store.pull("fc", mine).double(), w, rtol=1e-6, atol=1e-7)
-    table = store.table("fc")
-    torch.testing.assert_close(table.state.double(), v, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(in_position_order(store)[1].double(), v, rtol=1e-6, atol=1e-7)
 
 
 def test_push_without_momentum_is_plain_sgd_and_keeps_no_state():
     store = make_store(momentum=0.0, weight_decay=0.01)
-    assert tuple(store.table("fc").state.shape) == (N, 0)
+    assert tuple(in_position_order(store)[1].shape) == (N, 0)
     w = store.pull("fc", owned(store)).double()
     v = torch.zeros_like(w)
     g = torch.Generator().manual_seed(1)
@@ -135,9 +134,9 @@ def test_push_without_clock_leaves_resting_rows_alone():
 
 def test_untouched_rows_and_state_bit_identical():
     store = make_store()
-    before_rows = store.table("fc").rows.clone()
+    before_rows = in_position_order(store)[0]
     store.push("fc", torch.tensor([3, 7, 3]), torch.ones(3, D), 0.5)
-    rows, state = store.table("fc").rows, store.table("fc").state
+    rows, state, _ = in_position_order(store)
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[[3, 7]] = False
     assert torch.equal(rows[untouched], before_rows[untouched])
@@ -158,7 +157,7 @@ def test_low_precision_tables_follow_float64_reference(dtype):
         reference_sgd_step(w, v, ids, grads, 0.1, 0.9, 5e-4)
         # the store rounds once per step; follow it so errors do not compound in the check
         w = store.pull("fc", torch.arange(N)).double()
-        v = store.table("fc").state.double()
+        v = in_position_order(store)[1].double()
     tol = 1e-2 if dtype == "bfloat16" else 2e-3
     torch.testing.assert_close(store.pull("fc", torch.arange(N)).double(), w, rtol=tol, atol=tol)
 
@@ -185,13 +184,12 @@ def test_push_dedupe_by_client_sequence():
     assert once.push("fc", ids, grads, 0.1, "c", 7)
     assert twice.push("fc", ids, grads, 0.1, "c", 7)
     assert not twice.push("fc", ids, grads, 0.1, "c", 7)
-    assert torch.equal(once.table("fc").rows, twice.table("fc").rows)
+    assert torch.equal(in_position_order(once)[0], in_position_order(twice)[0])
     assert twice.push("fc", ids, grads, 0.1, "c", 8)  # a new sequence applies
 
 
 def snapshot_state(store):
-    t = store.table("fc")
-    return t.rows.clone(), t.state.clone(), t.row_clock.clone(), torch.tensor(t.clock)
+    return (*in_position_order(store), torch.tensor(store.table("fc").clock))
 
 
 @pytest.mark.parametrize("call,error", [
@@ -365,14 +363,14 @@ def test_push_with_non_finite_result_is_refused_whole(dtype, ids, value, lr):
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot_state(store), strict=True))
     assert store.stats()["tables"]["fc"] == counters
     # the refused sequence is not remembered: the corrected push under it applies
-    w, v = store.pull("fc", torch.arange(N)).double(), store.table("fc").state.double()
+    w, v = store.pull("fc", torch.arange(N)).double(), in_position_order(store)[1].double()
     good = torch.full((len(ids), D), 0.01)
     assert store.push("fc", torch.tensor(ids), good, 0.1, "c", 2)
     reference_sgd_step(w, v, torch.tensor(ids), good, 0.1, 0.9, 5e-4)
     tol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
     torch.testing.assert_close(store.pull("fc", torch.arange(N)).double(), w, rtol=tol,
                                atol=tol)
-    assert torch.isfinite(store.table("fc").rows.float()).all()
+    assert torch.isfinite(in_position_order(store)[0].float()).all()
 
 
 # ---- reply sizes, table sizes, long values -------------------------------------------------
@@ -429,10 +427,12 @@ def test_table_too_large_for_memory_is_a_typed_error(monkeypatch, memory):
     if memory == "unknown":  # then the allocation itself fails, and is reported
         monkeypatch.setattr(ams.storage, "_physical_memory_bytes", lambda: None)
     store = make_store()
-    needed = 2**61 * (4 * 4 + 8)  # float32 rows of 4 and a float64 decay clock per row
+    huge = TableSpec(name="huge", num_rows=2**61, dim=4, momentum=0.0)
+    # float32 rows of 4 and a float64 decay clock per slot (mmap: spare slots too)
+    needed = store.storage.capacity(huge) * (4 * 4 + 8)
     # mmap: more than the disk's free space, StorageFull (a RequestTooLarge)
     with pytest.raises(errors.RequestTooLarge, match=f"needs {needed} bytes"):
-        store.create_table(TableSpec(name="huge", num_rows=2**61, dim=4, momentum=0.0))
+        store.create_table(huge)
     assert list(store.tables) == ["fc"]
     if STORAGE.kind == "mmap":  # nothing half made is left beside the live table
         assert sorted(p.name for p in store.storage.root.iterdir()) == [".lock", "fc"]

@@ -243,6 +243,9 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
         _row("graph", *both(mem.graph),
              note=f"{job.graph_k} int{8 * job.id_bytes} ids a row, fixed width" if job.graph_k
              else "none: only the knn head keeps one"),
+        *([_row("slot map (mmap)", *both(mem.slot_map),
+                note=f"{mem.slot_map // max(1, mem.owned)} B a row: its slot, free slots")]
+          if mmap else []),
         _row("process baseline", *both(mem.baseline),
              note="python + torch + grpc, measured"),
         _row("resident at rest", *both(mem.at_rest),
@@ -268,7 +271,8 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
              note="train.keep_checkpoints + 1"),
     ]
     if mmap:
-        lines.append(_row("table files", *both(mem.files), note="rows, state and clocks"))
+        lines.append(_row("table files", *both(mem.files),
+                          note="rows, state and clocks, with spare slots"))
     lines += [
         _row("peak while snapshotting", fmt_bytes(mem.snapshot_peak), fmt_bytes(host_peak),
              note=("a copy of rows, state and clocks, " if not mmap else "") +
