@@ -26,10 +26,19 @@ def _as_records(rows: torch.Tensor) -> np.ndarray:
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
 
 
-def gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``rows[index]`` as a new tensor. rows: (n, dim); index: int64 (m,) in [0, n) -> (m, dim)."""
+def gather(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``rows[index]``: rows (n, dim); index: int64 (m,) in [0, n) -> (m, dim), a new tensor,
+    or ``out`` (contiguous (m, dim) of ``rows``' dtype) written in place and returned."""
+    if out is not None and not out.is_contiguous():
+        raise ValueError("rowcopy.gather needs a contiguous destination")
     if index.numel() == 0:  # numpy gives empty results zero strides, which torch cannot view
-        return rows.new_empty((0, rows.shape[1]))
+        return out if out is not None else rows.new_empty((0, rows.shape[1]))
+    if out is not None:
+        # "clip" writes straight into out (the indices are in range); numpy's default,
+        # "raise", takes the whole result into a buffer first
+        np.take(_as_bytes(rows), index.numpy(), axis=0, out=_as_bytes(out), mode="clip")
+        return out
     taken = np.take(_as_bytes(rows), index.numpy(), axis=0)
     return torch.from_numpy(taken).view(rows.dtype)
 

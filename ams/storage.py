@@ -317,10 +317,12 @@ class MmapStorage(Storage):
         (``ams.slots``)."""
         return slot_capacity(self.owned(spec))
 
-    def _doc(self, spec: TableLayout, closed: bool) -> dict:
+    def _doc(self, spec: TableLayout, slots: int, closed: bool) -> dict:
+        """table.json of a table of ``slots`` slots (a table reopened from an older format
+        keeps the slots its files have)."""
         return {"format": TABLE_FORMAT, "spec": spec.describe(), "shard_id": self.shard_id,
                 "num_shards": self.num_shards, "owned_rows": self.owned(spec),
-                "slots": self.capacity(spec), "closed": closed}
+                "slots": slots, "closed": closed}
 
     def stage(self, spec: TableLayout) -> TableTensors:
         what = f"table {shorten(spec.name)}"
@@ -336,7 +338,8 @@ class MmapStorage(Storage):
             files = MappedFiles(home)
             tensors = [_map_new(home / f"{name}.bin", shape, dtype, files, what)
                        for name, (shape, dtype) in shapes.items()]
-            _write_json(home / TABLE_JSON, self._doc(spec, closed=False), what)
+            _write_json(home / TABLE_JSON, self._doc(spec, self.capacity(spec), closed=False),
+                        what)
         except OSError as e:
             _remove(home)
             raise StorageError(f"{what}: cannot make its files in {self.root} "
@@ -382,24 +385,24 @@ class MmapStorage(Storage):
         are gathered from their slots a block at a time: no RAM copy of the table."""
         slots = tensors.slots
         owned = slots.owned if slots is not None else tensors.rows.shape[0]
+        sources = [getattr(tensors, name) for name in TENSORS]
         out = []
-        for name in TENSORS:
-            src = getattr(tensors, name)
+        for name, src in zip(TENSORS, sources, strict=True):
             path = self.root / f"{_SCRATCH}{uuid.uuid4().hex[:12]}-{name}.bin"
             try:
-                copy = _map_new(path, (owned, *src.shape[1:]), src.dtype, None,
-                                "a snapshot's copy")
+                out.append(_map_new(path, (owned, *src.shape[1:]), src.dtype, None,
+                                    "a snapshot's copy"))
             finally:
                 path.unlink(missing_ok=True)
-            if slots is None:
-                copy.copy_(src)
-            elif copy.numel():
-                for start in range(0, owned, COPY_BLOCK_ROWS):
-                    stop = min(start + COPY_BLOCK_ROWS, owned)
-                    at = slots.lookup(torch.arange(start, stop))
-                    copy[start:stop] = rowcopy.gather(src.view(src.shape[0], -1), at
-                                                      ).view((stop - start, *src.shape[1:]))
-            out.append(copy)
+        for start in range(0, owned, COPY_BLOCK_ROWS):
+            stop = min(start + COPY_BLOCK_ROWS, owned)
+            positions = torch.arange(start, stop)
+            prefetch_rows(tensors, positions)
+            at = tensors.at(positions)
+            for src, copy in zip(sources, out, strict=True):
+                if copy.numel():  # straight into the copy's file pages: no RAM temporary
+                    rowcopy.gather(src.view(src.shape[0], -1), at,
+                                   out=copy[start:stop].view(stop - start, -1))
         return out[0], out[1], out[2]
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
@@ -411,8 +414,8 @@ class MmapStorage(Storage):
         files.flush()
         slots = tensors.slots
         _write_file(files.home / SLOTS_FILE, slots.slot_of.tobytes(), what)
-        doc = {**self._doc(spec, closed=True), "decay_clock": clock, "push_dedupe": dedupe,
-               "cursor": slots.cursor}
+        doc = {**self._doc(spec, slots.capacity, closed=True), "decay_clock": clock,
+               "push_dedupe": dedupe, "cursor": slots.cursor}
         _write_json(files.home / TABLE_JSON, doc, what)
 
     def reopen(self, parse_spec: Callable[[dict], TableLayout],
@@ -438,8 +441,8 @@ class MmapStorage(Storage):
             files = MappedFiles(home)
             tensors = [_map_existing(home / f"{name}.bin", shape, dtype, files)
                        for name, (shape, dtype) in self.shapes(spec, slots.capacity).items()]
-            doc = {**self._doc(spec, closed=False), "slots": slots.capacity}
-            _write_json(home / TABLE_JSON, doc, f"table {shorten(spec.name)}")
+            _write_json(home / TABLE_JSON, self._doc(spec, slots.capacity, closed=False),
+                        f"table {shorten(spec.name)}")
             out.append(ReopenedTable(spec, TableTensors(*tensors, files=files, slots=slots),
                                      clock, dedupe))
             log.info("table_reopened table=%s path=%s rows=%d", spec.name, home,

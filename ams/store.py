@@ -514,9 +514,9 @@ class ShardStore:
                            grads: torch.Tensor, positions: torch.Tensor) -> None:
         """``InvalidArgument`` naming the first non-finite gradient row of the push, or else
         the first row that ``update`` would make non-finite (of local ``positions``, int64
-        (m,), in ``update``'s order). A non-finite gradient always
-        makes the update non-finite, so ``grads`` is looked at only then: one pass over the
-        pushed rows fewer in every push that is accepted."""
+        (m,), in ``update``'s order). A non-finite gradient always makes the update
+        non-finite, so ``grads`` is looked at only then: one pass over the pushed rows fewer
+        in every push that is accepted."""
         found = update.first_non_finite()
         if found is None:
             return
@@ -562,6 +562,9 @@ class ShardStore:
                           f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
         start = min(start, n)
         stop = min(start + block_rows, n)
+        # a slotted table's rows lie in slots all over its files: their pages are read
+        # together, not one fault at a time
+        prefetch_rows(table.tensors, torch.arange(start, stop))
         with table.lock:
             at = table.tensors.at(torch.arange(start, stop))
             rows = _with_decay_owed(table, table.rows[start:stop].clone()

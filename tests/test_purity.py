@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-PURE = ["ams.store", "ams.storage", "ams.slots", "ams.optim", "ams.sharding", "ams.rowinit", "ams.snapshot",
-        "ams.frames",
+PURE = ["ams.store", "ams.storage", "ams.slots", "ams.optim", "ams.sharding", "ams.rowinit",
+        "ams.snapshot", "ams.frames",
         "ams.graph", "ams.lease", "ams.plan", "workers.losses", "workers.comm"]
 
 
