@@ -21,7 +21,10 @@ default), ``--shards`` shard processes on loopback:
     mmap table: and after ``--mmap-warmup-s`` seconds of steps, so that the kernel is writing
     back dirty row pages as fast as the steps make them), over gRPC and on the embedded AMS
     (``ams.connect(local_shards=S)``; an mmap table is reopened from the files the processes
-    left, not created again). p50 / p99 milliseconds, rows pulled per second, and the host's
+    left, not created again). An mmap table's slot maps are first aged to the steady state
+    of random pushes (``age_slots``, ``--age-sweeps``): the processes stop, the maps are
+    moved as pushes would move them, and the processes start again on the same files.
+    p50 / p99 milliseconds, rows pulled per second, and the host's
     disk traffic per step: pages read, made dirty and written back. For an mmap table, the
     rate at which this host's disk reads row pages at random is measured after the steps;
     the pages a step reads, at that rate, are a floor under it. Beside it: the CPU time of
@@ -41,6 +44,7 @@ default), ``--shards`` shard processes on loopback:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import mmap
@@ -50,9 +54,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from bench_heads import install_standin_graph
@@ -62,10 +68,12 @@ from ams.alloc import libc_function
 from ams.client import ShardedClient
 from ams.plan import Job, load_rates, shard_memory
 from ams.storage import advise_will_need, resident_pages
+from ams.store import ShardStore
 from workers.backbones import build_backbone
 from workers.heads import build_head
 from workers.losses import CombinedMarginLoss
 from workers.predict import images_to_input
+from workers.prefetch import Prefetcher
 from workers.trainer import step_backbone
 from xcls.shards import shard_processes
 
@@ -73,6 +81,7 @@ TABLE = "scale"
 _MS_SYNC = 4  # msync(2): write the range back and wait (Linux)
 IMAGE_SIZE = 32
 LR = 0.1
+AGE_BATCH = 1 << 17  # rows per simulated push while the slot maps are aged
 
 
 def resident(pid: int | str = "self") -> tuple[int, int]:
@@ -140,32 +149,58 @@ class StepTimes:
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
                    seed_offset: int = 0, warmup_s: float = 0.0,
-                   steps: int | None = None) -> StepTimes:
+                   steps: int | None = None, prefetch: bool = False) -> StepTimes:
     """``steps`` (default ``args.steps``) timed steps after ``args.warmup`` steps and at
-    least ``warmup_s`` seconds of them."""
+    least ``warmup_s`` seconds of them. ``prefetch``: the steps run as the trainer runs them,
+    each batch's select and pull done a step ahead by the trainer's prefetch thread
+    (``workers.prefetch.Prefetcher``, ``train.prefetch_depth`` = 1, its default) while the
+    step before computes; a step's time is then the time between two finished pushes.
+    Otherwise each step selects, pulls, computes and pushes in turn."""
     steps = args.steps if steps is None else steps
     margin = CombinedMarginLoss.from_preset("arcface")
     head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
                       seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed + seed_offset)
     features = torch.randn(args.batch, args.dim, generator=generator)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        while True:  # the prefetch thread draws the labels a step ahead
+            labels = torch.randint(n, (args.batch,), generator=generator)
+            yield torch.empty(0), torch.empty(0), labels
+
+    prefetcher = Prefetcher(batches(), head.prepare, depth=1, start_step=0) \
+        if prefetch else None
     times = StepTimes()
     warm_until = time.perf_counter() + warmup_s
     warm_steps = 0
-    while len(times.seconds) < steps:
-        labels = torch.randint(n, (args.batch,), generator=generator)
-        warm = warm_steps >= args.warmup and time.perf_counter() >= warm_until
-        if warm and not times.seconds:
-            disk, cpu = disk_pages(), cpu_ticks()
-        started = time.perf_counter()
-        batch = head.prepare(labels)
-        out = head.forward_backward(features, batch)
-        client.push(TABLE, batch.active_ids, out.row_grad, LR)
-        if warm:
-            times.seconds.append(time.perf_counter() - started)
-            times.rows.append(batch.active_ids.numel())
-        else:
-            warm_steps += 1
+    finished = time.perf_counter()
+    try:
+        while len(times.seconds) < steps:
+            warm = warm_steps >= args.warmup and time.perf_counter() >= warm_until
+            if warm and not times.seconds:
+                disk, cpu = disk_pages(), cpu_ticks()
+            if prefetcher is None:
+                started = time.perf_counter()
+                batch = head.prepare(torch.randint(n, (args.batch,), generator=generator))
+                out = head.forward_backward(features, batch)
+                client.push(TABLE, batch.active_ids, out.row_grad, LR)
+            else:
+                started = finished
+                batch = next(prefetcher).active
+                out = head.forward_backward(features, batch)
+                step = warm_steps + len(times.seconds)
+                prefetcher.wait_prepared(step)
+                client.push(TABLE, batch.active_ids, out.row_grad, LR)
+                prefetcher.step_done()
+            finished = time.perf_counter()
+            if warm:
+                times.seconds.append(finished - started)
+                times.rows.append(batch.active_ids.numel())
+            else:
+                warm_steps += 1
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
     read, dirtied, written = (after - before for after, before
                               in zip(disk_pages(), disk, strict=True))
     times.pages_read = read / steps
@@ -357,6 +392,7 @@ class SizeResult:
     rss_created: list[tuple[int, int]]
     rss_graph: list[tuple[int, int]]
     grpc: StepTimes | None = None
+    grpc_prefetched: StepTimes | None = None  # the trainer's one-step-ahead prefetch
     embedded: StepTimes | None = None
     no_read_ahead: StepTimes | None = None
     disk_pages_per_s: float | None = None  # mmap: random_read_rate after the steps
@@ -371,23 +407,73 @@ def shard_rss(shards: list) -> list[tuple[int, int]]:
     return [resident(shard.proc.pid) for shard in shards]
 
 
+def age_slots(storage_dir: Path, args: argparse.Namespace) -> None:
+    """Bring the slot maps of the mmap table the shard processes closed in ``storage_dir``
+    to the steady state of uniformly random pushes (``ams.slots``): ``args.age_sweeps``
+    sweeps of each shard's free-slot cursor over its files, taken as the pushes of
+    uniformly drawn rows would take them (``RowSlots.relocate``, 2 s x owned slots a sweep
+    at steady state), but moving slots only: the stand-in rows' values do not matter to a
+    step's time, and hours of real pushes would take the place of the benchmark. Without
+    it the timed steps would all fall in the first sweep, in the files' spare slots, which
+    are free in one run, and a push would dirty fewer pages than at steady state."""
+    for shard_id in range(args.shards):
+        store = ShardStore(shard_id, args.shards, storage="mmap", storage_dir=storage_dir)
+        table = store.table(TABLE)
+        slots = table.slots
+        # the spare slots, zeros so far, take copies of rows (a zero row has no direction:
+        # its cosine gradient is not finite), so that every slot a row lands in holds one
+        spare = slots.capacity - slots.owned
+        for start in range(0, spare, AGE_BATCH):
+            stop = min(start + AGE_BATCH, spare)
+            table.rows[slots.owned + start:slots.owned + stop] = table.rows[start:stop]
+        generator = np.random.default_rng(args.seed + shard_id)
+        moves = round(args.age_sweeps * 2 * (slots.capacity - slots.owned))
+        for start in range(0, moves, AGE_BATCH):
+            drawn = generator.choice(slots.owned, min(AGE_BATCH, moves - start), replace=False)
+            slots.relocate(torch.from_numpy(np.sort(drawn)))
+        store.close()
+
+
+def grpc_steps(client: ShardedClient, n: int, args: argparse.Namespace, warmup_s: float,
+               result: SizeResult) -> None:
+    """The knn steps over gRPC, in turn and then with the trainer's prefetch (after a third
+    of the warm-up: the table is warm from the first)."""
+    print(f"N={n:,}: knn steps over gRPC", file=sys.stderr, flush=True)
+    result.grpc = knn_head_steps(client, n, args, warmup_s=warmup_s)
+    print(f"N={n:,}: knn steps over gRPC, prefetched", file=sys.stderr, flush=True)
+    result.grpc_prefetched = knn_head_steps(client, n, args, seed_offset=1,
+                                            warmup_s=warmup_s / 3, prefetch=True)
+
+
 def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
              storage: str | None = None) -> SizeResult:
     storage = storage or storage_of(n, args)
     warmup_s = args.mmap_warmup_s if storage == "mmap" else 0.0
     data_dir = workdir / f"n{n}"
     print(f"N={n:,} storage={storage}: creating", file=sys.stderr, flush=True)
-    with shard_processes(args.shards, data_dir=data_dir, xcls_flags=["-q"], log_dir=workdir,
-                         extra_args=["--storage", storage]) as shards, \
+    aged = steps and storage == "mmap" and args.age_sweeps > 0
+
+    def serving() -> contextlib.AbstractContextManager:
+        return shard_processes(args.shards, data_dir=data_dir, xcls_flags=["-q"],
+                               log_dir=workdir, extra_args=["--storage", storage])
+
+    with serving() as shards, \
             ams.connect([shard.address for shard in shards], timeout=3600) as client:
         create_s = create_table(client, n, args)
         rss_created = shard_rss(shards)
         graph_s = install_standin_graph(client, n, args.k, args.seed, TABLE)
         rss_graph = shard_rss(shards)
         result = SizeResult(n, storage, create_s, graph_s, rss_created, rss_graph)
-        if steps:
-            print(f"N={n:,}: knn steps over gRPC", file=sys.stderr, flush=True)
-            result.grpc = knn_head_steps(client, n, args, warmup_s=warmup_s)
+        if steps and not aged:
+            grpc_steps(client, n, args, warmup_s, result)
+    if aged:  # the processes stopped cleanly, keeping the table; they reopen it
+        print(f"N={n:,}: aging the slot maps ({args.age_sweeps:g} sweeps)", file=sys.stderr,
+              flush=True)
+        age_slots(data_dir / "tables", args)
+        with serving() as shards, \
+                ams.connect([shard.address for shard in shards], timeout=3600) as client:
+            install_standin_graph(client, n, args.k, args.seed, TABLE)
+            grpc_steps(client, n, args, warmup_s, result)
     if steps:
         print(f"N={n:,}: knn steps embedded", file=sys.stderr, flush=True)
         with ams.connect(local_shards=args.shards, storage=storage,
@@ -486,7 +572,7 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
              "| pages made dirty at this host's cost, CPU ms per step "
              "| host CPU busy / iowait / idle % |",
              "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
-    for mode in ("grpc", "embedded", "no_read_ahead"):
+    for mode in ("grpc", "grpc_prefetched", "embedded", "no_read_ahead"):
         timed = [r for r in results if getattr(r, mode) is not None]
         if not timed:
             continue
@@ -494,6 +580,8 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
         if mode == "no_read_ahead":  # against the embedded step at the smallest N, as above
             first = next(r.embedded for r in results if r.embedded).quantile(0.5)
         label = {"grpc": f"gRPC ({args.shards} processes)",
+                 "grpc_prefetched": f"gRPC ({args.shards} processes), pulls a step ahead "
+                                    "as the trainer's prefetch",
                  "embedded": f"embedded ({args.shards} shards)",
                  "no_read_ahead": f"embedded ({args.shards} shards), no read-ahead"}[mode]
         for r in timed:
@@ -553,6 +641,10 @@ def parse_args() -> argparse.Namespace:
                         help="mmap tables: warm-up steps for at least this many seconds, so "
                              "that the kernel writes back dirty row pages as fast as the steps "
                              "make them (steady state) before steps are timed")
+    parser.add_argument("--age-sweeps", type=float, default=2.0,
+                        help="mmap tables: sweeps of the free-slot cursor simulated on the "
+                             "slot maps before the steps, so that they are timed at the steady "
+                             "state of random pushes (ams.slots); 0: the layout as created")
     parser.add_argument("--ratio-steps", type=int, default=5, help="measured knn whole steps")
     parser.add_argument("--full-steps", type=int, default=1, help="measured full whole steps")
     parser.add_argument("--full-block", type=int, default=1 << 18,
@@ -599,7 +691,8 @@ def main() -> None:
         f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB, CPU "
         f"only, torch {torch.__version__}, threads={args.threads}, d={args.dim}, float16 rows, "
         f"no row momentum, {args.shards} shards, batch {args.batch}, k={args.k} "
-        f"(stand-in graph), arcface s=64 · {time.perf_counter() - started:,.0f} s",
+        f"(stand-in graph), arcface s=64, mmap slot maps aged {args.age_sweeps:g} sweeps · "
+        f"{time.perf_counter() - started:,.0f} s",
         "",
         f"(a) capacity (a shard process with no table: {gib(baseline)} GiB resident)",
         "",

@@ -189,7 +189,8 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     assert all(len(s) == 3 and 99 <= sum(s) <= 101 for s in shares), shares
     assert sorted(steps) == sorted(
         [(n, ams) for n in ("20,000", "200,000")
-         for ams in ("gRPC (4 processes)", "embedded (4 shards)")]
+         for ams in ("gRPC (4 processes)", "embedded (4 shards)",
+                     "gRPC (4 processes), pulls a step ahead as the trainer's prefetch")]
         + [("200,000", "embedded (4 shards), no read-ahead")])
     heads = [cells[1] for cells in table_rows(done.stdout, "20,000") if len(cells) == 6]
     assert heads == ["full softmax (blocked, exact)", "knn (k=12, budget 384)"]
