@@ -16,9 +16,11 @@ free slots ahead of it at a density of about ``2s / (1 + s)`` once it has swept 
 (a slot freed uniformly at random waited on average half a sweep), against ``1/rows per page``
 for pushes in place.
 
-Moving rows costs nothing the pushes did not already pay: the old row is read to be updated
-anyway, and the new one written; the mapping ``slot_of`` (position -> slot, in RAM) and a
-free-slot mask (1 byte per slot) are what a table keeps beyond its files.
+What it costs: the spare slots' disk, and the rows spread over that many more pages, so a
+page cache of a given size holds a smaller share of them; the pages ahead of the cursor hold
+live rows beside the free slots, so they are read before they are written (in order, ahead of
+time: ``ams.storage.prefetch_slots_ahead``); and in RAM, the mapping ``slot_of`` (position ->
+slot) and a free-slot mask (1 byte per slot). The old row is read to be updated anyway.
 """
 
 from __future__ import annotations
