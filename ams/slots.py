@@ -126,6 +126,7 @@ class RowSlots:
     def span_ahead(self, count: int) -> tuple[int, int]:
         """Slots [start, stop) the next take of ``count`` rows most likely writes, from the
         cursor on (not wrapped): where to read ahead the pages a push will write into."""
-        free = self.capacity - self.owned
-        density = max(free / max(1, self.capacity), 1 / max(1, self.capacity))
+        # twice the span at the table's mean free density: the density ahead of the cursor
+        # is higher, so this covers the next take and about as much of the one after
+        density = max(1, self.capacity - self.owned) / max(1, self.capacity)
         return self.cursor, min(self.capacity, self.cursor + math.ceil(2 * count / density))

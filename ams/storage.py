@@ -383,8 +383,7 @@ class MmapStorage(Storage):
         """File-backed copies, in position order, in scratch files of this shard's
         directory, unlinked once mapped; ``StorageFull`` when the disk cannot hold them. Rows
         are gathered from their slots a block at a time: no RAM copy of the table."""
-        slots = tensors.slots
-        owned = slots.owned if slots is not None else tensors.rows.shape[0]
+        owned = tensors.slots.owned  # every mmap table has its slots (stage, reopen)
         sources = [getattr(tensors, name) for name in TENSORS]
         out = []
         for name, src in zip(TENSORS, sources, strict=True):
@@ -626,33 +625,31 @@ def prefetch_slots_ahead(tensors: TableTensors, count: int) -> None:
     which the kernel reads in large requests, where a write into a page missing from memory
     would read it alone (the maps are read at random, ``_random_access``)."""
     if (tensors.files is None or not tensors.files.read_ahead or tensors.slots is None
-            or count == 0 or libc_function("madvise") is None):
+            or count == 0):
         return
     start, stop = tensors.slots.span_ahead(count)
-    if stop <= start:
-        return
-    madvise = libc_function("madvise")
     for tensor in (tensors.rows, tensors.state, tensors.row_clock):
-        if tensor.numel() == 0:
-            continue
-        row_bytes = tensor.stride(0) * tensor.element_size()
-        first = start * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
-        end = stop * row_bytes
-        madvise(ctypes.c_void_p(tensor.data_ptr() + first), ctypes.c_size_t(end - first),
-                mmap.MADV_WILLNEED)
+        if tensor.numel() and stop > start:
+            row_bytes = tensor.stride(0) * tensor.element_size()
+            advise_will_need(tensor, torch.arange(start * row_bytes // mmap.PAGESIZE,
+                                                  (stop * row_bytes - 1) // mmap.PAGESIZE + 1))
 
 
 def advise_will_need(tensor: torch.Tensor, pages: torch.Tensor) -> None:
-    """madvise(WILLNEED) on each of ``pages`` (int64 (p,) page numbers within ``tensor``'s
-    mapping, which must be page aligned, as a mapped table's tensors are): the kernel starts
-    reading them and returns. A no-op where there is no glibc."""
+    """madvise(WILLNEED) on ``pages`` (int64 (p,) page numbers within ``tensor``'s mapping,
+    which must be page aligned, as a mapped table's tensors are), one call per run of
+    consecutive pages in that order: the kernel starts reading them and returns. A no-op
+    where there is no glibc."""
     madvise = libc_function("madvise")
-    if madvise is None:
+    if madvise is None or pages.numel() == 0:
         return
+    breaks = torch.nonzero(pages[1:] != pages[:-1] + 1).view(-1) + 1
+    firsts = torch.cat([pages[:1], pages[breaks]]).tolist()
+    lasts = torch.cat([pages[breaks - 1], pages[-1:]]).tolist()
     base = tensor.data_ptr()
-    for page in pages.tolist():
-        madvise(ctypes.c_void_p(base + page * mmap.PAGESIZE), mmap.PAGESIZE,
-                mmap.MADV_WILLNEED)
+    for first, last in zip(firsts, lasts, strict=True):
+        madvise(ctypes.c_void_p(base + first * mmap.PAGESIZE),
+                ctypes.c_size_t((last - first + 1) * mmap.PAGESIZE), mmap.MADV_WILLNEED)
 
 
 # pages of a request looked up before its read-ahead: if the page cache lacks a share p of

@@ -562,11 +562,12 @@ class ShardStore:
                           f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
         start = min(start, n)
         stop = min(start + block_rows, n)
+        positions = torch.arange(start, stop)
         # a slotted table's rows lie in slots all over its files: their pages are read
         # together, not one fault at a time
-        prefetch_rows(table.tensors, torch.arange(start, stop))
+        prefetch_rows(table.tensors, positions)
         with table.lock:
-            at = table.tensors.at(torch.arange(start, stop))
+            at = table.tensors.at(positions)
             rows = _with_decay_owed(table, table.rows[start:stop].clone()
                                     if table.slots is None else rowcopy.gather(table.rows, at),
                                     at)

@@ -164,12 +164,12 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
     features = torch.randn(args.batch, args.dim, generator=generator)
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        while True:  # the prefetch thread draws the labels a step ahead
+        while True:  # with prefetch, the prefetch thread draws the labels a step ahead
             labels = torch.randint(n, (args.batch,), generator=generator)
             yield torch.empty(0), torch.empty(0), labels
 
-    prefetcher = Prefetcher(batches(), head.prepare, depth=1, start_step=0) \
-        if prefetch else None
+    source = batches()
+    prefetcher = Prefetcher(source, head.prepare, depth=1, start_step=0) if prefetch else None
     times = StepTimes()
     warm_until = time.perf_counter() + warmup_s
     warm_steps = 0
@@ -181,7 +181,7 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
                 disk, cpu = disk_pages(), cpu_ticks()
             if prefetcher is None:
                 started = time.perf_counter()
-                batch = head.prepare(torch.randint(n, (args.batch,), generator=generator))
+                batch = head.prepare(next(source)[2])
                 out = head.forward_backward(features, batch)
                 client.push(TABLE, batch.active_ids, out.row_grad, LR)
             else:
