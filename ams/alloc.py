@@ -38,7 +38,7 @@ def _libc() -> ctypes.CDLL | None:
     if not lib:
         return None
     try:
-        return ctypes.CDLL(lib)
+        return ctypes.CDLL(lib, use_errno=True)
     except OSError:
         return None
 

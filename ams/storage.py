@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -637,19 +638,70 @@ def prefetch_slots_ahead(tensors: TableTensors, count: int) -> None:
 
 def advise_will_need(tensor: torch.Tensor, pages: torch.Tensor) -> None:
     """madvise(WILLNEED) on ``pages`` (int64 (p,) page numbers within ``tensor``'s mapping,
-    which must be page aligned, as a mapped table's tensors are), one call per run of
+    which must be page aligned, as a mapped table's tensors are), one range per run of
     consecutive pages in that order: the kernel starts reading them and returns. A no-op
     where there is no glibc."""
-    madvise = libc_function("madvise")
-    if madvise is None or pages.numel() == 0:
+    if pages.numel() == 0:
         return
     breaks = torch.nonzero(pages[1:] != pages[:-1] + 1).view(-1) + 1
-    firsts = torch.cat([pages[:1], pages[breaks]]).tolist()
-    lasts = torch.cat([pages[breaks - 1], pages[-1:]]).tolist()
-    base = tensor.data_ptr()
-    for first, last in zip(firsts, lasts, strict=True):
-        madvise(ctypes.c_void_p(base + first * mmap.PAGESIZE),
-                ctypes.c_size_t((last - first + 1) * mmap.PAGESIZE), mmap.MADV_WILLNEED)
+    firsts = torch.cat([pages[:1], pages[breaks]])
+    lasts = torch.cat([pages[breaks - 1], pages[-1:]])
+    starts = (firsts * mmap.PAGESIZE).numpy().astype(np.uint64) + np.uint64(tensor.data_ptr())
+    advise_ranges(starts, ((lasts - firsts + 1) * mmap.PAGESIZE).numpy().astype(np.uint64),
+                  mmap.MADV_WILLNEED)
+
+
+# ranges one process_madvise(2) call takes at most (the kernel's UIO_MAXIOV)
+_IOV_MAX = 1024
+# pids whose process_madvise(2) failed: they use one madvise(2) a range from then on
+_no_process_madvise: set[int] = set()
+
+
+def advise_ranges(starts: np.ndarray, lengths: np.ndarray, advice: int) -> None:
+    """madvise(``advice``) on the ranges [starts[i], starts[i] + lengths[i]) of this process
+    (uint64 (r,) each, page aligned): one process_madvise(2) call per ``_IOV_MAX`` ranges
+    where the kernel takes it (5.10 and later), else one madvise(2) a range. A pull's
+    read-ahead asks for hundreds of scattered pages, and a call from Python for each costs
+    more CPU than the kernel spends on the resident ones. A no-op where there is no glibc."""
+    pid = os.getpid()
+    done = 0 if pid in _no_process_madvise else _process_madvise(pid, starts, lengths, advice)
+    madvise = libc_function("madvise")
+    if madvise is None:
+        return
+    for start, length in zip(starts[done:].tolist(), lengths[done:].tolist(), strict=True):
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
+
+
+def _process_madvise(pid: int, starts: np.ndarray, lengths: np.ndarray, advice: int) -> int:
+    """Ask for the ranges (as ``advise_ranges``) by process_madvise(2) with this process's
+    own pidfd; returns how many of them, in order, were asked for. Fewer than all when the
+    kernel refuses (too old, or not allowed): ``pid`` then asks one range at a time."""
+    process_madvise = libc_function("process_madvise")
+    pidfd = _own_pidfd(pid)
+    if process_madvise is None or pidfd is None:
+        _no_process_madvise.add(pid)
+        return 0
+    process_madvise.restype = ctypes.c_ssize_t
+    iovecs = np.stack([starts, lengths], axis=1)  # struct iovec {base, len} each, (r, 2)
+    for first in range(0, len(iovecs), _IOV_MAX):
+        part = iovecs[first:first + _IOV_MAX]
+        if process_madvise(pidfd, ctypes.c_void_p(part.ctypes.data),
+                           ctypes.c_size_t(len(part)), advice, 0) < 0:
+            log.debug("process_madvise refused (errno %d): madvise one range at a time",
+                      ctypes.get_errno())
+            _no_process_madvise.add(pid)
+            return first
+    return len(iovecs)
+
+
+@functools.cache
+def _own_pidfd(pid: int) -> int | None:
+    """A pidfd of this process (``pid``, so that a forked child opens its own), or None
+    where the kernel has no pidfd_open(2)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 # pages of a request looked up before its read-ahead: if the page cache lacks a share p of

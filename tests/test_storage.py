@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -457,8 +458,6 @@ def reopened_out_of_memory(tmp_path) -> ShardStore:
     """An mmap store holding table "big" (50,000 x 64 float32 rows: 3,125 pages), closed,
     its files dropped from the page cache (POSIX_FADV_DONTNEED) and opened again, so that
     none of its rows are in memory; skips where the kernel keeps the pages."""
-    import os
-
     store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
     store.create_table(TableSpec(name="big", num_rows=50_000, dim=64, seed=1))
     store.close()
@@ -477,9 +476,14 @@ READ_POSITIONS = torch.tensor([5_000, 7_777, 20_000, 49_999])
 READ_PAGES = torch.unique(READ_POSITIONS * 64 * 4 // 4096)  # of the rows (256 bytes each)
 
 
-def test_rows_missing_from_memory_are_read_ahead_together(tmp_path):
+@pytest.mark.parametrize("call", ["process_madvise", "madvise"])
+def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch, call):
+    import ams.storage as storage
     from ams.storage import prefetch_rows
 
+    # the pids that ask one range at a time: none, or this process
+    refused = set() if call == "process_madvise" else {os.getpid()}
+    monkeypatch.setattr(storage, "_no_process_madvise", refused)
     store = reopened_out_of_memory(tmp_path)
     table = store.table("big")
     table.files.read_ahead = False  # bench_scale's baseline: nothing is asked for
@@ -495,25 +499,24 @@ def test_rows_missing_from_memory_are_read_ahead_together(tmp_path):
     # those pages only: no read-around window of neighbours nobody asked for
     assert resident_pages(table.rows).sum() <= READ_PAGES.numel() + 16
     store.close()
+    if call == "process_madvise" and refused:
+        pytest.skip("this kernel refuses process_madvise: the pages came by madvise")
 
 
 def test_rows_in_memory_are_not_asked_for_again(tmp_path, monkeypatch):
     import ams.storage as storage
 
     store = reopened_out_of_memory(tmp_path)
-    real = storage.libc_function
+    real = storage.advise_ranges
     asked: list[int] = []
 
-    def counting(name: str):
-        function = real(name)
-        if name != "madvise" or function is None:
-            return function
-        return lambda address, length, advice: asked.append(advice) or function(
-            address, length, advice)
+    def counting(starts, lengths, advice):
+        asked.extend([advice] * len(starts))
+        real(starts, lengths, advice)
 
-    monkeypatch.setattr(storage, "libc_function", counting)
+    monkeypatch.setattr(storage, "advise_ranges", counting)
     store.pull("big", READ_POSITIONS)
-    # one request per page: the rows' 4, the momentum's 4 (same width) and the decay
+    # one range per page: the rows' 4, the momentum's 4 (same width) and the decay
     # clocks' (8 bytes a row)
     clock_pages = torch.unique(READ_POSITIONS * 8 // 4096).numel()
     assert asked == [storage.mmap.MADV_WILLNEED] * (2 * READ_PAGES.numel() + clock_pages)
