@@ -18,8 +18,9 @@ into the shard: their pages are page cache that the kernel reads in on demand an
 memory is short, so they count as disk and as page cache (all of it for full speed, less costs
 disk reads), not as resident. The files hold ``ams.slots.SPARE_SLOTS`` more slots than rows
 (a push moves its rows into free slots next to each other), and RAM holds each row's slot
-(int32 below 2**31 slots) and a free-slot mask (1 B a slot). What mmap leaves in RAM: the
-process, the graph, the slot map, the touched marks and the message buffers.
+(int32 below 2**31 slots) and a free-slot mask (1 B a slot). The graph's lists are in an
+unlinked scratch file of the shard's (page cache, like the rows). What mmap leaves in RAM: the
+process, the slot map, the touched marks and the message buffers.
 
 Message buffers. A serving shard keeps the buffers of finished requests for the next ones
 (``ams.alloc.keep_large_buffers``): about one set per request served at a time, i.e. per
@@ -221,9 +222,9 @@ class ShardMemory:
 
     rows, state, clocks, touched, graph: its tensors; baseline: the process with no table;
     buffers: message buffers while serving; snapshot: one snapshot piece on disk;
-    in_ram_table: whether rows, state and clocks are in RAM (memory storage) or in mapped
-    files (mmap); spare: the files' spare slots (mmap); slot_map: each row's slot and the
-    free-slot mask, in RAM (mmap).
+    in_ram_table: whether rows, state, clocks and graph are in RAM (memory storage) or in
+    mapped files (mmap); spare: the files' spare slots (mmap); slot_map: each row's slot and
+    the free-slot mask, in RAM (mmap).
     """
 
     owned: int
@@ -248,8 +249,8 @@ class ShardMemory:
     def at_rest(self) -> int:
         """Resident bytes of a serving shard before traffic: right after its table was
         created or restored."""
-        return (self.baseline + self.graph + self.slot_map
-                + (self.table if self.in_ram_table else 0))
+        return (self.baseline + self.slot_map
+                + (self.table + self.graph if self.in_ram_table else 0))
 
     @property
     def resident(self) -> int:
@@ -258,9 +259,9 @@ class ShardMemory:
 
     @property
     def files(self) -> int:
-        """Bytes of mapped table files on disk (mmap), and the page cache that holds all of
-        them; 0 for memory storage."""
-        return 0 if self.in_ram_table else self.table + self.spare
+        """Bytes of mapped files on disk (mmap: the table's and the graph's), and the page
+        cache that holds all of them; 0 for memory storage."""
+        return 0 if self.in_ram_table else self.table + self.spare + self.graph
 
     @property
     def snapshot_peak(self) -> int:
@@ -273,8 +274,8 @@ class ShardMemory:
     def restore_peak(self) -> int:
         """Resident bytes at the peak of a restore over the live table: the piece read, the
         assembled table (its rows, state and clocks in RAM for memory storage, its slot map
-        for mmap) and one tensor's temporary while this shard's rows are selected from the
-        piece."""
+        for mmap; its graph read into RAM either way) and one tensor's temporary while this
+        shard's rows are selected from the piece."""
         assembled = self.graph + self.slot_map + (self.table if self.in_ram_table else 0)
         return self.resident + self.snapshot + assembled + max(self.rows, self.state,
                                                                self.graph)

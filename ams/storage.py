@@ -222,6 +222,11 @@ class Storage(ABC):
         """Copies of (rows, state, row_clock) at this instant (for a snapshot to write)."""
 
     @abstractmethod
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` (its values unset) for data that no restart
+        keeps (``what`` names it in errors): a table's neighbor lists, a snapshot's copy."""
+
+    @abstractmethod
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
         """Keep a live table for a later store: its tensors, decay clock and push dedupe
@@ -273,6 +278,9 @@ class MemoryStorage(Storage):
 
     def copy(self, tensors: TableTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tensors.rows.clone(), tensors.state.clone(), tensors.row_clock.clone()
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
@@ -386,14 +394,8 @@ class MmapStorage(Storage):
         are gathered from their slots a block at a time: no RAM copy of the table."""
         owned = tensors.slots.owned  # every mmap table has its slots (stage, reopen)
         sources = [getattr(tensors, name) for name in TENSORS]
-        out = []
-        for name, src in zip(TENSORS, sources, strict=True):
-            path = self.root / f"{_SCRATCH}{uuid.uuid4().hex[:12]}-{name}.bin"
-            try:
-                out.append(_map_new(path, (owned, *src.shape[1:]), src.dtype, None,
-                                    "a snapshot's copy"))
-            finally:
-                path.unlink(missing_ok=True)
+        out = [self.scratch((owned, *src.shape[1:]), src.dtype, "a snapshot's copy")
+               for src in sources]
         for start in range(0, owned, COPY_BLOCK_ROWS):
             stop = min(start + COPY_BLOCK_ROWS, owned)
             positions = torch.arange(start, stop)
@@ -404,6 +406,17 @@ class MmapStorage(Storage):
                     rowcopy.gather(src.view(src.shape[0], -1), at,
                                    out=copy[start:stop].view(stop - start, -1))
         return out[0], out[1], out[2]
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        """In a scratch file of this shard's directory, unlinked once mapped: its pages are
+        the page cache's, which the kernel writes out to the disk when the rows need the
+        memory, and the disk space returns when the tensor goes (a crash leaves no file
+        behind). ``StorageFull`` when the disk cannot hold it."""
+        path = self.root / f"{_SCRATCH}{uuid.uuid4().hex[:12]}.bin"
+        try:
+            return _map_new(path, shape, dtype, None, what)
+        finally:
+            path.unlink(missing_ok=True)
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
@@ -618,6 +631,17 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
             continue
         advise_will_need(tensor, row_pages if tensor is tensors.rows
                          else _pages_of(tensor, at))
+
+
+def prefetch_scratch_rows(tensor: torch.Tensor, positions: torch.Tensor) -> None:
+    """``prefetch_rows`` for rows ``positions`` (int64 (m,)) of a tensor from
+    ``MmapStorage.scratch`` (a neighbor graph's lists): their pages, where some are not
+    in memory."""
+    if positions.numel() == 0 or tensor.numel() == 0 or libc_function("madvise") is None:
+        return
+    pages = _pages_of(tensor, positions)
+    if not _all_resident(tensor, pages):
+        advise_will_need(tensor, pages)
 
 
 def prefetch_slots_ahead(tensors: TableTensors, count: int) -> None:

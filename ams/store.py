@@ -42,6 +42,7 @@ from ams.storage import (
     TableTensors,
     open_storage,
     prefetch_rows,
+    prefetch_scratch_rows,
     prefetch_slots_ahead,
 )
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
@@ -328,7 +329,8 @@ class ShardStore:
             except BaseException:
                 self.storage.discard(tensors)
                 raise
-            self.tables[spec.name] = _new_table(spec, installed, clock, graph, dedupe)
+            self.tables[spec.name] = _new_table(spec, installed, clock,
+                                                self._with_lists_kept(graph), dedupe)
 
     def copy_table(self, name: str) -> TableCopy:
         """A copy of table ``name`` at one instant: its tensors, clock, graph and push dedupe
@@ -584,6 +586,10 @@ class ShardStore:
         classes, int64 otherwise."""
         table = self.table(name)
         positions = self._positions(table, ids)
+        graph = table.graph
+        if graph is not None and graph.fixed and self.storage.kind is StorageKind.MMAP:
+            # advice only: a graph replaced meanwhile costs a read, never a wrong list
+            prefetch_scratch_rows(graph.neighbors, positions)
         with table.lock:  # an update replaces the graph's offsets and neighbors together
             graph = table.graph
             if graph is None:
@@ -646,9 +652,23 @@ class ShardStore:
                 if table.graph is None:
                     raise FailedPrecondition(
                         f"table {shorten(name)} has no neighbor graph to refresh; build it first")
-                table.graph.update(positions, offsets, neighbors)
+                table.graph.update(positions, offsets, neighbors, self._graph_lists)
                 table.graph.version, table.graph.step = version, step
             return table.graph.version if table.graph is not None else 0
+
+    def _graph_lists(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor for a graph's fixed-width lists. mmap storage keeps it in a scratch file
+        (``Storage.scratch``): the lists then share the page cache with the rows instead of
+        holding RAM of their own, which a table larger than memory needs for its rows."""
+        return self.storage.scratch(shape, dtype, "a neighbor graph")
+
+    def _with_lists_kept(self, graph: NeighborTable | None) -> NeighborTable | None:
+        """``graph`` with fixed-width lists made elsewhere (restored, assembled from parts)
+        moved into ``_graph_lists``, where mmap storage keeps them."""
+        if graph is not None and graph.fixed and self.storage.kind is StorageKind.MMAP:
+            lists = self._graph_lists(tuple(graph.neighbors.shape), graph.neighbors.dtype)
+            graph.neighbors = lists.copy_(graph.neighbors)
+        return graph
 
     def _stage_graph(self, table: ShardTable, positions: torch.Tensor,
                      offsets: torch.Tensor | None, neighbors: torch.Tensor, version: int,
@@ -676,8 +696,8 @@ class ShardStore:
         if offsets is None and not staged["parts"] and (
                 lists is None or lists.shape[1] == neighbors.shape[1]):
             if lists is None:
-                lists = staged["lists"] = torch.empty((owned, neighbors.shape[1]),
-                                                      dtype=id_dtype(num_classes))
+                lists = staged["lists"] = self._graph_lists((owned, neighbors.shape[1]),
+                                                            id_dtype(num_classes))
             lists[positions] = neighbors.to(lists.dtype)
         else:
             if lists is not None:  # another layout or width after all: keep what came as a part
@@ -691,7 +711,8 @@ class ShardStore:
         if staged["lists"] is not None:
             graph = NeighborTable(None, staged["lists"], num_classes=num_classes)
         else:
-            graph = NeighborTable.from_parts(staged["parts"], owned, num_classes=num_classes)
+            graph = self._with_lists_kept(
+                NeighborTable.from_parts(staged["parts"], owned, num_classes=num_classes))
         graph.version, graph.step = version, staged["step"]
         table.graph, table.staged_graph = graph, None
 

@@ -49,12 +49,13 @@ def test_mmap_storage_keeps_the_table_out_of_ram():
     m = shard_memory(small_job(storage="mmap"), RATES)
     # 4 rows in 5 slots (a quarter more): each row's int32 slot, a 1-byte mask per slot
     assert m.slot_map == 4 * 4 + 5
-    assert m.at_rest == 1000 + 32 + 21
-    assert m.resident == 1053 + 4 + 200
-    assert m.files == 5 * (8 + 16 + 8)  # rows, momentum, clocks by slot
+    assert m.at_rest == 1000 + 21  # the graph's lists are in a scratch file too
+    assert m.resident == 1021 + 4 + 200
+    assert m.files == 5 * (8 + 16 + 8) + 32  # rows, momentum, clocks by slot; the graph
     assert m.snapshot == 240
-    assert m.snapshot_peak == 1257 + 240  # the copy goes to scratch files
-    assert m.restore_peak == 1257 + 240 + 32 + 21 + 64
+    assert m.snapshot_peak == 1225 + 240  # the copy goes to scratch files
+    # the piece, the graph read into RAM, the slot map, the state's temporary
+    assert m.restore_peak == 1225 + 240 + 32 + 21 + 64
 
 
 def test_no_momentum_no_state_and_no_graph_without_knn():

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -524,3 +525,55 @@ def test_rows_in_memory_are_not_asked_for_again(tmp_path, monkeypatch):
     store.pull("big", READ_POSITIONS)  # its pages are in memory now
     assert asked == []
     store.close()
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file behind the mapping that holds ``tensor``'s first byte (/proc/self/maps), or
+    None for anonymous memory."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _perms, _offset, _dev, inode, *path = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return path[0] if path and inode != "0" else None
+    return None
+
+
+def test_an_mmap_table_keeps_its_graph_lists_in_a_scratch_file(tmp_path):
+    store = mmap_store(tmp_path / "tables")
+    store.create_table(spec())
+    ids = torch.arange(N)
+    lists = torch.stack([(ids + j) % N for j in range(3)], dim=1)
+
+    def in_scratch_file() -> bool:
+        path = mapped_file(store.table("fc").graph.neighbors)
+        return path is not None and ".scratch-" in path and path.endswith("(deleted)")
+
+    # a full graph in two fixed-width parts, then a refresh of two lists
+    store.set_neighbors("fc", ids[:50], None, lists[:50], version=1, step=0, replace_all=True)
+    store.set_neighbors("fc", ids[50:], None, lists[50:], version=1, step=0, replace_all=True)
+    assert in_scratch_file()
+    assert torch.equal(store.neighbors("fc", ids)[1].long(), lists)
+    refreshed = lists.clone()
+    refreshed[[4, 9]] = torch.tensor([[4, 0, 1], [9, 2, 3]])
+    store.set_neighbors("fc", torch.tensor([4, 9]), None, refreshed[[4, 9]], version=1, step=1,
+                        replace_all=False)
+    assert in_scratch_file()
+    assert torch.equal(store.neighbors("fc", ids)[1].long(), refreshed)
+    # a full graph sent as CSR lists of k entries each, assembled from its parts
+    offsets = torch.arange(0, 3 * N + 1, 3)
+    store.set_neighbors("fc", ids, offsets, lists.reshape(-1), version=2, step=2,
+                        replace_all=True)
+    assert in_scratch_file()
+    assert torch.equal(store.neighbors("fc", ids)[1].long(), lists)
+    # restored from a snapshot
+    snapshot.write_snapshot(store, tmp_path, step=2)
+    snapshot.restore_into(store, tmp_path)
+    assert in_scratch_file()
+    assert torch.equal(store.neighbors("fc", ids)[1].long(), lists)
+    store.close()
+    # memory storage keeps them in RAM
+    memory = ShardStore(0, 1)
+    memory.create_table(spec())
+    memory.set_neighbors("fc", ids, None, lists, version=1, step=0, replace_all=True)
+    assert mapped_file(memory.table("fc").graph.neighbors) is None

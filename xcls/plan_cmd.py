@@ -240,7 +240,7 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
              note=f"momentum in {job.state_dtype or job.dtype}" if job.momentum
              else "none: optim.head_momentum = 0"),
         _row("decay clocks" + where, *both(mem.clocks), note="float64, 8 B a row"),
-        _row("graph", *both(mem.graph),
+        _row("graph" + where, *both(mem.graph),
              note=f"{job.graph_k} int{8 * job.id_bytes} ids a row, fixed width" if job.graph_k
              else "none: only the knn head keeps one"),
         *([_row("slot map (mmap)", *both(mem.slot_map),
@@ -250,7 +250,7 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
              note="python + torch + grpc, measured"),
         _row("resident at rest", *both(mem.at_rest),
              note="after its table is created or restored" +
-             (", rows in files" if mmap else "")),
+             (", rows and graph in files" if mmap else "")),
         _row("touched marks", *both(mem.touched), note="1 B a row, from the first push"),
         _row("message buffers", *both(mem.buffers),
              note=f"{mem.buffers // rates.buffers_per_stream} client streams x "
@@ -272,7 +272,7 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
     ]
     if mmap:
         lines.append(_row("table files", *both(mem.files),
-                          note="rows, state and clocks, with spare slots"))
+                          note="rows, state and clocks with spare slots; graph"))
     lines += [
         _row("peak while snapshotting", fmt_bytes(mem.snapshot_peak), fmt_bytes(host_peak),
              note=("a copy of rows, state and clocks, " if not mmap else "") +

@@ -20,6 +20,7 @@ holds the old ``offsets`` / ``neighbors`` stays consistent while training refres
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
 
 import torch
@@ -248,7 +249,9 @@ class NeighborTable:
         listed = int(self.lengths().index_select(0, positions).sum())
         return 8 * (positions.numel() + 1) + listed * itemsize
 
-    def update(self, positions: Tensor, offsets: Tensor | None, neighbors: Tensor) -> None:
+    def update(self, positions: Tensor, offsets: Tensor | None, neighbors: Tensor,
+               allocate: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None
+               ) -> None:
         """Replace the lists of ``positions`` (m,) int64, distinct, with lists of either
         layout: offsets None and neighbors (m, w), or CSR offsets (m + 1,) and neighbors
         (offsets[-1],); ids int32 or int64 in 0..num_classes-1. Lengths may change, and the
@@ -256,6 +259,7 @@ class NeighborTable:
 
         Builds new tensors instead of writing into the old ones: a copy of the (n, k) table
         when fixed-width lists of width k replace fixed-width ones, else O(total lists) once.
+        ``allocate(shape, dtype)`` gives that copy's tensor (None: in RAM).
         """
         _check_positions(positions, self.num_rows)
         check_lists(offsets, neighbors, positions.numel())
@@ -263,7 +267,9 @@ class NeighborTable:
             raise ValueError("positions: repeats are ambiguous in an update")
         new = _checked_ids(neighbors, self.num_classes)
         if self.offsets is None and offsets is None and new.shape[1] == self.k:
-            table = self.neighbors.clone()
+            table = (allocate(tuple(self.neighbors.shape), self.neighbors.dtype)
+                     if allocate is not None else torch.empty_like(self.neighbors))
+            table.copy_(self.neighbors)
             table.index_copy_(0, positions, new)
             self.neighbors = table
             return
