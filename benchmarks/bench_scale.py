@@ -54,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,13 +149,14 @@ class StepTimes:
 
 def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
                    seed_offset: int = 0, warmup_s: float = 0.0,
-                   steps: int | None = None, prefetch: bool = False) -> StepTimes:
+                   steps: int | None = None, prefetch_depth: int | None = None
+                   ) -> StepTimes:
     """``steps`` (default ``args.steps``) timed steps after ``args.warmup`` steps and at
-    least ``warmup_s`` seconds of them. ``prefetch``: the steps run as the trainer runs them,
-    each batch's select and pull done a step ahead by the trainer's prefetch thread
-    (``workers.prefetch.Prefetcher``, ``train.prefetch_depth`` = 1, its default) while the
-    step before computes; a step's time is then the time between two finished pushes.
-    Otherwise each step selects, pulls, computes and pushes in turn."""
+    least ``warmup_s`` seconds of them. ``prefetch_depth``: the steps run as the trainer runs
+    them, each batch's select and pull done that many steps ahead by the trainer's prefetch
+    thread (``workers.prefetch.Prefetcher``, ``train.prefetch_depth``, 1 by default) while
+    the steps before compute; a step's time is then the time between two finished pushes.
+    None: each step selects, pulls, computes and pushes in turn."""
     steps = args.steps if steps is None else steps
     margin = CombinedMarginLoss.from_preset("arcface")
     head = build_head("knn", client, TABLE, n, margin, k=args.k, budget=args.batch * args.k,
@@ -169,7 +170,8 @@ def knn_head_steps(client: ShardedClient, n: int, args: argparse.Namespace,
             yield torch.empty(0), torch.empty(0), labels
 
     source = batches()
-    prefetcher = Prefetcher(source, head.prepare, depth=1, start_step=0) if prefetch else None
+    prefetcher = (Prefetcher(source, head.prepare, depth=prefetch_depth, start_step=0)
+                  if prefetch_depth is not None else None)
     times = StepTimes()
     warm_until = time.perf_counter() + warmup_s
     warm_steps = 0
@@ -392,7 +394,8 @@ class SizeResult:
     rss_created: list[tuple[int, int]]
     rss_graph: list[tuple[int, int]]
     grpc: StepTimes | None = None
-    grpc_prefetched: StepTimes | None = None  # the trainer's one-step-ahead prefetch
+    # the trainer's prefetch, by train.prefetch_depth
+    grpc_prefetched: dict[int, StepTimes] = field(default_factory=dict)
     embedded: StepTimes | None = None
     no_read_ahead: StepTimes | None = None
     disk_pages_per_s: float | None = None  # mmap: random_read_rate after the steps
@@ -436,13 +439,16 @@ def age_slots(storage_dir: Path, args: argparse.Namespace) -> None:
 
 def grpc_steps(client: ShardedClient, n: int, args: argparse.Namespace, warmup_s: float,
                result: SizeResult) -> None:
-    """The knn steps over gRPC, in turn and then with the trainer's prefetch (after a third
-    of the warm-up: the table is warm from the first)."""
+    """The knn steps over gRPC, in turn and then with the trainer's prefetch at each of
+    ``args.prefetch_depths`` (after a third of the warm-up each: the table is warm from the
+    first)."""
     print(f"N={n:,}: knn steps over gRPC", file=sys.stderr, flush=True)
     result.grpc = knn_head_steps(client, n, args, warmup_s=warmup_s)
-    print(f"N={n:,}: knn steps over gRPC, prefetched", file=sys.stderr, flush=True)
-    result.grpc_prefetched = knn_head_steps(client, n, args, seed_offset=1,
-                                            warmup_s=warmup_s / 3, prefetch=True)
+    for turn, depth in enumerate(args.prefetch_depths, start=1):
+        print(f"N={n:,}: knn steps over gRPC, prefetched {depth} ahead", file=sys.stderr,
+              flush=True)
+        result.grpc_prefetched[depth] = knn_head_steps(
+            client, n, args, seed_offset=turn, warmup_s=warmup_s / 3, prefetch_depth=depth)
 
 
 def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
@@ -572,20 +578,24 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
              "| pages made dirty at this host's cost, CPU ms per step "
              "| host CPU busy / iowait / idle % |",
              "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
-    for mode in ("grpc", "grpc_prefetched", "embedded", "no_read_ahead"):
-        timed = [r for r in results if getattr(r, mode) is not None]
+    grpc = f"gRPC ({args.shards} processes)"
+    modes: list[tuple[str, Callable[[SizeResult], StepTimes | None]]] = [
+        (grpc, lambda r: r.grpc),
+        *((f"{grpc}, pulls {depth} step{'s' * (depth > 1)} ahead as the trainer's prefetch "
+           f"(train.prefetch_depth = {depth})",
+           lambda r, depth=depth: r.grpc_prefetched.get(depth))
+          for depth in args.prefetch_depths),
+        (f"embedded ({args.shards} shards)", lambda r: r.embedded),
+        (f"embedded ({args.shards} shards), no read-ahead", lambda r: r.no_read_ahead)]
+    for label, times_of in modes:
+        timed = [r for r in results if times_of(r) is not None]
         if not timed:
             continue
-        first = getattr(timed[0], mode).quantile(0.5)
-        if mode == "no_read_ahead":  # against the embedded step at the smallest N, as above
+        first = times_of(timed[0]).quantile(0.5)
+        if label.endswith("no read-ahead"):  # against the embedded step at the smallest N
             first = next(r.embedded for r in results if r.embedded).quantile(0.5)
-        label = {"grpc": f"gRPC ({args.shards} processes)",
-                 "grpc_prefetched": f"gRPC ({args.shards} processes), pulls a step ahead "
-                                    "as the trainer's prefetch",
-                 "embedded": f"embedded ({args.shards} shards)",
-                 "no_read_ahead": f"embedded ({args.shards} shards), no read-ahead"}[mode]
         for r in timed:
-            t: StepTimes = getattr(r, mode)
+            t: StepTimes = times_of(r)
             floor = (f"{t.pages_read / r.disk_pages_per_s * 1000:,.1f}"
                      if r.disk_pages_per_s else "—")
             dirtying = (f"{t.pages_dirtied * r.page_dirty_s * 1000:,.1f}"
@@ -645,6 +655,9 @@ def parse_args() -> argparse.Namespace:
                         help="mmap tables: sweeps of the free-slot cursor simulated on the "
                              "slot maps before the steps, so that they are timed at the steady "
                              "state of random pushes (ams.slots); 0: the layout as created")
+    parser.add_argument("--prefetch-depths", default="1",
+                        help="comma separated train.prefetch_depth values: one row of knn "
+                             "steps over gRPC run as the trainer runs them for each")
     parser.add_argument("--ratio-steps", type=int, default=5, help="measured knn whole steps")
     parser.add_argument("--full-steps", type=int, default=1, help="measured full whole steps")
     parser.add_argument("--full-block", type=int, default=1 << 18,
@@ -660,6 +673,13 @@ def parse_args() -> argparse.Namespace:
         args.ratio_classes, args.batch, args.warmup, args.steps = 20000, 32, 1, 5
         args.ratio_steps, args.full_block, args.mmap_warmup_s = 1, 4096, 0.0
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    try:
+        args.prefetch_depths = [int(d) for d in args.prefetch_depths.split(",") if d]
+    except ValueError:
+        parser.error(f"--prefetch-depths: need comma separated integers, got "
+                     f"{args.prefetch_depths!r}")
+    if any(d < 1 for d in args.prefetch_depths):
+        parser.error("--prefetch-depths: each depth must be at least 1")
     if any(n < args.k for n in args.sizes):
         parser.error(f"every size must be at least --k={args.k}")
     return args

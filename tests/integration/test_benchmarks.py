@@ -164,7 +164,8 @@ def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, no_orphans) -> N
 
 
 def test_bench_scale_quick_reports_every_size_and_storage() -> None:
-    done = run_benchmark("bench_scale.py", "--quick", "--threads", "1")
+    done = run_benchmark("bench_scale.py", "--quick", "--threads", "1",
+                         "--prefetch-depths", "1,2")
     assert done.returncode == 0, done.stderr[-2000:]
     # --quick: 20,000 classes in memory, 200,000 in mmap storage, batch 32, k=12
     capacity = {cells[0]: cells for cells in table_rows(done.stdout, "20,000")
@@ -190,7 +191,10 @@ def test_bench_scale_quick_reports_every_size_and_storage() -> None:
     assert sorted(steps) == sorted(
         [(n, ams) for n in ("20,000", "200,000")
          for ams in ("gRPC (4 processes)", "embedded (4 shards)",
-                     "gRPC (4 processes), pulls a step ahead as the trainer's prefetch")]
+                     "gRPC (4 processes), pulls 1 step ahead as the trainer's prefetch "
+                     "(train.prefetch_depth = 1)",
+                     "gRPC (4 processes), pulls 2 steps ahead as the trainer's prefetch "
+                     "(train.prefetch_depth = 2)")]
         + [("200,000", "embedded (4 shards), no read-ahead")])
     heads = [cells[1] for cells in table_rows(done.stdout, "20,000") if len(cells) == 6]
     assert heads == ["full softmax (blocked, exact)", "knn (k=12, budget 384)"]
