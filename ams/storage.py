@@ -227,6 +227,16 @@ class Storage(ABC):
         keeps (``what`` names it in errors): a table's neighbor lists, a snapshot's copy."""
 
     @abstractmethod
+    def kept(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor``, made elsewhere, where ``scratch`` would have put it: itself, or a
+        copy in a scratch tensor."""
+
+    @abstractmethod
+    def read_ahead(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
+        """Start reading the rows ``positions`` (int64 (m,)) of a ``scratch`` tensor where
+        some are not in memory."""
+
+    @abstractmethod
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
         """Keep a live table for a later store: its tensors, decay clock and push dedupe
@@ -281,6 +291,12 @@ class MemoryStorage(Storage):
 
     def scratch(self, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def kept(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        return tensor
+
+    def read_ahead(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
+        """Nothing to read: RAM."""
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
@@ -417,6 +433,16 @@ class MmapStorage(Storage):
             return _map_new(path, shape, dtype, None, what)
         finally:
             path.unlink(missing_ok=True)
+
+    def kept(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        return self.scratch(tuple(tensor.shape), tensor.dtype, what).copy_(tensor)
+
+    def read_ahead(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
+        if positions.numel() == 0 or tensor.numel() == 0:
+            return
+        pages = _pages_of(tensor, positions)
+        if not _all_resident(tensor, pages):
+            advise_will_need(tensor, pages)
 
     def close_table(self, spec: TableLayout, tensors: TableTensors, clock: float,
                     dedupe: list) -> None:
@@ -633,17 +659,6 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
                          else _pages_of(tensor, at))
 
 
-def prefetch_scratch_rows(tensor: torch.Tensor, positions: torch.Tensor) -> None:
-    """``prefetch_rows`` for rows ``positions`` (int64 (m,)) of a tensor from
-    ``MmapStorage.scratch`` (a neighbor graph's lists): their pages, where some are not
-    in memory."""
-    if positions.numel() == 0 or tensor.numel() == 0 or libc_function("madvise") is None:
-        return
-    pages = _pages_of(tensor, positions)
-    if not _all_resident(tensor, pages):
-        advise_will_need(tensor, pages)
-
-
 def prefetch_slots_ahead(tensors: TableTensors, count: int) -> None:
     """Ask the kernel to start reading the pages of the slots a push of ``count`` rows will
     most likely move its rows into (``RowSlots.span_ahead``): one run of pages per tensor,
@@ -700,12 +715,11 @@ def _process_madvise(pid: int, starts: np.ndarray, lengths: np.ndarray, advice: 
     """Ask for the ranges (as ``advise_ranges``) by process_madvise(2) with this process's
     own pidfd; returns how many of them, in order, were asked for. Fewer than all when the
     kernel refuses (too old, or not allowed): ``pid`` then asks one range at a time."""
-    process_madvise = libc_function("process_madvise")
+    process_madvise = _process_madvise_function()
     pidfd = _own_pidfd(pid)
     if process_madvise is None or pidfd is None:
         _no_process_madvise.add(pid)
         return 0
-    process_madvise.restype = ctypes.c_ssize_t
     iovecs = np.stack([starts, lengths], axis=1)  # struct iovec {base, len} each, (r, 2)
     for first in range(0, len(iovecs), _IOV_MAX):
         part = iovecs[first:first + _IOV_MAX]
@@ -716,6 +730,15 @@ def _process_madvise(pid: int, starts: np.ndarray, lengths: np.ndarray, advice: 
             _no_process_madvise.add(pid)
             return first
     return len(iovecs)
+
+
+@functools.cache
+def _process_madvise_function() -> Callable[..., int] | None:
+    """glibc's process_madvise, returning ssize_t, or None where there is none."""
+    function = libc_function("process_madvise")
+    if function is not None:
+        function.restype = ctypes.c_ssize_t
+    return function
 
 
 @functools.cache

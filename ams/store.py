@@ -42,7 +42,6 @@ from ams.storage import (
     TableTensors,
     open_storage,
     prefetch_rows,
-    prefetch_scratch_rows,
     prefetch_slots_ahead,
 )
 from ams.wire import MAX_REPLY_PAYLOAD_BYTES
@@ -587,9 +586,9 @@ class ShardStore:
         table = self.table(name)
         positions = self._positions(table, ids)
         graph = table.graph
-        if graph is not None and graph.fixed and self.storage.kind is StorageKind.MMAP:
+        if graph is not None and graph.fixed:
             # advice only: a graph replaced meanwhile costs a read, never a wrong list
-            prefetch_scratch_rows(graph.neighbors, positions)
+            self.storage.read_ahead(graph.neighbors, positions)
         with table.lock:  # an update replaces the graph's offsets and neighbors together
             graph = table.graph
             if graph is None:
@@ -664,10 +663,9 @@ class ShardStore:
 
     def _with_lists_kept(self, graph: NeighborTable | None) -> NeighborTable | None:
         """``graph`` with fixed-width lists made elsewhere (restored, assembled from parts)
-        moved into ``_graph_lists``, where mmap storage keeps them."""
-        if graph is not None and graph.fixed and self.storage.kind is StorageKind.MMAP:
-            lists = self._graph_lists(tuple(graph.neighbors.shape), graph.neighbors.dtype)
-            graph.neighbors = lists.copy_(graph.neighbors)
+        moved where the storage keeps a graph's lists (``Storage.kept``)."""
+        if graph is not None and graph.fixed:
+            graph.neighbors = self.storage.kept(graph.neighbors, "a neighbor graph")
         return graph
 
     def _stage_graph(self, table: ShardTable, positions: torch.Tensor,
