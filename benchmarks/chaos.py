@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=1000, help="classes of the dataset built")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps of the job (about 0.1 s each on 2 CPU cores; default "
-                        "12000, about 20 minutes of fault-free training; 200 with --quick)")
+                        "12000, about 20 minutes of fault-free training; 100 with --quick)")
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="steps between checkpoints (what a rollback can lose)")
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
@@ -80,14 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true",
                    help="keep both runs' directories (checkpoints, snapshots, logs)")
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: knn job, 200 steps (unless --steps), a checkpoint "
+                   help="the CI version: knn job, 100 steps (unless --steps), a checkpoint "
                         "every 20 steps, a fault after every second one")
     args = p.parse_args(argv)
     if args.quick:
         args.job, args.checkpoint_every, args.fault_every_checkpoints = "knn", 20, 2
         args.hang_timeout = 4.0
     if args.steps is None:
-        args.steps = 200 if args.quick else 12000
+        args.steps = 100 if args.quick else 12000
     if args.steps < 1 or args.checkpoint_every < 1 or args.fault_every <= 0:
         p.error("--steps, --checkpoint-every and --fault-every must be positive")
     if args.fault_every_checkpoints < 0:

@@ -81,3 +81,17 @@ def test_version_and_examples_from_the_command_line():
     assert listed and [Path(p) for p in listed] == example_configs()
     for path in listed:
         load_config(path)  # every shipped example is a valid config
+
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["data", "glyphs", "--help"], ["train", "--help"],
+                                  ["plan", "--help"]])
+def test_help_does_not_load_torch(argv):
+    """``--help`` answers before torch is imported (that takes seconds)."""
+    probe = ("import sys\nfrom xcls.cli import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('torch' in sys.modules, code, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stderr.split()[-2:] == ["False", "0"], done.stderr
+    assert "usage: xcls" in done.stdout

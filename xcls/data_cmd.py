@@ -10,9 +10,6 @@ from dataclasses import asdict
 
 from workers.data.errors import DatasetError
 from workers.data.fonts import DEFAULT_FONT_DIRS
-from workers.data.glyphs import build_glyph_dataset
-from workers.data.importers import import_folder, import_pairs_bin, import_recordio
-from workers.data.lmdb_dataset import read_metadata, verify_dataset
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xcls", "fonts")
 
@@ -26,7 +23,13 @@ def _run(fn, *args, **kwargs) -> int:  # noqa: ANN001 - fn is any importer/build
     return 0
 
 
+# The builders and readers import torch, a couple of seconds: only the command that runs
+# loads them, so that ``xcls --help`` and every other command start at once.
+
+
 def cmd_glyphs(args: argparse.Namespace) -> int:
+    from workers.data.glyphs import build_glyph_dataset
+
     def build() -> None:
         summary = build_glyph_dataset(
             args.out, num_classes=args.classes, size=args.size, min_designs=args.min_designs,
@@ -41,21 +44,29 @@ def cmd_glyphs(args: argparse.Namespace) -> int:
 
 
 def cmd_folder(args: argparse.Namespace) -> int:
+    from workers.data.importers import import_folder
+
     return _run(import_folder, args.root, args.out, size=args.size, channels=args.channels,
                 split=args.split, overwrite=args.overwrite)
 
 
 def cmd_rec(args: argparse.Namespace) -> int:
+    from workers.data.importers import import_recordio
+
     return _run(import_recordio, args.rec, args.out, size=args.size, channels=args.channels,
                 idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.processes)
 
 
 def cmd_bin(args: argparse.Namespace) -> int:
+    from workers.data.importers import import_pairs_bin
+
     return _run(import_pairs_bin, args.bin, args.out, size=args.size, channels=args.channels,
                 overwrite=args.overwrite)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from workers.data.lmdb_dataset import read_metadata, verify_dataset
+
     def show() -> None:
         meta = asdict(read_metadata(args.path))
         names = meta.pop("class_names")

@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from workers.termination import EXIT_TERMINATED
 from xcls.config import ConfigError, ExperimentConfig, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import Run, build_run, worker_placement
@@ -132,6 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
     from workers.checkpoint import CheckpointError
     from workers.data.errors import DatasetError
     from workers.distributed import process_group
+    from workers.termination import EXIT_TERMINATED
 
     cfg = _load(args)
     try:
