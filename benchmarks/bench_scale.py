@@ -579,21 +579,25 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
              "| host CPU busy / iowait / idle % |",
              "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
     grpc = f"gRPC ({args.shards} processes)"
-    modes: list[tuple[str, Callable[[SizeResult], StepTimes | None]]] = [
-        (grpc, lambda r: r.grpc),
+    # (label, the row's step times, the times its ratio is against: the mode's own at the
+    # smallest N, or for no read-ahead the embedded step's, as the row above it)
+    Times = Callable[[SizeResult], StepTimes | None]
+    modes: list[tuple[str, Times, Times]] = [
+        (grpc, lambda r: r.grpc, lambda r: r.grpc),
         *((f"{grpc}, pulls {depth} step{'s' * (depth > 1)} ahead as the trainer's prefetch "
            f"(train.prefetch_depth = {depth})",
+           lambda r, depth=depth: r.grpc_prefetched.get(depth),
            lambda r, depth=depth: r.grpc_prefetched.get(depth))
           for depth in args.prefetch_depths),
-        (f"embedded ({args.shards} shards)", lambda r: r.embedded),
-        (f"embedded ({args.shards} shards), no read-ahead", lambda r: r.no_read_ahead)]
-    for label, times_of in modes:
+        (f"embedded ({args.shards} shards)", lambda r: r.embedded, lambda r: r.embedded),
+        (f"embedded ({args.shards} shards), no read-ahead", lambda r: r.no_read_ahead,
+         lambda r: r.embedded)]
+    for label, times_of, baseline_of in modes:
         timed = [r for r in results if times_of(r) is not None]
         if not timed:
             continue
-        first = times_of(timed[0]).quantile(0.5)
-        if label.endswith("no read-ahead"):  # against the embedded step at the smallest N
-            first = next(r.embedded for r in results if r.embedded).quantile(0.5)
+        first = next(baseline_of(r) for r in results
+                     if baseline_of(r) is not None).quantile(0.5)
         for r in timed:
             t: StepTimes = times_of(r)
             floor = (f"{t.pages_read / r.disk_pages_per_s * 1000:,.1f}"

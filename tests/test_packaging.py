@@ -83,7 +83,6 @@ def test_version_and_examples_from_the_command_line():
         load_config(path)  # every shipped example is a valid config
 
 
-
 @pytest.mark.parametrize("argv", [["--help"], ["data", "glyphs", "--help"], ["train", "--help"],
                                   ["plan", "--help"]])
 def test_help_does_not_load_torch(argv):

@@ -1,4 +1,7 @@
-"""``xcls data ...``: build and inspect LMDB image datasets."""
+"""``xcls data ...``: build and inspect LMDB image datasets.
+
+The builders and readers import torch (a couple of seconds), so each subcommand imports its
+own when it runs: ``xcls --help`` and the other commands start at once."""
 
 from __future__ import annotations
 
@@ -21,10 +24,6 @@ def _run(fn, *args, **kwargs) -> int:  # noqa: ANN001 - fn is any importer/build
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-# The builders and readers import torch, a couple of seconds: only the command that runs
-# loads them, so that ``xcls --help`` and every other command start at once.
 
 
 def cmd_glyphs(args: argparse.Namespace) -> int:
