@@ -92,8 +92,8 @@ def release_free_memory() -> None:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype)`` in fresh anonymous memory advised onto transparent huge
-    pages.
+    """``torch.zeros(shape, dtype)`` in fresh private anonymous memory advised onto
+    transparent huge pages.
 
     A pull or push touches rows at random across the table, one 4 KiB page per row, and on
     small pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the
@@ -105,7 +105,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes)
+    # private: the kernel's huge-page setting for shared anonymous memory (``shmem_enabled``)
+    # is commonly ``never``, and Python's anonymous mmap is shared unless asked otherwise
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     with warnings.catch_warnings():  # the tensor owns the region (frombuffer keeps it alive)
         warnings.simplefilter("ignore", UserWarning)
