@@ -52,6 +52,18 @@ def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
         assert heads == ["full", "partial", "knn"], (ams_kind, done.stdout)
 
 
+def test_bench_table_pages_quick_times_both_mappings() -> None:
+    done = run_benchmark("bench_table_pages.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for dtype in ("float32", "float16"):
+        rows = {cells[1]: cells for cells in table_rows(done.stdout, dtype)}
+        assert set(rows) == {"shared (baseline)", "private (xcls)"}, done.stdout
+        assert rows["shared (baseline)"][5:] == ["1.00x", "1.00x"]
+        for cells in rows.values():
+            assert int(cells[2].replace(",", "")) >= 0
+            assert all(float(x) > 0 for x in cells[3:5])
+
+
 def test_bench_ams_quick_measures_every_backend() -> None:
     """Every backend (embedded, xcls shards, Redis, raw socket, bare gRPC) moves rows in every
     cell of the quick table, the 1-row latencies are ordered, and the memory probe shows a
