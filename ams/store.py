@@ -797,10 +797,12 @@ def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
 
 def _with_decay_owed(table: ShardTable, rows: torch.Tensor, at: torch.Tensor
                      ) -> torch.Tensor:
-    """``rows`` (m, dim), a copy of the rows in slots ``at`` (int64 (m,)), times the decay
-    each owes up to the table's clock (rounded once to the row dtype); ``rows`` itself when
-    none is owed. Call under the table's lock."""
+    """``rows`` (m, dim), a copy of the rows in slots ``at`` (int64 (m,)) that the caller
+    owns, multiplied in place by the decay each owes up to the table's clock (in float32,
+    rounded once to the row dtype), and returned. Call under the table's lock."""
     if table.clock == 0.0 or rows.shape[0] == 0:
         return rows
     factors = catch_up_factors(table.row_clock.index_select(0, at), table.clock)
-    return (rows.to(torch.float32) * factors.to(torch.float32)[:, None]).to(rows.dtype)
+    # in place: the product is taken in float32 and rounded into the row dtype, the same
+    # values as widening a copy first, without a second reply-sized buffer
+    return rows.mul_(factors.to(torch.float32)[:, None])

@@ -124,6 +124,24 @@ def test_decay_clock_makes_sparse_pushes_equal_dense_sgd(shard_id, num_shards):
     assert store.stats()["tables"]["fc"]["decay_clock"] == pytest.approx(clocks[-1])
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3),
+                                       ("bfloat16", 8e-3)])
+def test_pull_settles_the_decay_owed_in_every_row_dtype_and_leaves_the_table(dtype, tol):
+    """Rows that sat out steps come back times exp(row clock - clock), rounded once to the
+    row dtype (a float64 reference), and the stored rows are not touched by the pull."""
+    wd, lr = 0.05, 0.5
+    store = make_store(momentum=0.0, weight_decay=wd, dtype=dtype)
+    before = store.pull("fc", torch.arange(N)).double()
+    clock = 0.0
+    for _ in range(3):  # three steps that push row 0 only: every other row owes their decay
+        assert store.push("fc", torch.tensor([0]), torch.zeros(1, D), lr, decay_clock=clock)
+        clock -= math.log1p(-lr * wd)
+    expected = before[1:] * math.exp(-clock)
+    for _ in range(2):  # the second pull sees the same stored rows as the first
+        got = store.pull("fc", torch.arange(1, N)).double()
+        torch.testing.assert_close(got, expected, rtol=tol, atol=0)
+
+
 def test_push_without_clock_leaves_resting_rows_alone():
     store = make_store(momentum=0.0, weight_decay=0.05)
     before = store.pull("fc", torch.tensor([5]))
