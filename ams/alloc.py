@@ -1,8 +1,10 @@
-"""Keep large message buffers in the process heap instead of returning them to the OS.
+"""Keep large buffers in the process heap instead of returning them to the OS.
 
-Pull replies and push requests are megabytes each. glibc serves such sizes with fresh mmap()
-pages and unmaps them on free, so every call page-faults its buffers in again, a large share of
-loopback throughput. Raising the mmap and trim thresholds makes freed buffers reusable.
+Pull replies and push requests are megabytes each, and so are a training step's activations
+and gradients. glibc serves such sizes with fresh mmap() pages and unmaps them on free, so
+every call or step page-faults its buffers in again: a large share of loopback throughput, and
+of a CPU training step's time (in kernel time). Raising the mmap and trim thresholds makes
+freed buffers reusable.
 """
 
 from __future__ import annotations
