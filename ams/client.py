@@ -763,6 +763,7 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
 
         if not isinstance(local_shards, int) or local_shards < 1:
             raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
+        keep_large_buffers()  # in-process pulls and pushes move reply-sized buffers too
         root = Path(data_dir) if data_dir is not None else None
         local: list[LocalShard] = []
         try:
