@@ -99,9 +99,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
     A pull or push touches rows at random across the table, one 4 KiB page per row, and on
     small pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the
-    same gathers and scatters run markedly faster (benchmarks/RESULTS.md, "AMS pull/push").
+    gathers of a pull run faster (benchmarks/RESULTS.md, "In-memory tables on huge pages").
     Where the kernel runs huge pages in ``madvise`` mode (the common default) only advised
-    memory gets them. The kernel hands the pages over zeroed when first touched, so nothing is
+    memory gets them; a kernel without them refuses the advice, and the memory serves on
+    small pages. The kernel hands the pages over zeroed when first touched, so nothing is
     written here and an untouched region costs no memory.
     """
     nbytes = math.prod(shape) * dtype.itemsize
@@ -110,7 +111,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     # private: the kernel's huge-page setting for shared anonymous memory (``shmem_enabled``)
     # is commonly ``never``, and Python's anonymous mmap is shared unless asked otherwise
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # EINVAL where the kernel was built without transparent huge pages
+        log.debug("huge_page_advice_refused bytes=%d", nbytes)
     with warnings.catch_warnings():  # the tensor owns the region (frombuffer keeps it alive)
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(region, dtype=dtype).view(shape)
