@@ -439,6 +439,11 @@ class ShardedClient:
     def __init__(self, shards: Sequence[ShardBackend]) -> None:
         if not shards:
             raise InvalidArgument("a client needs at least one shard")
+        # Pulls and pushes, in-process or on the wire, move reply-sized buffers, and a
+        # training process that holds a client frees megabytes of activations every step:
+        # with glibc's defaults each would be a fresh mmap, faulted in and unmapped again
+        # (benchmarks/RESULTS.md, "Demo").
+        keep_large_buffers()
         self.shards = list(shards)
         self.num_shards = len(self.shards)
         self.client_id = uuid.uuid4().hex
@@ -763,7 +768,6 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
 
         if not isinstance(local_shards, int) or local_shards < 1:
             raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
-        keep_large_buffers()  # in-process pulls and pushes move reply-sized buffers too
         root = Path(data_dir) if data_dir is not None else None
         local: list[LocalShard] = []
         try:
@@ -793,7 +797,6 @@ def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = Non
     held in this process (``ams.local.LocalShard``), as in collective mode, where each worker
     holds its own slice and reaches the others' over gRPC. The remote ones must be serving
     as shard i of ``len(shards)``; their incarnations are learned now."""
-    keep_large_buffers()
     backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout)
                 if isinstance(s, str) else s for s in shards]
     client = ShardedClient(backends)

@@ -43,11 +43,11 @@ def anonymous_mappings(flags: int) -> Iterator[None]:
     def mapped(fileno: int, length: int, **kwargs: int) -> mmap.mmap:
         return real(fileno, length, flags=flags | mmap.MAP_ANONYMOUS)
 
-    alloc.mmap.mmap = mapped
+    mmap.mmap = mapped  # ams.alloc maps through the module attribute
     try:
         yield
     finally:
-        alloc.mmap.mmap = real
+        mmap.mmap = real
 
 
 def huge_kib() -> int:

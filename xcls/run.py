@@ -109,7 +109,6 @@ def build_run(cfg: ExperimentConfig,
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from ams.alloc import keep_large_buffers
     from ams.graph import budget_for_sample_rate
     from ams.graph.ivf import load_faiss
     from ams.graph_build import GraphMethod, GraphUpdater
@@ -123,10 +122,6 @@ def build_run(cfg: ExperimentConfig,
     rank, world, device = placement or (0, 1, training_device(cfg))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    # A step allocates and frees megabytes of activations, gradients and rows; with glibc's
-    # defaults each is a fresh mmap, page-faulted in and unmapped again (benchmarks/RESULTS.md,
-    # "Demo")
-    keep_large_buffers()
     if not cfg.data.train:
         raise ConfigError("data.train: no training dataset given (an LMDB dataset directory)")
     collective = cfg.head.placement == Placement.COLLECTIVE
