@@ -20,6 +20,9 @@ import torch
 
 from ams import rowcopy
 
+# The largest lr or weight decay an update takes: both enter its float32 arithmetic as factors.
+MAX_RATE = float(torch.finfo(torch.float32).max)
+
 
 def step_decay(lr: float, weight_decay: float) -> float:
     """How far one SGD step advances the decay clock: ``-log(1 - lr * weight_decay)`` >= 0."""

@@ -11,6 +11,10 @@ import math
 
 import torch
 
+# A bound on the unit normals drawn here: the smallest uniform fed to Box-Muller is 2**-25, so
+# |normal| <= sqrt(-2 ln 2**-25) = 5.89; rows of std s stay within MAX_ABS_NORMAL * s.
+MAX_ABS_NORMAL = 6.0
+
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB

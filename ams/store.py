@@ -33,8 +33,15 @@ from ams.errors import (
     shorten,
 )
 from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
-from ams.optim import RowUpdate, SparseMomentumSGD, all_finite, catch_up_factors, step_decay
-from ams.rowinit import initial_rows
+from ams.optim import (
+    MAX_RATE,
+    RowUpdate,
+    SparseMomentumSGD,
+    all_finite,
+    catch_up_factors,
+    step_decay,
+)
+from ams.rowinit import MAX_ABS_NORMAL, initial_rows
 from ams.slots import RowSlots
 from ams.storage import (
     MappedFiles,
@@ -89,6 +96,14 @@ class TableSpec:
                 raise InvalidArgument(f"{name}={shorten(value)} must be a finite number >= 0")
         if self.momentum >= 1:
             raise InvalidArgument(f"momentum={self.momentum} must be < 1")
+        if self.weight_decay > MAX_RATE:
+            raise InvalidArgument(f"weight_decay={self.weight_decay:g} must be at most "
+                                  f"{MAX_RATE:.6g} (float32 arithmetic)")
+        # a larger std would fill the new table with infinities
+        max_std = float(torch.finfo(self.dtype).max) / MAX_ABS_NORMAL
+        if self.init_std > max_std:
+            raise InvalidArgument(f"init_std={self.init_std:g} overflows {DTYPE_NAMES[self.dtype]} "
+                                  f"rows: must be at most {max_std:.6g}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InvalidArgument(f"seed={shorten(self.seed)} must be an integer in [0, 2**63)")
 
@@ -449,11 +464,13 @@ class ShardStore:
         _check_client(client_id, sequence)
         positions = self._positions(table, ids)
         self._check_grads(table, grads, positions.numel())
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise InvalidArgument(f"lr={shorten(lr)} must be a finite number >= 0")
+        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 <= lr <= MAX_RATE:
+            raise InvalidArgument(f"lr={shorten(lr)} must be a number in [0, {MAX_RATE:.6g}]")
+        lr = float(lr)  # an int this large is no int64 for torch's arithmetic
         clocked = decay_clock is not None and table.spec.weight_decay > 0
         if decay_clock is not None:
             _check_clock(decay_clock)
+            decay_clock = float(decay_clock)
             if clocked and lr * table.spec.weight_decay >= 1:
                 raise InvalidArgument(
                     f"lr={lr} x weight_decay={table.spec.weight_decay} must stay below 1 for "

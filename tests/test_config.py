@@ -79,6 +79,8 @@ def test_print_documents_each_field_above_it():
     ("[train]\namp = 1\n", "train.amp: expected true or false"),
     ("[optim]\nlr = -0.1\n", "optim.lr: must be >= 0"),
     ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
+    ("[optim]\nlr = 1e39\n", "optim.lr: 1e+39 is beyond float32's range"),
+    ("[head]\nscale = -1e300\n", "head.scale: -1e+300 is beyond float32's range"),
     ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
     ("[optim]\nhead_momentum = 1\n", "optim.head_momentum: must be in [0, 1)"),
     ("[optim]\nhead_momentum = -0.5\n", "optim.head_momentum: must be in [0, 1)"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ams import errors
+from ams.optim import step_decay
 from ams.store import ShardStore, TableSpec
 from tests.conftest import Storages, in_position_order
 
@@ -227,6 +228,8 @@ def snapshot_state(store):
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), float("nan")),
      errors.InvalidArgument),
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), -1.0), errors.InvalidArgument),
+    # finite, but no float32 factor: the update's arithmetic could not take it
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 1e39), errors.InvalidArgument),
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D, dtype=torch.int64), 0.1),
      errors.InvalidArgument),
     (lambda s: s.neighbors("fc", torch.tensor([1])), errors.FailedPrecondition),
@@ -265,13 +268,40 @@ def test_request_size_limit():
 @pytest.mark.parametrize("kw", [
     dict(num_rows=0), dict(num_rows=-5), dict(dim=0), dict(dtype="int8"), dict(momentum=1.0),
     dict(momentum=-0.1), dict(weight_decay=float("nan")), dict(name=""), dict(name="a/b"),
-    dict(seed=-1), dict(name="x" * 200),
+    dict(seed=-1), dict(name="x" * 200), dict(weight_decay=1e39),
+    dict(init_std=1e300), dict(init_std=2e4, dtype="float16"),
 ])
 def test_bad_table_specs(kw):
     base = dict(name="t", num_rows=10, dim=4)
     base.update(kw)
     with pytest.raises(errors.InvalidArgument):
         TableSpec(**base)
+
+
+def test_a_decay_clock_given_as_an_integer_beyond_int64_is_a_number_like_any_other():
+    """JSON gives a number with no fraction as an int; a decay clock of 2**64 applies as its
+    float value: the rows that sat out decay to zero (float64 reference: exp(-2**64) = 0)."""
+    store = make_store(momentum=0.0)
+    ids = torch.tensor([1, 5])
+    assert store.push("fc", ids[:1], torch.zeros(1, D), 0.01, decay_clock=0.5)
+    assert store.push("fc", ids, torch.zeros(2, D), 0.01, decay_clock=2**64)
+    assert float(store.pull("fc", ids).abs().max()) == 0.0
+    assert store.table("fc").clock == 2.0**64 + step_decay(0.01, 5e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_largest_init_std_a_spec_takes_gives_finite_rows(dtype):
+    """A spec refuses an init_std whose rows would overflow its dtype, and the largest one it
+    takes fills a table with finite rows of about that spread."""
+    limit = float(torch.finfo(getattr(torch, dtype)).max) / 6
+    with pytest.raises(errors.InvalidArgument, match="overflows"):
+        TableSpec(name="t", num_rows=10, dim=4, dtype=dtype, init_std=limit * 1.01)
+    store = STORAGE.store(0, 1)
+    store.create_table(TableSpec(name="t", num_rows=20_000, dim=64, dtype=dtype,
+                                 init_std=limit))
+    rows = store.pull("t", torch.arange(20_000)).to(torch.float64)
+    assert bool(torch.isfinite(rows).all())
+    assert 0.5 * limit < float(rows.std()) < 1.5 * limit
 
 
 def test_create_table_idempotent_and_conflict():

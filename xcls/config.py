@@ -325,6 +325,7 @@ def enum_fields() -> dict[str, type[StrEnum]]:
             "ams.state_dtype": RowDtype, "ams.storage": StorageKind,
             "gear.backend": GearBackend, "gear.slow": SlowGearMode,
             "comm.compression": Compression}
+FLOAT32_MAX = 3.4028234663852886e38
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
             "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
@@ -358,6 +359,9 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         if not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        if abs(value) > FLOAT32_MAX:  # every such setting ends up a factor in float32 math
+            raise ConfigError(f"{key}: {value!r} is beyond float32's range "
+                              f"(|x| <= {FLOAT32_MAX:.6g})")
         return float(value)
     if kind is str:
         if not isinstance(value, str):

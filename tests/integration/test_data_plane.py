@@ -7,7 +7,10 @@ the shard for having changed nothing.
 
 from __future__ import annotations
 
+import collections
 import json
+import random
+import re
 import socket
 import struct
 import threading
@@ -210,6 +213,8 @@ REFUSED = [
      "INVALID_ARGUMENT", "float"),
     ("lr-inf", frame(PUSH, {**PUSH_META, "lr": float("inf")}, [0], grads(1)),
      "INVALID_ARGUMENT", "lr"),
+    ("lr-over-float32", frame(PUSH, {**PUSH_META, "lr": 1e308}, [0], grads(1)),
+     "INVALID_ARGUMENT", "lr=1e+308 must be a number in [0, "),
     ("lr-bool", frame(PUSH, {**PUSH_META, "lr": True}, [0], grads(1)), "INVALID_ARGUMENT",
      "'lr' must be"),
     ("lr-missing", frame(PUSH, {k: v for k, v in PUSH_META.items() if k != "lr"}, [0],
@@ -346,6 +351,97 @@ def test_a_pull_reply_over_the_limit_is_refused_before_it_is_built(cluster):
     assert (kind, meta["code"]) == (ERROR, "RESOURCE_EXHAUSTED")
     assert "split the request" in meta["message"]
     peer.close()
+
+
+def _valid_frame(rng: random.Random, table: str) -> bytes:
+    """A PULL, SCAN or PUSH this shard (the only one) would serve."""
+    ids = rng.sample(range(N), rng.randint(1, 20))
+    kind = rng.choice((PULL, SCAN, PUSH, PUSH))
+    if kind == PULL:
+        return frame(PULL, {"table": table}, ids)
+    if kind == SCAN:
+        return frame(SCAN, {"table": table, "start": rng.randrange(N)})
+    meta = {"table": table, "lr": 0.01, "client_id": f"c{rng.randrange(3)}",
+            "sequence": rng.randrange(1 << 20), "decay_clock": rng.random()}
+    g = grads(len(ids), value=rng.uniform(-1e-3, 1e-3))
+    return frame(PUSH, meta, sorted(ids), g.half() if rng.random() < 0.3 else g)
+
+
+def _mutated(rng: random.Random, data: bytes) -> bytes:
+    """``data`` with one to four random changes: a byte set, a header bit flipped, cut short,
+    lengthened, a count or length field of the header lying, a number of the meta at an
+    extreme (same-length JSON is not needed: the body length is then off, another lie)."""
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        change = rng.randrange(6)
+        if change == 5:
+            numbers = list(re.finditer(rb"-?[0-9][0-9.e+-]*", bytes(out[HEADER.size:])))
+            if numbers:
+                hit = rng.choice(numbers)
+                extreme = rng.choice([b"1e308", b"-1e308", b"1e39", b"-0.0", b"-1", b"0",
+                                      b"1e-320", b"18446744073709551616"])
+                start, stop = HEADER.size + hit.start(), HEADER.size + hit.end()
+                out[start:stop] = extreme
+                # the header's meta and body lengths follow the new meta, or the frame lies
+                grow = len(extreme) - (stop - start)
+                if rng.random() < 0.8:
+                    meta_bytes, body = struct.unpack_from("<I", out, 8)[0], \
+                        struct.unpack_from("<Q", out, 32)[0]
+                    struct.pack_into("<I", out, 8, (meta_bytes + grow) % (1 << 32))
+                    struct.pack_into("<Q", out, 32, (body + grow) % (1 << 64))
+            continue
+        if change == 0 and out:
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        elif change == 1 and out:
+            out[rng.randrange(min(len(out), HEADER.size))] ^= 1 << rng.randrange(8)
+        elif change == 2:
+            del out[rng.randrange(len(out) + 1):]
+        elif change == 3:
+            out += rng.randbytes(rng.randint(1, 64))
+        elif len(out) >= HEADER.size:
+            offset, fmt = rng.choice([(8, "<I"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<Q")])
+            width = struct.calcsize(fmt)
+            out[offset:offset + width] = struct.pack(
+                fmt, rng.choice([0, 1, 2, rng.randrange(1 << 16), (1 << 8 * width) - 1]))
+    return bytes(out)
+
+
+def test_mutated_frames_get_a_typed_answer_and_the_shard_serves_on(shard_cluster, tmp_path):
+    """Valid frames with random changes, one per connection whose sender then shuts its side
+    (so that no frame leaves the shard waiting for bytes): each gets rows, a push receipt or
+    a typed error that is not INTERNAL, or its connection closes. Afterwards the shard serves,
+    its rows are finite, and its log holds no traceback."""
+    (proc,) = shard_cluster(1)
+    rng = random.Random(7)
+    answers: collections.Counter[str] = collections.Counter()
+    with ams.connect([proc.address]) as client:
+        client.create_table("fz", num_rows=N, dim=D, seed=5, dtype="float16")
+        for _ in range(300):
+            data = _mutated(rng, _valid_frame(rng, "fz"))
+            peer = Peer(proc.address)
+            peer.hello()
+            peer.send(data)
+            peer.sock.shutdown(socket.SHUT_WR)
+            try:
+                kind, meta, _, _ = peer.answer()
+            except ConnectionError:
+                answers["closed"] += 1
+            else:
+                assert kind in (ROWS, PUSHED, ERROR), (kind, meta, data[:64])
+                if kind == ERROR:
+                    assert meta["code"] in {"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE",
+                                            "RESOURCE_EXHAUSTED"}, (meta, data[:200])
+                    assert len(meta["message"]) < 1000
+                answers[{ROWS: "rows", PUSHED: "pushed", ERROR: "error"}[kind]] += 1
+            peer.close()
+        rows = client.pull("fz", torch.arange(N))
+    # the changes were both refused and, where they left a valid frame, served
+    assert answers["error"] > 50 and answers["rows"] + answers["pushed"] > 10, answers
+    assert bool(torch.isfinite(rows.float()).all())
+    logs = list(tmp_path.glob("*.log"))
+    assert logs
+    log = "".join(p.read_text(errors="replace") for p in logs)
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_token_is_required_in_the_hello(shard_cluster, tmp_path):

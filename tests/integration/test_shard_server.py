@@ -104,6 +104,10 @@ BAD_REQUESTS = [
     ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="fc", num_rows=N, dim=D + 1,
                                                             dtype=pb.FLOAT32)),
      grpc.StatusCode.ALREADY_EXISTS, "fc"),
+    # rows of this std would all be infinite in float16
+    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="t", num_rows=10, dim=4,
+                                                            dtype=pb.FLOAT16, init_std=1e5)),
+     grpc.StatusCode.INVALID_ARGUMENT, "init_std=100000 overflows float16 rows"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([0])),
      grpc.StatusCode.FAILED_PRECONDITION, "no neighbor graph"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=_ids([N + 2])),
