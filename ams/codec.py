@@ -53,6 +53,11 @@ def decode(msg: pb.Tensor, field: str, *, dtype: torch.dtype | None = None,
     if any(s < 0 for s in shape):
         raise InvalidArgument(f"{field}: negative dimension in shape {shorten(shape)}")
     itemsize = torch.empty((), dtype=got).element_size()
+    # with a zero among them the other dimensions can be anything, and torch's strides of
+    # such a shape overflow int64
+    if math.prod(max(s, 1) for s in shape) * itemsize >= 2**63:
+        raise InvalidArgument(f"{field}: shape {shorten(shape)} of {got} is too large for a "
+                              "tensor")
     expected = math.prod(shape) * itemsize
     if len(msg.data) != expected:
         raise InvalidArgument(

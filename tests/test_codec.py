@@ -53,7 +53,9 @@ def test_int64_round_trip_property(values):
     (pb.Tensor(dtype=pb.FLOAT32, shape=[-1], data=b""), "negative dimension"),
     (pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4), "dtype"),
     (pb.Tensor(dtype=99, shape=[1], data=b"\0" * 4), "unknown"),
-    (pb.Tensor(dtype=pb.FLOAT32, shape=[2**40, 2**40], data=b""), "needs"),
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[2**40, 2**40], data=b""), "too large"),
+    # no elements, yet strides past int64
+    (pb.Tensor(dtype=pb.INT32, shape=[0, 2**40, 2**40], data=b""), "too large"),
 ])
 def test_hostile_messages(msg, match):
     with pytest.raises(InvalidArgument, match=match) as info:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import math
+import random
 import socket
 import subprocess
 import sys
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -123,6 +127,9 @@ BAD_REQUESTS = [
      grpc.StatusCode.INVALID_ARGUMENT, "ids"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=codec.encode(torch.zeros(2))),
      grpc.StatusCode.INVALID_ARGUMENT, "int64"),
+    ("SetNeighbors", pb.SetNeighborsRequest(table="fc", ids=_ids([0]), neighbors=pb.Tensor(
+        dtype=pb.INT32, shape=[0, 2**40, 2**40], data=b"")),
+     grpc.StatusCode.INVALID_ARGUMENT, "too large for a tensor"),
     ("Neighbors", pb.NeighborsRequest(table="x" * 1_000_000, ids=_ids([0])),
      grpc.StatusCode.NOT_FOUND, "(1000002 chars)"),
     ("Neighbors", pb.NeighborsRequest(table="fc", ids=pb.Tensor(
@@ -144,6 +151,88 @@ def test_bad_input_gets_status_and_changes_nothing(raw_stub, method, request_msg
     assert torch.equal(client.pull("fc", torch.arange(N)), before)
     # still serving
     assert stub.Stats(pb.StatsRequest(), timeout=10).num_shards == 2
+
+
+_HOSTILE_INTS = [0, 1, -1, 7, N - 1, N, 2**31 - 1, 2**31, 2**62, 2**63 - 1, -2**63]
+_HOSTILE_FLOATS = [0.0, -0.0, 1e-320, 0.5, 1.0, 1e5, 1e308, -1e308, float("nan"),
+                   float("inf")]
+
+
+def _hostile_tensor(rng: random.Random) -> pb.Tensor:
+    """A wire tensor of any dtype code and a shape of 0-3 dims (some empty with huge
+    dimensions), often with a byte length that fits it, holding ids in and out of range (or
+    random bytes)."""
+    dtype = rng.randrange(7)
+    shape = [rng.choice([0, 1, 2, 5, 12, -1, 2**40]) for _ in range(rng.randrange(4))]
+    if rng.random() < 0.2:  # no elements, yet dimensions whose strides pass int64
+        shape = [0, 2**40, 2**40]
+    count = math.prod(max(0, s) for s in shape)
+    if rng.random() < 0.7 and count <= 4096 and dtype in (pb.INT64, pb.INT32):
+        values = np.array([rng.choice(_HOSTILE_INTS + list(range(0, N, 37)))
+                           for _ in range(count)], dtype=np.int64)
+        data = values.tobytes() if dtype == pb.INT64 else values.astype(np.int32).tobytes()
+    else:
+        data = rng.randbytes(rng.choice([0, 4, 8, 24, rng.randrange(64)]))
+    return pb.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+def _hostile_request(rng: random.Random) -> tuple[str, object]:
+    """A control request with field values picked from the edges of their types."""
+    table = rng.choice(["fc", "fc", "nope", "", "a/b", "\x00", "x" * 300])
+    method = rng.choice(["CreateTable", "Snapshot", "Restore", "Neighbors", "SetNeighbors",
+                         "TakeTouched"])
+    if method == "CreateTable":
+        return method, pb.CreateTableRequest(spec=pb.TableSpec(
+            name=rng.choice(["t", "fc", "", "a/b", "x" * 200]), num_rows=rng.choice(
+                _HOSTILE_INTS), dim=rng.choice([0, 1, 8, 65536, 65537, -1, 2**31 - 1]),
+            dtype=rng.randrange(7), state_dtype=rng.randrange(7),
+            momentum=rng.choice(_HOSTILE_FLOATS), weight_decay=rng.choice(_HOSTILE_FLOATS),
+            seed=rng.choice([0, 2**63, 2**64 - 1]), init_std=rng.choice(_HOSTILE_FLOATS)))
+    if method in ("Snapshot", "Restore"):
+        step = rng.choice(_HOSTILE_INTS)
+        return method, (pb.SnapshotRequest if method == "Snapshot" else pb.RestoreRequest)(
+            step=step)
+    if method == "TakeTouched":
+        return method, pb.TakeTouchedRequest(table=table, max_ids=rng.choice(_HOSTILE_INTS))
+    ids = _ids([rng.randrange(0, N, 2) for _ in range(rng.randrange(1, 9))]) \
+        if rng.random() < 0.5 else _hostile_tensor(rng)
+    if method == "Neighbors":
+        return method, pb.NeighborsRequest(table=table, ids=ids)
+    request = pb.SetNeighborsRequest(
+        table=table, ids=ids, neighbors=_hostile_tensor(rng),
+        graph_version=rng.choice(_HOSTILE_INTS), graph_step=rng.choice(_HOSTILE_INTS),
+        replace_all=rng.random() < 0.5)
+    if rng.random() < 0.4:
+        request.offsets.CopyFrom(_hostile_tensor(rng))
+    return method, request
+
+
+def test_random_hostile_control_requests_get_a_status_that_is_not_internal(shard_cluster,
+                                                                          tmp_path):
+    """600 control requests with fields at the edges of their types (seeded): each ends OK
+    or with a status that names the caller's error, never INTERNAL or UNKNOWN; the shard
+    serves on, and its log holds no traceback."""
+    procs = shard_cluster(2, data_dir=tmp_path)
+    rng = random.Random(11)
+    statuses: collections.Counter[str] = collections.Counter()
+    with ams.connect([p.address for p in procs]) as client, \
+            grpc.insecure_channel(procs[0].address) as channel:
+        client.create_table("fc", num_rows=N, dim=D, seed=4)
+        client.snapshot(step=5)
+        stub = pb_grpc.ShardStub(channel)
+        for _ in range(600):
+            method, request = _hostile_request(rng)
+            try:
+                getattr(stub, method)(request, timeout=20)
+                statuses["OK"] += 1
+            except grpc.RpcError as e:
+                assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), \
+                    (method, e.details(), str(request)[:500])
+                statuses[e.code().name] += 1
+        assert client.pull("fc", torch.arange(N)).shape == (N, D)
+    assert statuses["INVALID_ARGUMENT"] > 100 and statuses["OK"] > 20, statuses
+    logs = list(tmp_path.glob("*.log"))
+    assert logs and not any("Traceback" in p.read_text(errors="replace") for p in logs)
 
 
 def test_client_raises_typed_errors(raw_stub):
