@@ -43,6 +43,21 @@ def tmp_data_dir(tmp_path):
 # --- shard stores on each storage ------------------------------------------------------------
 
 
+def png_declaring(height: int, width: int) -> bytes:
+    """A grayscale PNG whose header declares ``height`` x ``width`` pixels and whose pixel
+    data is a few bytes that do not decode: a reader sees the size without decompressing."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + \
+            struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + \
+        chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
 def in_position_order(store, name: str = "fc") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, state, row_clock) of a store's table in local position order (row p first is
     the shard's p-th class), whatever slots the storage keeps them in: the store's own

@@ -173,6 +173,15 @@ def test_folder_empty(tmp_path):
         import_folder(tmp_path / "src", tmp_path / "ds", size=6, channels=1)
 
 
+def test_folder_image_past_the_decompression_bomb_guard(tmp_path):
+    from tests.conftest import png_declaring
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "big.png").write_bytes(png_declaring(60_000, 60_000))
+    with pytest.raises(DatasetError, match="big.png: not a readable image .*3600000000 pixels"):
+        import_folder(tmp_path / "src", tmp_path / "ds", size=6, channels=1)
+    assert not (tmp_path / "ds").exists()
+
+
 def test_folder_non_image(tmp_path):
     (tmp_path / "src" / "a").mkdir(parents=True)
     (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"nope")

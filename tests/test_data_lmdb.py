@@ -131,6 +131,28 @@ def test_wrong_image_size_rejected_by_writer_and_reader(tmp_path, gray):
         LmdbImageDataset(path)[2]
 
 
+@pytest.mark.parametrize("height,width,match", [
+    # past PIL's decompression-bomb guard: refused when the header is read
+    (60_000, 60_000, r"sample 2: image does not decode \(Image size \(3600000000 pixels\)"),
+    # below the guard but not the dataset's size: refused before a pixel is decompressed
+    # (the declared pixel data does not decode, so a reader that decoded would say so)
+    (12_000, 12_000, r"sample 2: image is \(12000, 12000\) \(H, W\), dataset says"),
+])
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's, on open
+def test_a_record_declaring_a_huge_image_is_refused_from_its_header(gray, height, width,
+                                                                     match):
+    import zlib
+
+    from tests.conftest import png_declaring
+    from workers.data.lmdb_dataset import FORMAT_VERSION, RECORD_HEADER, RECORD_MAGIC
+    path, _, _ = gray
+    png = png_declaring(height, width)
+    _poke(path, 2, lambda v: RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, 0, len(png),
+                                                zlib.crc32(png)) + png)
+    with pytest.raises(DatasetError, match=match):
+        LmdbImageDataset(path)[2]
+
+
 @pytest.mark.parametrize("raw, match", [
     (b"\xff\xfe garbage", "not valid JSON"),
     (b"[1, 2]", "not a JSON object"),

@@ -27,11 +27,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
 from workers.data.errors import DatasetError
-from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageWriter, encode_png
+from workers.data.lmdb_dataset import (
+    IMAGE_ERRORS,
+    DatasetMetadata,
+    LmdbImageWriter,
+    encode_png,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ def load_image(data: bytes | Path, size: int, channels: int, where: str) -> np.n
             if img.size != (size, size):
                 img = img.resize((size, size), Image.Resampling.BILINEAR)
             return np.asarray(img)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except IMAGE_ERRORS as exc:
         raise DatasetError(f"{where}: not a readable image ({exc})") from exc
 
 
@@ -193,7 +198,7 @@ def encoded_image(data: bytes, size: int, channels: int, where: str) -> bytes:
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             if img.format in ("JPEG", "PNG") and img.size == (size, size) and img.mode == mode:
                 return data
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except IMAGE_ERRORS as exc:
         raise DatasetError(f"{where}: not a readable image ({exc})") from exc
     return encode_png(load_image(data, size, channels, where))
 

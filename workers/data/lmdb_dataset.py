@@ -54,6 +54,9 @@ PNG_COLOR_TYPE_TO_CHANNELS = {0: 1, 2: 3}
 CHANNELS_TO_PIL_MODE = {1: "L", 3: "RGB"}
 PIL_MODE_TO_CHANNELS = {mode: channels for channels, mode in CHANNELS_TO_PIL_MODE.items()}
 JPEG_SIGNATURE = b"\xff\xd8"
+# What PIL raises for bytes that are no image it can read, including an image declaring more
+# pixels than its decompression-bomb guard allows (not an OSError).
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 @dataclass
@@ -153,7 +156,7 @@ def jpeg_header(data: bytes) -> tuple[int, int, int]:
             if img.format != "JPEG" or img.mode not in PIL_MODE_TO_CHANNELS:
                 raise DatasetError(f"JPEG must be grayscale or RGB, got mode {img.mode}")
             return img.height, img.width, PIL_MODE_TO_CHANNELS[img.mode]
-    except (OSError, ValueError, SyntaxError) as exc:
+    except IMAGE_ERRORS as exc:
         raise DatasetError(f"JPEG header does not read ({exc})") from exc
 
 
@@ -429,20 +432,21 @@ class LmdbImageDataset(Dataset):
         """Decode PNG or JPEG bytes to uint8 [C, H, W], checking size and channels against
         metadata."""
         m = self.metadata
+        where = f"{self.path}: sample {sample_id}"
         try:
             with Image.open(io.BytesIO(png)) as img:
+                # size and mode come from the header: a record of the wrong size is refused
+                # before its pixels are decompressed (a few bytes can declare gigapixels)
+                if img.mode != CHANNELS_TO_PIL_MODE[m.channels]:
+                    raise DatasetError(f"{where}: image mode {img.mode}, dataset has "
+                                       f"{m.channels} channel(s)")
+                if (img.height, img.width) != (m.height, m.width):
+                    raise DatasetError(f"{where}: image is {(img.height, img.width)} (H, W), "
+                                       f"dataset says {(m.height, m.width)}")
                 img.load()
                 array = np.asarray(img)
-                mode = img.mode
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise DatasetError(f"{self.path}: sample {sample_id}: image does not decode "
-                               f"({exc})") from exc
-        if mode != CHANNELS_TO_PIL_MODE[m.channels]:
-            raise DatasetError(f"{self.path}: sample {sample_id}: image mode {mode}, dataset "
-                               f"has {m.channels} channel(s)")
-        if array.shape[:2] != (m.height, m.width):
-            raise DatasetError(f"{self.path}: sample {sample_id}: image is {array.shape[:2]} "
-                               f"(H, W), dataset says {(m.height, m.width)}")
+        except IMAGE_ERRORS as exc:
+            raise DatasetError(f"{where}: image does not decode ({exc})") from exc
         array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
         # A copy: the decoded array is read-only, and tensors must own writable memory.
         return torch.from_numpy(array.copy())
