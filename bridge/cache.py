@@ -8,7 +8,8 @@ bytes; this base class owns encoding, validation, freshness and the counters, so
 answers the same way.
 
 Freshness is checked on every read, not left to backend expiry: an entry older than ``ttl_s``
-seconds (by its own write timestamp) or more than ``max_staleness_versions`` backbone versions
+seconds by its own write timestamp (or stamped more than ``ttl_s`` ahead of the reader's clock),
+or more than ``max_staleness_versions`` backbone versions
 behind is a miss even if the backend still holds it.
 
 Corrupt entries (see :class:`bridge.errors.CorruptEntryError`) are counted in
@@ -64,7 +65,8 @@ class FeatureCacheBase(ABC):
     Args:
         dim: feature width.
         dtype: stored precision, ``"float16"`` (half the bytes) or ``"float32"``.
-        ttl_s: an entry older than this many seconds is never returned; None = no time limit.
+        ttl_s: an entry older than this many seconds (or stamped this far in the future) is
+            never returned; None = no time limit.
         max_staleness_versions: an entry whose backbone version is more than this many versions
             behind the current one is never returned; None = no version limit.
         clock: wall clock in seconds since the epoch (entries are compared across hosts, so
@@ -117,7 +119,9 @@ class FeatureCacheBase(ABC):
             self._warn.warn("cache_corrupt_entry", backend=type(self).__name__,
                             count=int(dec.corrupt.sum()), error=repr(dec.first_error))
         if self.ttl_s is not None:
-            expired = hit & (self.clock() - dec.timestamps > self.ttl_s)
+            # stamped more than a ttl ahead of this clock (a damaged stamp, a writer's clock
+            # far off) would never expire: it is not fresh either
+            expired = hit & ~(np.abs(self.clock() - dec.timestamps) <= self.ttl_s)
             self.metrics.expired += int(expired.sum())
             hit &= ~expired
         if self.max_staleness_versions is not None and self.latest_version is not None:

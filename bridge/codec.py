@@ -13,6 +13,7 @@ Accumulator record (per sample, Redis accumulator)::
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple
 
@@ -75,6 +76,8 @@ def decode_feature_header(blob: bytes, dim: int, dtype: str) -> tuple[int, float
                                 f"{dtype} (code {DTYPE_CODES[dtype]})")
     if got_dim != dim:
         raise CorruptEntryError(f"feature entry has dim {got_dim}, expected {dim}")
+    if not math.isfinite(timestamp):  # no freshness check could refuse it
+        raise CorruptEntryError(f"feature entry has timestamp {timestamp}")
     return version, timestamp
 
 

@@ -102,6 +102,10 @@ def test_codec_rejects_garbage():
     wrong_dim = FEATURE_HEADER.pack(FEATURE_MAGIC, 1, DIM + 1, 1, 1.0) + good[FEATURE_HEADER.size:]
     with pytest.raises(CorruptEntryError, match="dim"):
         decode_feature_header(wrong_dim, DIM, "float16")
+    for stamp in (float("nan"), float("inf")):
+        no_time = FEATURE_HEADER.pack(FEATURE_MAGIC, 1, DIM, 1, stamp) + good[FEATURE_HEADER.size:]
+        with pytest.raises(CorruptEntryError, match="timestamp"):
+            decode_feature_header(no_time, DIM, "float16")
 
 
 # --- every backend ---------------------------------------------------------------------------
@@ -143,6 +147,21 @@ def test_ttl_checked_on_read(any_cache):
     np.testing.assert_array_equal(out[2].numpy(), as_fp16(feats(np.array([2]), 1))[0])
     assert not out[[0, 1, 3]].any()
     assert cache.metrics.expired == 3
+
+
+def test_an_entry_stamped_past_the_ttl_ahead_is_not_fresh(any_cache):
+    """A writer whose clock runs far ahead (or a damaged stamp) must not make an entry that
+    never expires; within a ttl of skew it is served."""
+    clock = FakeClock()
+    cache = any_cache(clock=clock, ttl_s=10.0)
+    clock.t += 1000
+    cache.put(np.array([1]), feats(np.array([1]), 0), 0)
+    clock.t -= 995
+    cache.put(np.array([2]), feats(np.array([2]), 0), 0)
+    clock.t -= 5  # id 1 is stamped 1000 s ahead of now, id 2 5 s ahead
+    _, hit = cache.get(np.array([1, 2]))
+    assert hit.tolist() == [False, True]
+    assert cache.metrics.expired == 1
 
 
 def test_version_staleness(any_cache):
