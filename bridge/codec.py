@@ -218,7 +218,11 @@ def decode_grad_entry(fields: dict[bytes, bytes], dim: int) -> GradEntry:
                                      f"{sorted(NP_DTYPES)}")
     if got_dim != dim:
         raise MalformedGradientError(f"gradient entry has dim {got_dim}, consumer expects {dim}")
-    if count < 1:
+    for name, value in (("id", sample_id), ("version", version), ("seq", seq)):
+        if not 0 <= value < 2**63:  # they become int64 tensors
+            raise MalformedGradientError(f"gradient entry has {name} {value}, outside "
+                                         "[0, 2**63)")
+    if not 1 <= count < 2**63:
         raise MalformedGradientError(f"gradient entry averages count={count} gradients")
     expected = dim * NP_DTYPES[dtype].itemsize
     if len(raw) != expected:

@@ -169,7 +169,11 @@ def test_redis_dead_consumer_entries_redelivered_and_applied_once(redis_server):
     (lambda f: {k: v for k, v in f.items() if k != b"id"}, "field"),
     (lambda f: {**f, b"dim": b"9"}, "dim"),
     (lambda f: {**f, b"grad": np.full(DIM, np.inf, np.float32).tobytes()}, "non-finite"),
-], ids=["short", "int8", "float16", "no_id", "dim", "inf"])
+    (lambda f: {**f, b"id": str(2**70).encode()}, "outside [0, 2**63)"),
+    (lambda f: {**f, b"id": b"-5"}, "outside [0, 2**63)"),
+    (lambda f: {**f, b"version": b"-1"}, "version -1"),
+], ids=["short", "int8", "float16", "no_id", "dim", "inf", "id_past_int64", "id_negative",
+        "version_negative"])
 def test_redis_malformed_entry_dead_lettered_never_applied(redis_server, request, mutate,
                                                            message):
     prefix = f"acc_bad_{request.node.callspec.id}"
