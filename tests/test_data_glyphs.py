@@ -65,6 +65,19 @@ def test_deterministic_class_choice(built, small_font_dir, tmp_path):
     assert list(again["class_designs"]) == list(summary["class_designs"])
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_classes": 0}, "classes must be >= 1, got 0"),
+    ({"num_classes": -3}, "classes must be >= 1, got -3"),  # was: every code point
+    ({"size": 0}, r"size must be in \[8, 1024\] pixels, got 0"),
+    ({"size": 100_000}, r"size must be in \[8, 1024\] pixels, got 100000"),
+    ({"workers": 0}, "processes must be >= 1, got 0"),
+])
+def test_impossible_settings_are_refused_before_any_work(tmp_path, kwargs, match):
+    with pytest.raises(DatasetError, match=match):
+        build_glyph_dataset(tmp_path / "out", **{"num_classes": 10, **kwargs})
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_fonts_clear_error(tmp_path):
     empty = tmp_path / "no-fonts"
     empty.mkdir()

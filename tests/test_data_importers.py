@@ -190,6 +190,18 @@ def test_folder_non_image(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+def test_cli_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):
+    from xcls.cli import main
+    root = tmp_path / "src" / "a"
+    root.mkdir(parents=True)
+    Image.new("L", (9, 9), 3).save(root / "1.png")
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a directory must go")
+    assert main(["data", "folder", str(tmp_path / "src"), "--out", str(blocker / "ds")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {blocker}") and "Not a directory" in err[0]
+
+
 def test_cli_refuses_a_missing_rec_with_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "xcls", "data", "rec", str(tmp_path / "no.rec"),
                           "--out", str(tmp_path / "ds"), "--processes", "1"],

@@ -98,6 +98,14 @@ def test_flipped_byte_names_sample(gray):
         LmdbImageDataset(path)[3]
 
 
+@pytest.mark.parametrize("height,width", [(0, 8), (8, -1), (5000, 8)])
+def test_writer_refuses_an_image_side_out_of_range(tmp_path, height, width):
+    with pytest.raises(DatasetError, match=r"must be in \[1, 4096\] pixels"):
+        LmdbImageWriter(tmp_path / "w", height=height, width=width, channels=1,
+                        class_names=["a"], split="train")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_truncated_record(gray):
     path, _, _ = gray
     _poke(path, 5, lambda v: v[:-10])

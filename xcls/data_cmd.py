@@ -23,6 +23,10 @@ def _run(fn, *args, **kwargs) -> int:  # noqa: ANN001 - fn is any importer/build
     except DatasetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an output that cannot be written, a disk that filled up
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -126,6 +126,11 @@ def _jobs(plans: list[ClassPlan], fonts: dict[str, FontFile], coverage: dict[str
     return sorted(jobs, key=lambda j: -len(j.code_points) * j.variants)
 
 
+# image sides a glyph is rendered at: below 8 pixels no glyph is legible, and the renderer
+# (PIL's FreeType) refuses sizes in the tens of thousands
+MIN_SIZE, MAX_SIZE = 8, 1024
+
+
 def build_glyph_dataset(out: str | Path, *, num_classes: int, size: int = 32,
                         min_designs: int = 4, test_designs: int = 1, variants: int = 2,
                         seed: int = 0, workers: int = 1,
@@ -136,6 +141,12 @@ def build_glyph_dataset(out: str | Path, *, num_classes: int, size: int = 32,
     Returns the summary: classes, designs per split, image counts, timings.
     """
     out = Path(out)
+    if num_classes < 1:
+        raise DatasetError(f"classes must be >= 1, got {num_classes}")
+    if not MIN_SIZE <= size <= MAX_SIZE:
+        raise DatasetError(f"size must be in [{MIN_SIZE}, {MAX_SIZE}] pixels, got {size}")
+    if workers < 1:
+        raise DatasetError(f"processes must be >= 1, got {workers}")
     if not 1 <= variants <= len(TRAIN_VARIANTS):
         raise DatasetError(f"variants must be in [1, {len(TRAIN_VARIANTS)}], got {variants}")
     for split in ("train", "test"):

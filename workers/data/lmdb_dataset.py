@@ -54,6 +54,9 @@ PNG_COLOR_TYPE_TO_CHANNELS = {0: 1, 2: 3}
 CHANNELS_TO_PIL_MODE = {1: "L", 3: "RGB"}
 PIL_MODE_TO_CHANNELS = {mode: channels for channels, mode in CHANNELS_TO_PIL_MODE.items()}
 JPEG_SIGNATURE = b"\xff\xd8"
+# the largest image side a dataset stores: its images are resized to it, and a 4096-pixel RGB
+# sample already decodes to 48 MiB
+MAX_IMAGE_SIDE = 4096
 # What PIL raises for bytes that are no image it can read, including an image declaring more
 # pixels than its decompression-bomb guard allows (not an OSError).
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -185,6 +188,10 @@ class LmdbImageWriter:
                  batch_size: int = 1000, overwrite: bool = False) -> None:
         if channels not in CHANNELS_TO_PIL_MODE:
             raise DatasetError(f"channels must be 1 or 3, got {channels}")
+        for name, side in (("height", height), ("width", width)):
+            if not 1 <= side <= MAX_IMAGE_SIDE:
+                raise DatasetError(f"image {name} must be in [1, {MAX_IMAGE_SIDE}] pixels, got "
+                                   f"{side}")
         self.path = Path(path)
         if self.path.exists() and not overwrite:
             raise DatasetError(f"{self.path} already exists (pass overwrite to replace it)")
