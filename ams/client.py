@@ -42,6 +42,7 @@ from ams.errors import (
 )
 from ams.frames import FrameError
 from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
+from ams.lease import parse_address
 from ams.rpc import error_from_rpc
 from ams.store import TableSpec
 from ams.wire import (
@@ -786,6 +787,8 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
         addresses = [a for a in addresses.split(",") if a]
     if not addresses:
         raise InvalidArgument("addresses: need at least one host:port")
+    for address in addresses:  # a typo fails now, not after the wait for the shards
+        parse_address(address)
     return join_shards(list(addresses), token=token, tls_ca=tls_ca, timeout=timeout,
                        ready_timeout=ready_timeout)
 

@@ -206,6 +206,16 @@ def test_cli_bad_arguments(one_shard_with_table, args, needle):
     assert out.returncode != 0 and needle in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("address", ["nohostport", "127.0.0.1:0", "127.0.0.1:99999"])
+def test_cli_malformed_address_is_refused_without_waiting(address):
+    """ams.connect checks every address first: a typo is not waited on as an unreachable
+    shard (--connect-timeout, 30 s by default)."""
+    out = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams", address,
+                          "--table", "fc"], capture_output=True, text=True, timeout=25)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"address {address!r}: expected host:port" in out.stderr
+
+
 def test_cli_unreachable_shard():
     out = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams",
                           "127.0.0.1:1", "--table", "fc", "--connect-timeout", "1"],
