@@ -80,6 +80,7 @@ def test_print_documents_each_field_above_it():
     ("[optim]\nlr = -0.1\n", "optim.lr: must be >= 0"),
     ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
     ("[optim]\nlr = 1e39\n", "optim.lr: 1e+39 is beyond float32's range"),
+    ("[train]\nthreads = 100000\n", "train.threads: must be at most 1024, got 100000"),
     ("[head]\nscale = -1e300\n", "head.scale: -1e+300 is beyond float32's range"),
     ("[optim]\nmomentum = 1.5\n", "optim.momentum"),
     ("[optim]\nhead_momentum = 1\n", "optim.head_momentum: must be in [0, 1)"),

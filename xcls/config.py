@@ -215,7 +215,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when there is one) | cpu | cuda; each worker takes the GPU of its LOCAL_RANK"""
     threads: int = 0
-    """torch CPU threads (0: torch's default)"""
+    """torch CPU threads, at most 1024 (0: torch's default)"""
     out_dir: str = "runs/experiment"
     """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
     log_every: int = 50
@@ -326,6 +326,7 @@ def enum_fields() -> dict[str, type[StrEnum]]:
             "gear.backend": GearBackend, "gear.slow": SlowGearMode,
             "comm.compression": Compression}
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_THREADS = 1024
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
             "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
@@ -411,6 +412,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     for key in NON_NEGATIVE:
         if get_value(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {get_value(cfg, key)}")
+    if cfg.train.threads > MAX_THREADS:  # torch starts them all, and a process has a limit
+        raise ConfigError(f"train.threads: must be at most {MAX_THREADS}, got "
+                          f"{cfg.train.threads}")
     if not 0 < cfg.head.sample_rate <= 1:
         raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
     if not 0 <= cfg.head.random_share <= 1:
