@@ -32,6 +32,16 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
     return rows
 
 
+def test_slot_layout_sim_counts_one_page_per_row_when_a_row_fills_a_page() -> None:
+    """With 4096-byte rows every slot is a page of its own: each layout then touches exactly
+    one page per active row, whatever the slot maps do."""
+    done = run_benchmark("slot_layout_sim.py", "--classes", "4000", "--steps", "120",
+                         "--row-bytes", "4096")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = table_rows(done.stdout, "class order") + table_rows(done.stdout, "graph order")
+    assert len(rows) == 3 and all(r[2:] == ["1.000", "1.000"] for r in rows), done.stdout
+
+
 def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
     done = run_benchmark("bench_heads.py", "--quick", "--threads", "1", "--device", "cpu")
     assert done.returncode == 0, done.stderr[-2000:]
