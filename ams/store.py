@@ -10,7 +10,7 @@ shard exactly as it was.
 
 from __future__ import annotations
 
-import math
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -62,6 +62,7 @@ PUSH_DEDUPE_CLIENTS = 1024
 MAX_CLIENT_ID = 128
 MAX_TABLE_NAME = 128
 MAX_SEQUENCE = 2**64  # the wire field is uint64
+_FLOAT_MAX = sys.float_info.max
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,11 @@ class TableSpec:
             raise InvalidArgument(f"dim={shorten(self.dim)} must be an integer in [1, 65536]")
         object.__setattr__(self, "dtype", parse_row_dtype(self.dtype, "dtype"))
         object.__setattr__(self, "state_dtype", parse_row_dtype(self.state_dtype, "state_dtype"))
-        for name in ("momentum", "weight_decay", "init_std"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"{name}={shorten(value)} must be a finite number >= 0")
+        _nonnegative("momentum", self.momentum)
+        _nonnegative("weight_decay", self.weight_decay, MAX_RATE)
+        _nonnegative("init_std", self.init_std)
         if self.momentum >= 1:
             raise InvalidArgument(f"momentum={self.momentum} must be < 1")
-        if self.weight_decay > MAX_RATE:
-            raise InvalidArgument(f"weight_decay={self.weight_decay:g} must be at most "
-                                  f"{MAX_RATE:.6g} (float32 arithmetic)")
         # a larger std would fill the new table with infinities
         max_std = float(torch.finfo(self.dtype).max) / MAX_ABS_NORMAL
         if self.init_std > max_std:
@@ -338,7 +335,7 @@ class ShardStore:
                         raise InvalidArgument(
                             f"{what} of table {shorten(spec.name)}: {tuple(t.shape)} "
                             f"{t.dtype}, need {shape} {dtype}")
-                _check_clock(clock)
+                _nonnegative("decay_clock", clock)
                 installed = self.storage.install(spec, tensors)
             except BaseException:
                 self.storage.discard(tensors)
@@ -464,13 +461,10 @@ class ShardStore:
         _check_client(client_id, sequence)
         positions = self._positions(table, ids)
         self._check_grads(table, grads, positions.numel())
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 <= lr <= MAX_RATE:
-            raise InvalidArgument(f"lr={shorten(lr)} must be a number in [0, {MAX_RATE:.6g}]")
-        lr = float(lr)  # an int this large is no int64 for torch's arithmetic
+        lr = _nonnegative("lr", lr, MAX_RATE)
         clocked = decay_clock is not None and table.spec.weight_decay > 0
         if decay_clock is not None:
-            _check_clock(decay_clock)
-            decay_clock = float(decay_clock)
+            decay_clock = _nonnegative("decay_clock", decay_clock)
             if clocked and lr * table.spec.weight_decay >= 1:
                 raise InvalidArgument(
                     f"lr={lr} x weight_decay={table.spec.weight_decay} must stay below 1 for "
@@ -793,9 +787,14 @@ def _check_client(client_id: object, sequence: object) -> None:
         raise InvalidArgument(f"sequence={shorten(sequence)} must be an integer in [0, 2**64)")
 
 
-def _check_clock(clock: float) -> None:
-    if not isinstance(clock, (int, float)) or not math.isfinite(clock) or clock < 0:
-        raise InvalidArgument(f"decay_clock={shorten(clock)} must be a finite number >= 0")
+def _nonnegative(name: str, value: object, high: float = _FLOAT_MAX) -> float:
+    """``value`` as a float in [0, ``high``], else ``InvalidArgument``. Compares before it
+    converts: a JSON integer may be far past float64 (and int64, which torch would make it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= high:
+        bound = "a finite number >= 0" if high == _FLOAT_MAX else f"a number in [0, {high:.6g}]"
+        raise InvalidArgument(f"{name}={shorten(value)} must be {bound}")
+    return float(value)
 
 
 def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor

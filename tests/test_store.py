@@ -230,6 +230,11 @@ def snapshot_state(store):
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), -1.0), errors.InvalidArgument),
     # finite, but no float32 factor: the update's arithmetic could not take it
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 1e39), errors.InvalidArgument),
+    # an integer past float64, as JSON may carry it: refused, not an OverflowError
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 10**400),
+     errors.InvalidArgument),
+    (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D), 0.1, decay_clock=10**400),
+     errors.InvalidArgument),
     (lambda s: s.push("fc", torch.tensor([1]), torch.ones(1, D, dtype=torch.int64), 0.1),
      errors.InvalidArgument),
     (lambda s: s.neighbors("fc", torch.tensor([1])), errors.FailedPrecondition),
