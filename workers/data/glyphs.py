@@ -33,6 +33,10 @@ from workers.data.fonts import (
 from workers.data.glyph_render import TRAIN_VARIANTS, GlyphRenderer
 from workers.data.lmdb_dataset import LmdbImageWriter, encode_png
 
+# image sides a glyph is rendered at: below 8 pixels no glyph is legible, and the renderer
+# (PIL's FreeType) refuses sizes in the tens of thousands
+MIN_SIZE, MAX_SIZE = 8, 1024
+
 log = logging.getLogger(__name__)
 
 
@@ -124,11 +128,6 @@ def _jobs(plans: list[ClassPlan], fonts: dict[str, FontFile], coverage: dict[str
                                  tuple(cps[i:i + chunk]), n_var, name))
     # Big jobs first keeps both workers busy to the end.
     return sorted(jobs, key=lambda j: -len(j.code_points) * j.variants)
-
-
-# image sides a glyph is rendered at: below 8 pixels no glyph is legible, and the renderer
-# (PIL's FreeType) refuses sizes in the tens of thousands
-MIN_SIZE, MAX_SIZE = 8, 1024
 
 
 def build_glyph_dataset(out: str | Path, *, num_classes: int, size: int = 32,
