@@ -22,10 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ams.graph.knn import merge_top_lists
+from ams.optim import all_finite
 from workers.backbones import Backbone, build_backbone
 
 EXPORT_FORMAT = "xcls-export"
@@ -160,6 +162,48 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
     return out
 
 
+# export.json's fields a reader needs, with their types (positive integers but the backbone)
+_EXPORT_FIELDS = {"backbone": str, "dim": int, "image_size": int, "channels": int,
+                  "num_classes": int}
+
+
+def read_export_meta(path: Path) -> dict:
+    """export.json of the export directory ``path``, checked: this format and version, and
+    the fields a reader needs, with their types (``_EXPORT_FIELDS``). ValueError naming the
+    file and the field otherwise."""
+    where = path / "export.json"
+    try:
+        meta = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+        raise ValueError(f"{path}: not an xcls export (export.json: {e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: not an xcls export (a JSON object is due)")
+    if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
+        raise ValueError(f"{path}: export format {meta.get('format')!r} v"
+                         f"{meta.get('version')!r}, this build reads {EXPORT_FORMAT} v"
+                         f"{EXPORT_VERSION}")
+    for field, kind in _EXPORT_FIELDS.items():
+        value = meta.get(field)
+        if (not isinstance(value, kind) or isinstance(value, bool)
+                or (kind is int and value < 1)):
+            raise ValueError(f"{where}: {field} must be a "
+                             f"{'positive integer' if kind is int else 'string'}, got "
+                             f"{value!r}")
+    if meta["channels"] not in (1, 3):
+        raise ValueError(f"{where}: channels must be 1 or 3, got {meta['channels']}")
+    return meta
+
+
+def _finite_rows(rows: torch.Tensor, start: int) -> torch.Tensor:
+    """``rows`` (b, dim), the export's rows from ``start`` on, unless one holds a NaN or an
+    infinity: such a row would score NaN, which ``topk`` ranks first for every image."""
+    if not all_finite(rows):
+        bad = start + int((~torch.isfinite(rows).all(dim=1)).nonzero()[0, 0])
+        raise ValueError(f"rows.npy: class row {bad} holds a non-finite value (a damaged "
+                         "export)")
+    return rows
+
+
 class Classifier:
     """A trained model from an export directory: images -> top-k classes by nearest row."""
 
@@ -178,28 +222,41 @@ class Classifier:
     def load(cls, path: str | Path, device: str = "auto") -> Classifier:
         """Open an export directory written by ``xcls export``. The class rows stay
         memory-mapped (pages are read as the search reaches them); the backbone and the search
-        run on ``device`` ("auto": CUDA when there is one)."""
+        run on ``device`` ("auto": CUDA when there is one). A directory that is not a
+        complete export of this format raises ``ValueError`` (or ``OSError``) naming the
+        file."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = Path(path)
-        try:
-            meta = json.loads((path / "export.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not an xcls export (export.json: {e})") from None
-        if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
-            raise ValueError(f"{path}: export format {meta.get('format')!r} v"
-                             f"{meta.get('version')!r}, this build reads {EXPORT_FORMAT} v"
-                             f"{EXPORT_VERSION}")
+        meta = read_export_meta(path)
         backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],
                                   meta["image_size"])
-        backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
+        try:
+            backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
+        except (SafetensorError, RuntimeError) as e:  # torch lists every mismatch on a line
+            raise ValueError(f"{path / 'backbone.safetensors'}: not the weights of a "
+                             f"{meta['backbone']} of dim {meta['dim']} and {meta['channels']} "
+                             f"channels ({str(e).strip().splitlines()[-1].strip()})") from None
         # copy-on-write mapping: a writable array for torch, nothing read until used
-        rows = torch.from_numpy(np.load(path / "rows.npy", mmap_mode="c"))
-        if tuple(rows.shape) != (meta["num_classes"], meta["dim"]):
-            raise ValueError(f"{path}: rows.npy is {tuple(rows.shape)}, export.json says "
-                             f"({meta['num_classes']}, {meta['dim']})")
-        names = json.loads((path / "classes.json").read_text(encoding="utf-8"))
-        return cls(backbone, rows, names, meta["image_size"], meta["channels"], device)
+        try:
+            rows = np.load(path / "rows.npy", mmap_mode="c")
+        except ValueError as e:  # truncated, or not an array numpy can map
+            raise ValueError(f"{path / 'rows.npy'}: not a row array ({e})") from None
+        if (rows.dtype.name not in ROW_DTYPES or not rows.dtype.isnative
+                or rows.shape != (meta["num_classes"], meta["dim"])):
+            raise ValueError(f"{path / 'rows.npy'}: {rows.dtype.str} {rows.shape}, the export "
+                             f"holds rows of shape ({meta['num_classes']}, {meta['dim']}) in "
+                             f"one of {ROW_DTYPES}, native byte order")
+        try:
+            names = json.loads((path / "classes.json").read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+            raise ValueError(f"{path / 'classes.json'}: {e}") from None
+        if (not isinstance(names, list) or len(names) != meta["num_classes"]
+                or not all(isinstance(name, str) for name in names)):
+            raise ValueError(f"{path / 'classes.json'}: must be a list of "
+                             f"{meta['num_classes']} class names (strings)")
+        return cls(backbone, torch.from_numpy(rows), names, meta["image_size"],
+                   meta["channels"], device)
 
     def _check_images(self, images: torch.Tensor | np.ndarray) -> torch.Tensor:
         t = torch.as_tensor(images)
@@ -226,7 +283,8 @@ class Classifier:
         """Top-k class ids int64 (N, topk) and cosine scores float32 (N, topk), best first."""
         features = self.embed(images)
         n = self.rows.shape[0]
-        blocks = ((torch.arange(s, min(s + block_rows, n)), self.rows[s:s + block_rows])
+        blocks = ((torch.arange(s, min(s + block_rows, n)),
+                   _finite_rows(self.rows[s:s + block_rows], s))
                   for s in range(0, n, block_rows))
         return nearest_classes(features.to(self.device), blocks, min(topk, n))
 

@@ -50,7 +50,10 @@ def run_predict(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {e}") from None
         if clf.channels == 3:
             images = images.transpose(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
-        ids, scores = clf.predict(images, topk=args.topk)
+        try:
+            ids, scores = clf.predict(images, topk=args.topk)
+        except ValueError as e:  # a damaged export's rows
+            raise SystemExit(f"error: {args.model}: {e}") from None
         for path, names, row_ids, row_scores in zip(paths, clf.names(ids), ids.tolist(),
                                                     scores.tolist(), strict=True):
             print(json.dumps({"image": str(path), "classes": names, "ids": row_ids,

@@ -1,0 +1,145 @@
+"""Export directories as ``Classifier.load`` and ``xcls predict`` read them: an intact one
+classifies as a float64 brute force does; a damaged or foreign one is refused with one line
+naming the file, and reading it changes none of its files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from workers.backbones import build_backbone
+from workers.predict import Classifier, write_export
+from xcls.cli import main
+
+CLASSES, DIM, SIZE = 10, 16, 32
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("export") / "model"
+    write_export(out, build_backbone("resnet_small", DIM, 1, SIZE),
+                 [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))],
+                 backbone_name="resnet_small", num_classes=CLASSES, dim=DIM, image_size=SIZE,
+                 channels=1, class_names=[f"class{i}" for i in range(CLASSES)], step=1,
+                 config_toml="")
+    return out
+
+
+def test_an_intact_export_classifies_as_the_float64_brute_force(export):
+    clf = Classifier.load(export, device="cpu")
+    images = torch.randint(0, 256, (5, SIZE, SIZE), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    ids, scores = clf.predict(images, topk=3)
+    features = clf.embed(images).double()
+    rows = torch.from_numpy(np.load(export / "rows.npy")).double()
+    cosines = (features / features.norm(dim=1, keepdim=True)) @ (
+        rows / rows.norm(dim=1, keepdim=True)).t()
+    ref_scores, ref_ids = cosines.topk(3, dim=1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(scores.double(), ref_scores, atol=1e-5, rtol=0)
+    assert clf.names(ids[:1, :1]) == [[f"class{int(ref_ids[0, 0])}"]]
+
+
+def _meta(**fields) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        meta = json.loads((d / "export.json").read_text())
+        meta.update(fields)
+        (d / "export.json").write_text(json.dumps({k: v for k, v in meta.items()
+                                                   if v is not None}))
+    return damage
+
+
+def _truncate(name: str, size: int) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:size])
+
+
+def _rows(array: np.ndarray) -> Callable[[Path], None]:
+    return lambda d: np.save(d / "rows.npy", array)
+
+
+def _classes(text: str | bytes) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        data = text.encode() if isinstance(text, str) else text
+        (d / "classes.json").write_bytes(data)
+    return damage
+
+
+DAMAGE = {
+    "export.json a list": (lambda d: (d / "export.json").write_text("[1, 2]"),
+                           "export.json: not an xcls export"),
+    "export.json nested too deep": (lambda d: (d / "export.json").write_text("[" * 100_000),
+                                    "not an xcls export"),
+    "backbone missing": (_meta(backbone=None), "backbone must be a string"),
+    "dim a string": (_meta(dim="16"), "dim must be a positive integer, got '16'"),
+    "num_classes a float": (_meta(num_classes=10.0), "num_classes must be a positive integer"),
+    "image_size 0": (_meta(image_size=0), "image_size must be a positive integer"),
+    "5 channels": (_meta(channels=5), "channels must be 1 or 3"),
+    "dim of another backbone": (_meta(dim=32), "not the weights of a resnet_small of dim 32"),
+    "weights truncated": (_truncate("backbone.safetensors", 100),
+                          "backbone.safetensors: not the weights"),
+    "weights garbage": (lambda d: (d / "backbone.safetensors").write_bytes(b"\xff" * 999),
+                        "backbone.safetensors: not the weights"),
+    "rows truncated": (_truncate("rows.npy", 300), "rows.npy: not a row array"),
+    "rows of Python objects": (lambda d: np.save(d / "rows.npy", np.array([{}] * CLASSES),
+                                                 allow_pickle=True),
+                               "rows.npy: not a row array"),
+    "rows int64": (_rows(np.zeros((CLASSES, DIM), np.int64)), "rows.npy: <i8"),
+    "rows float64": (_rows(np.zeros((CLASSES, DIM), np.float64)), "rows.npy: <f8"),
+    "rows big-endian": (_rows(np.zeros((CLASSES, DIM), ">f4")), "rows.npy: >f4"),
+    "rows of another shape": (_rows(np.zeros((CLASSES, DIM, 1), np.float32)),
+                              r"rows.npy: <f4 \(10, 16, 1\)"),
+    "class names short": (_classes('["a"]'), "must be a list of 10 class names"),
+    "class names numbers": (_classes(json.dumps(list(range(CLASSES)))),
+                            "must be a list of 10 class names"),
+    "class names an object": (_classes('{"0": "a"}'), "must be a list of 10 class names"),
+    "class names not UTF-8": (_classes(b'["\xff"]'), "classes.json: 'utf-8' codec"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_export_is_refused_naming_the_file(export, tmp_path, case):
+    damage, message = DAMAGE[case]
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    damage(model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    with pytest.raises(ValueError, match=message):
+        Classifier.load(model, device="cpu")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_a_non_finite_row_is_refused_at_prediction(export, tmp_path):
+    """A NaN row would score NaN, which topk ranks first: every image would get its class."""
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    rows = np.load(model / "rows.npy")
+    rows[7, 3] = np.nan
+    np.save(model / "rows.npy", rows)
+    clf = Classifier.load(model, device="cpu")
+    with pytest.raises(ValueError, match="class row 7 holds a non-finite value"):
+        clf.predict(torch.zeros(1, SIZE, SIZE, dtype=torch.uint8), block_rows=4)
+
+
+@pytest.mark.parametrize("damage", ["backbone missing", "weights truncated", "nan row"])
+def test_cli_predict_on_a_damaged_export_is_one_line(export, tmp_path, capsys, damage):
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    if damage == "nan row":
+        _rows(np.full((CLASSES, DIM), np.nan, np.float32))(model)
+    else:
+        DAMAGE[damage][0](model)
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((SIZE, SIZE), np.uint8)).save(image)
+    assert main(["predict", str(model), str(image), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: {model}") and captured.err.count("\n") == 1, \
+        captured.err
