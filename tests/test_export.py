@@ -143,3 +143,55 @@ def test_cli_predict_on_a_damaged_export_is_one_line(export, tmp_path, capsys, d
     assert captured.out == ""
     assert captured.err.startswith(f"error: {model}") and captured.err.count("\n") == 1, \
         captured.err
+
+
+def _write(out: Path, rows_blocks, num_classes: int = CLASSES) -> Path:
+    return write_export(out, build_backbone("resnet_small", DIM, 1, SIZE), rows_blocks,
+                        backbone_name="resnet_small", num_classes=num_classes, dim=DIM,
+                        image_size=SIZE, channels=1,
+                        class_names=[f"class{i}" for i in range(num_classes)], step=2,
+                        config_toml="")
+
+
+def test_an_export_replaces_an_older_one_whole(export, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    (model / "backbone.onnx").write_bytes(b"from the older export")
+    rows = torch.randn(CLASSES + 2, DIM, dtype=torch.float64)
+    _write(model, [(torch.arange(CLASSES + 2), rows)], num_classes=CLASSES + 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+    assert not (model / "backbone.onnx").exists()
+    assert json.loads((model / "export.json").read_text())["step"] == 2
+    assert torch.equal(torch.from_numpy(np.load(model / "rows.npy")), rows.float())
+
+
+def test_a_failed_export_leaves_the_older_one_and_nothing_else(export, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+
+    def blocks_then_a_full_disk():
+        yield torch.arange(4), torch.randn(4, DIM)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        _write(model, blocks_then_a_full_disk())
+    with pytest.raises(ValueError, match="the row blocks covered 4 rows, expected 10"):
+        _write(model, [(torch.arange(4), torch.randn(4, DIM))])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_a_directory_that_is_not_an_export_is_not_replaced(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an xcls export"):
+        _write(tmp_path, [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    (tmp_path / "a file").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an xcls export"):
+        _write(tmp_path / "a file", [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))])
+    assert (tmp_path / "a file").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _write(empty, [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))])
+    assert Classifier.load(empty, device="cpu").rows.shape == (CLASSES, DIM)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from workers.checkpoint import CheckpointError
 from workers.data.importers import import_pairs_bin
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
@@ -327,6 +328,23 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
     out = train(f"data.train={broken}", "data.test=")
     assert out.returncode != 0
     assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
+
+
+def test_resume_into_a_changed_model_is_refused_naming_the_checkpoint(glyphs_small, tmp_path):
+    """A config whose backbone or optimizer no longer fits the checkpoint in train.out_dir
+    (resume, eval, export all read it): one CheckpointError naming it, not torch's
+    multi-line traceback."""
+    base = overrides(glyphs_small, tmp_path / "run", **{
+        "train.max_steps": 2, "train.checkpoint_every": 2, "data.test": ""})
+    build_run(load_config(None, base)).trainer.train()
+    checkpoint = f"{tmp_path / 'run' / 'checkpoints'}/step-0+2: "
+    for change, needle in (("model.dim=32", "its backbone does not fit this run's"),
+                           ("optim.name=lars", "its optimizer state does not fit")):
+        run = build_run(load_config(None, [*base, change]))
+        with pytest.raises(CheckpointError, match=checkpoint + needle) as caught:
+            run.trainer.try_resume()
+        assert "\n" not in str(caught.value)
+        run.client.close()
 
 
 def test_touched_refresh_run_builds_once_then_refreshes(glyphs_small, tmp_path):

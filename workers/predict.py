@@ -16,6 +16,8 @@ An export directory holds everything needed to classify without the AMS:
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -129,11 +131,49 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
     what the rows are and is recorded in export.json. ``rows_dtype`` "float16" stores the rows
     L2-normalized in half the bytes (classification is by cosine, so nothing else changes).
     ``onnx``: also ``backbone.onnx`` (``export_onnx``). ``config_toml`` is written as given:
-    the caller redacts its secrets (``xcls.config.to_toml`` does), an export being shared."""
+    the caller redacts its secrets (``xcls.config.to_toml`` does), an export being shared.
+
+    The files are written into a new directory beside ``out``, which then takes the place of
+    ``out``: an export that fails half way (a full disk, a bad row block) leaves no partial
+    directory and an older export at ``out`` whole. ``out`` may be missing, empty or an
+    export; anything else is refused (``ValueError``), as replacing it would delete it."""
     if rows_dtype not in ROW_DTYPES:
         raise ValueError(f"rows_dtype {rows_dtype!r}: one of {ROW_DTYPES}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir())
+                                               or (out / "export.json").is_file())):
+        raise ValueError(f"{out}: exists and is not an xcls export; name a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        _write_export_files(staging, backbone, rows_blocks, num_classes=num_classes, dim=dim,
+                            image_size=image_size, channels=channels, onnx=onnx,
+                            rows_dtype=rows_dtype)
+        (staging / "classes.json").write_text(json.dumps(class_names, ensure_ascii=False))
+        (staging / "config.toml").write_text(config_toml)
+        (staging / "export.json").write_text(json.dumps({
+            "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
+            "dim": dim, "image_size": image_size, "channels": channels,
+            "num_classes": num_classes, "step": step, "rows": row_source,
+            "onnx": "backbone.onnx" if onnx else None,
+        }, indent=1))
+        old = out.with_name(f"{staging.name}.old")
+        if out.exists():
+            out.rename(old)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _write_export_files(out: Path, backbone: Backbone,
+                        rows_blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                        num_classes: int, dim: int, image_size: int, channels: int,
+                        onnx: bool, rows_dtype: str) -> None:
+    """The backbone's files and rows.npy of ``write_export``, in ``out``."""
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
     save_file(state, str(out / "backbone.safetensors"))
     if onnx:
@@ -151,15 +191,6 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
     del rows
     if seen != num_classes:
         raise ValueError(f"the row blocks covered {seen} rows, expected {num_classes}")
-    (out / "classes.json").write_text(json.dumps(class_names, ensure_ascii=False))
-    (out / "config.toml").write_text(config_toml)
-    (out / "export.json").write_text(json.dumps({
-        "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
-        "dim": dim, "image_size": image_size, "channels": channels,
-        "num_classes": num_classes, "step": step, "rows": row_source,
-        "onnx": "backbone.onnx" if onnx else None,
-    }, indent=1))
-    return out
 
 
 # export.json's fields a reader needs, with their types (positive integers but the backbone)

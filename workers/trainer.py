@@ -446,7 +446,15 @@ class Trainer:
         if step is None:
             return False
         shared, private = checkpoint.load(out, step, self.rank)
-        self._unwrapped().load_state_dict(shared["backbone"])
+        try:
+            self._unwrapped().load_state_dict(shared["backbone"])
+        except RuntimeError as e:  # torch lists each mismatch on a line of its own
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()),
+                         str(e))
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.checkpoint_dir(out, step)}: its backbone does not fit this run's "
+                f"(model.backbone, model.dim or the data's image size changed?): {first}"
+            ) from None
         # The momentum and weight decay are this run's own: top-k compression moves them out of
         # the optimizer, so a checkpoint saved with or without it must not bring its setting.
         own = [{key: group[key] for key in ("momentum", "weight_decay") if key in group}

@@ -212,11 +212,14 @@ def run_export(args: argparse.Namespace) -> int:
                              "pip install 'xcls[onnx]'") from None
     run = _resumed_run(args)
     meta = run.train_set.metadata
-    out = write_export(args.out, run.backbone, run.trainer.evaluator.row_blocks(args.rows),
-                       backbone_name=run.cfg.model.backbone, num_classes=meta.num_classes,
-                       dim=run.cfg.model.dim, image_size=meta.height, channels=meta.channels,
-                       class_names=meta.class_names, step=run.trainer.step,
-                       config_toml=to_toml(run.cfg), row_source=args.rows,
-                       rows_dtype=args.rows_dtype, onnx=args.onnx)
+    try:
+        out = write_export(args.out, run.backbone, run.trainer.evaluator.row_blocks(args.rows),
+                           backbone_name=run.cfg.model.backbone, num_classes=meta.num_classes,
+                           dim=run.cfg.model.dim, image_size=meta.height,
+                           channels=meta.channels, class_names=meta.class_names,
+                           step=run.trainer.step, config_toml=to_toml(run.cfg),
+                           row_source=args.rows, rows_dtype=args.rows_dtype, onnx=args.onnx)
+    except (OSError, ValueError) as e:  # --out: not ours to replace, unwritable, disk full
+        raise SystemExit(f"error: --out {args.out}: {e}") from None
     print(f"exported step {run.trainer.step} ({args.rows} rows, {args.rows_dtype}) to {out}")
     return 0
