@@ -128,17 +128,26 @@ def test_a_non_finite_row_is_refused_at_prediction(export, tmp_path):
         clf.predict(torch.zeros(1, SIZE, SIZE, dtype=torch.uint8), block_rows=4)
 
 
-@pytest.mark.parametrize("damage", ["backbone missing", "weights truncated", "nan row"])
+def test_a_device_this_host_lacks_is_refused(export):
+    with pytest.raises(ValueError, match="cuda:99: (no CUDA device is available|this host has)"):
+        Classifier.load(export, device="cuda:99")
+
+
+@pytest.mark.parametrize("damage", ["backbone missing", "weights truncated", "nan row",
+                                    "device cuda:99"])
 def test_cli_predict_on_a_damaged_export_is_one_line(export, tmp_path, capsys, damage):
     model = tmp_path / "model"
     shutil.copytree(export, model)
+    device = "cpu"
     if damage == "nan row":
         _rows(np.full((CLASSES, DIM), np.nan, np.float32))(model)
+    elif damage == "device cuda:99":
+        device = "cuda:99"
     else:
         DAMAGE[damage][0](model)
     image = tmp_path / "a.png"
     Image.fromarray(np.zeros((SIZE, SIZE), np.uint8)).save(image)
-    assert main(["predict", str(model), str(image), "--device", "cpu"]) == 2
+    assert main(["predict", str(model), str(image), "--device", device]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"error: {model}") and captured.err.count("\n") == 1, \

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ams.graph.knn import merge_top_lists
+from ams.graph.knn import merge_top_lists, resolve_device
 from ams.optim import all_finite
 from workers.backbones import Backbone, build_backbone
 
@@ -256,8 +256,7 @@ class Classifier:
         run on ``device`` ("auto": CUDA when there is one). A directory that is not a
         complete export of this format raises ``ValueError`` (or ``OSError``) naming the
         file."""
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = str(resolve_device(None if device == "auto" else device))
         path = Path(path)
         meta = read_export_meta(path)
         backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],

@@ -52,13 +52,17 @@ _GROUP = 8
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to search on: ``device`` if given, else CUDA when available, else CPU.
-    Raises ValueError for a CUDA device on a host without CUDA, before any rows move."""
+    Raises ValueError for a CUDA device on a host without CUDA, or past its device count,
+    before any rows move."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = torch.device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{device}: no CUDA device is available")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"{device}: this host has {torch.cuda.device_count()} CUDA "
+                             "device(s)")
         if resolved.index is None:
             # Tensors report cuda:N; a bare "cuda" would never compare equal to their device,
             # and the reused work buffers would be re-allocated (and lose the queue) each call.
