@@ -106,6 +106,7 @@ def test_print_documents_each_field_above_it():
     ("[comm]\ndense_below = 'small'\n", "comm.dense_below: expected an integer"),
     ("head = 3\n", "head: expected a table"),
     ("[head\nkind = 'knn'\n", "not valid TOML"),
+    ("v = " + "[" * 100_000, "not valid TOML: nested too deep"),
 ])
 def test_hostile_files(tmp_path, text, needle):
     with pytest.raises(ConfigError, match=None) as info:
@@ -124,6 +125,7 @@ def test_hostile_files(tmp_path, text, needle):
     ("train.batch_schedule=[64, 1.5]", "expected an integer"),
     ("head.placement=ps", "head.placement: 'ps' is not one of"),
     ("optim.name=adam", "optim.name: 'adam' is not one of"),
+    ("train.max_steps=" + "[" * 100_000, "train.max_steps: expected an integer"),
 ])
 def test_hostile_overrides(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -138,6 +140,10 @@ def test_unreadable_files(tmp_path):
     bad.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(bad)
+    # a path to something that is not an experiment file is not read whole
+    with pytest.raises(ConfigError, match="more than 1048576 bytes, not an experiment file"):
+        load_config("/dev/zero")
+    assert load_config("/dev/null") == load_config(None)
 
 
 def test_cli_config_print_and_errors(tmp_path):

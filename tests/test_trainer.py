@@ -25,7 +25,7 @@ from workers.data.importers import import_pairs_bin
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
 from workers.schedule import lr_at
-from xcls.config import load_config
+from xcls.config import ConfigError, load_config
 from xcls.run import build_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,6 +328,14 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
     out = train(f"data.train={broken}", "data.test=")
     assert out.returncode != 0
     assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
+
+
+def test_an_out_dir_that_cannot_be_made_is_a_config_error(glyphs_small, tmp_path):
+    (tmp_path / "a file").write_text("mine")
+    for out in (tmp_path / "a file", tmp_path / "a file" / "run"):
+        with pytest.raises(ConfigError, match=f"train.out_dir: cannot make {out} "):
+            build_run(load_config(None, overrides(glyphs_small, out)))
+    assert (tmp_path / "a file").read_text() == "mine"
 
 
 def test_resume_into_a_changed_model_is_refused_naming_the_checkpoint(glyphs_small, tmp_path):

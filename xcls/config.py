@@ -327,6 +327,9 @@ def enum_fields() -> dict[str, type[StrEnum]]:
             "comm.compression": Compression}
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_THREADS = 1024
+# An experiment file is a few KiB; the bound keeps a wrong path (/dev/zero, a dataset) from
+# being read whole.
+MAX_CONFIG_BYTES = 1 << 20
 POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
             "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
             "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
@@ -481,7 +484,7 @@ def _parse_override(text: str, kind: Any, key: str) -> Any:
     """``--set`` value text -> a value of the field's type (TOML literal syntax accepted)."""
     try:
         value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # RecursionError: nested too deep
         value = text  # bare words are strings: --set head.kind=knn
     if kind is str and not isinstance(value, str):
         value = text
@@ -534,15 +537,21 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            with open(p, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
             raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {p}: more than {MAX_CONFIG_BYTES} bytes, not an "
+                              "experiment file")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise ConfigError(f"config {p} is not UTF-8 text") from None
-        try:
-            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config {p} is not valid TOML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config {p} is not valid TOML: nested too deep") from None
     data = apply_overrides(data, overrides or [])
     return validate(_build(ExperimentConfig, data, ""))
 

@@ -149,7 +149,10 @@ def build_run(cfg: ExperimentConfig,
     num_classes = meta.num_classes
 
     out_dir = Path(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only file system
+        raise ConfigError(f"train.out_dir: cannot make {out_dir} ({e.strerror or e})") from None
     token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
         if cfg.ams.token_file else None
     tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
