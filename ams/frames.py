@@ -135,7 +135,7 @@ def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
         return {}
     try:
         meta = json.loads(bytes(raw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # too deep
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):
         raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")

@@ -280,7 +280,7 @@ def load_manifest(path: Path) -> dict:
                             f"{MANIFEST_SUM} (edited or damaged)")
     try:
         manifest = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise SnapshotError(f"{path}: manifest unreadable ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format_version") not in READ_FORMATS:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None

@@ -495,7 +495,7 @@ class MmapStorage(Storage):
         fix = _fix(home)
         try:
             doc = json.loads(where.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise StorageError(f"{where}: unreadable ({e}); {fix}") from None
         try:
             if not isinstance(doc, dict) or doc.get("format") not in TABLE_FORMATS:

@@ -164,6 +164,7 @@ def test_a_record_declaring_a_huge_image_is_refused_from_its_header(gray, height
 @pytest.mark.parametrize("raw, match", [
     (b"\xff\xfe garbage", "not valid JSON"),
     (b"[1, 2]", "not a JSON object"),
+    pytest.param(b"[" * 100_000, "not valid JSON", id="too-deep"),
     (json.dumps({"format": "other"}).encode(), "'format'"),
 ])
 def test_garbage_metadata(gray, raw, match):

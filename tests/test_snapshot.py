@@ -213,6 +213,17 @@ def test_malformed_manifest_with_valid_checksum_is_refused(tmp_path, edit):
     restores_step_1(tmp_path, good)
 
 
+def test_manifest_nested_too_deep_with_valid_checksum_is_refused(tmp_path):
+    good = two_steps(tmp_path)
+    text = b"[" * 100_000
+    (piece_dir(tmp_path, 2) / "manifest.json").write_bytes(text)
+    (piece_dir(tmp_path, 2) / "manifest.sha256").write_text(
+        f"{hashlib.sha256(text).hexdigest()}  manifest.json\n")
+    with pytest.raises(SnapshotError, match="manifest unreadable"):
+        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
+    restores_step_1(tmp_path, good)
+
+
 @pytest.mark.parametrize("where", [0.0, 0.3, 0.7, 0.999])
 def test_flipped_byte_in_manifest_falls_back(tmp_path, where):
     good = two_steps(tmp_path)

@@ -194,9 +194,9 @@ def _other_table(piece):
     return piece / "fd" / TABLE_JSON
 
 
-def _garbage_json(piece):
+def _garbage_json(piece, text="{"):
     path = piece / "fc" / TABLE_JSON
-    path.write_text("{")
+    path.write_text(text)
     return path
 
 
@@ -231,6 +231,8 @@ DAMAGE = {
     "missing row_clock.bin": (_delete, "missing"),
     "another table's table.json": (_other_table, "describes table 'fc', not the table of"),
     "garbage table.json": (_garbage_json, "unreadable"),
+    "table.json nested too deep": (lambda piece: _garbage_json(piece, "[" * 100_000),
+                                   "unreadable"),
     "negative decay clock": (_bad_clock, "malformed"),
 }
 

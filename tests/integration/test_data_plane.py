@@ -155,6 +155,7 @@ UNREADABLE = [
     ("answer-kind", frame(ROWS, None, [], grads(1)), "INVALID_ARGUMENT", "is an answer"),
     ("meta-json", frame(PULL, ids=[0], raw_meta=b"{nope"), "INVALID_ARGUMENT", "not JSON"),
     ("meta-list", frame(PULL, ids=[0], raw_meta=b"[1, 2]"), "INVALID_ARGUMENT", "JSON object"),
+    ("meta-deep", frame(PULL, ids=[0], raw_meta=b"[" * 60_000), "INVALID_ARGUMENT", "not JSON"),
     ("meta-huge", frame(PULL, ids=[0], raw_meta=b" " * 70_000), "INVALID_ARGUMENT",
      "bytes of meta"),
     ("rows-no-dtype", frame(PUSH, PUSH_META, [0], grads(1), dtype=0), "INVALID_ARGUMENT",

@@ -90,7 +90,7 @@ class DatasetMetadata:
         """Parse and validate; any problem raises DatasetError naming ``path`` and the field."""
         try:
             obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep
             raise DatasetError(f"{path}: metadata record is not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise DatasetError(f"{path}: metadata record is not a JSON object")
