@@ -29,7 +29,13 @@ from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.errors import AmsError, InvalidArgument, Unavailable
 from ams.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
-from ams.rpc import TokenAuthInterceptor, error_from_rpc, rpc_method, start_serving
+from ams.rpc import (
+    RequestDecodingInterceptor,
+    TokenAuthInterceptor,
+    error_from_rpc,
+    rpc_method,
+    start_serving,
+)
 from ams.scheduler_metrics import record_expiry, watch_lease_table
 
 log = logging.getLogger(__name__)
@@ -161,6 +167,7 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
     table = LeaseTable(num_shards, max(1, round(lease_ttl * 1000)))
     watch_lease_table(table)
     interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors.append(RequestDecodingInterceptor())
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=options)

@@ -26,7 +26,13 @@ from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dataplane import DataPlaneServer
 from ams.errors import FailedPrecondition, ShardRestarted
 from ams.metrics import instrument_store
-from ams.rpc import TokenAuthInterceptor, rpc_method, set_serving, start_serving
+from ams.rpc import (
+    RequestDecodingInterceptor,
+    TokenAuthInterceptor,
+    rpc_method,
+    set_serving,
+    start_serving,
+)
 from ams.store import ShardStore
 from ams.wire import EXPECT_INCARNATION_KEY, GRPC_OPTIONS, INCARNATION_KEY, SHARD_SERVICE_NAME
 
@@ -263,6 +269,7 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     gate = ReadinessGate(ready)
     interceptors.insert(1 if token else 0, gate)  # after auth: strangers learn nothing
     interceptors.insert(0, instrument_store(store))  # first: it sees every refusal
+    interceptors.append(RequestDecodingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=GRPC_OPTIONS)
     data_plane = DataPlaneServer(store, host=host, port=data_port, token=token,

@@ -24,6 +24,7 @@ from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.errors import InvalidArgument, ShardRestarted, Unavailable
 from ams.scheduler import SchedulerClient
 from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
+from tests.integration.test_shard_server import undecodable_request_codes
 from xcls.config import ConfigError, load_config
 from xcls.run import connect_ams
 from xcls.serve_cmd import EXIT_LEASE_LOST
@@ -67,6 +68,14 @@ def scheduler(tmp_path) -> Iterator[Scheduler]:
     sched = start_scheduler(tmp_path)
     yield sched
     stop([sched.child], 10)
+
+
+def test_undecodable_requests_are_invalid_argument(scheduler):
+    service = pb.DESCRIPTOR.services_by_name["Scheduler"]
+    assert undecodable_request_codes(scheduler.address, service) == {
+        (method.name, "INVALID_ARGUMENT") for method in service.methods}
+    assert SchedulerClient(scheduler.address).shards().generation >= 0
+    assert "Traceback" not in scheduler.log()
 
 
 def wait_until(condition, what: str) -> None:

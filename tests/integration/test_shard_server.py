@@ -235,6 +235,41 @@ def test_random_hostile_control_requests_get_a_status_that_is_not_internal(shard
     assert logs and not any("Traceback" in p.read_text(errors="replace") for p in logs)
 
 
+# bytes no message parses: a wire type that does not exist, a length past the end (huge, small)
+UNDECODABLE = (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab")
+
+
+def undecodable_request_codes(address: str, service) -> set[tuple[str, str]]:
+    """(method, status) of each ``UNDECODABLE`` request sent to every method of ``service``
+    (a protobuf service descriptor) at ``address``."""
+    codes = set()
+    with grpc.insecure_channel(address) as channel:
+        for method in service.methods:
+            call = channel.unary_unary(f"/{service.full_name}/{method.name}",
+                                       request_serializer=bytes, response_deserializer=bytes)
+            for raw in UNDECODABLE:
+                try:
+                    call(raw, timeout=20)
+                    codes.add((method.name, "OK"))
+                except grpc.RpcError as e:
+                    codes.add((method.name, e.code().name))
+    return codes
+
+
+def test_undecodable_control_requests_are_invalid_argument(shard_cluster, tmp_path):
+    """A request that is not a valid message is the caller's error (grpcio's own answer is
+    INTERNAL, with a traceback in the shard's log)."""
+    procs = shard_cluster(1, data_dir=tmp_path)
+    service = pb.DESCRIPTOR.services_by_name["Shard"]
+    assert undecodable_request_codes(procs[0].address, service) == {
+        (method.name, "INVALID_ARGUMENT") for method in service.methods}
+    with ams.connect([procs[0].address]) as client:
+        client.create_table("fc", num_rows=N, dim=D, seed=4)
+        assert client.pull("fc", torch.arange(N)).shape == (N, D)
+    logs = list(tmp_path.glob("*.log"))
+    assert logs and not any("Traceback" in p.read_text(errors="replace") for p in logs)
+
+
 def test_client_raises_typed_errors(raw_stub):
     _, client = raw_stub
     with pytest.raises(errors.IdOutOfRange, match=str(N + 5)):
