@@ -262,6 +262,28 @@ def test_resume_ignores_blocks_of_another_k(tmp_path):
     assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
 
 
+def test_resume_computes_damaged_blocks_again(tmp_path, caplog):
+    """A block file that cannot be read, or holds lists of another shape for the same ids and
+    k, is computed again: the build equals the brute force, with no block taken on trust."""
+    rows = random_rows(90, 8, seed=14)
+    shards = FakeShards(rows, num_shards=2, block=16)
+    build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16, resume_dir=tmp_path,
+                          device="cpu")
+    blocks = sorted(tmp_path.glob("*.pt"))
+    assert len(blocks) == 3
+    blocks[0].write_bytes(blocks[0].read_bytes()[:100])  # truncated
+    blocks[1].write_bytes(b"not a torch file")
+    saved = torch.load(blocks[2], weights_only=True)
+    torch.save({**saved, "neighbors": saved["neighbors"][:, :2]}, blocks[2])  # narrower lists
+    with caplog.at_level("WARNING", logger="ams.graph.ring"):
+        ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16,
+                                                   resume_dir=tmp_path, device="cpu")
+    assert caplog.text.count("graph_block_unreadable") == 2
+    ref_ids, ref_scores = knn(rows, 4, device="cpu")
+    assert neigh.shape == (45, 4)
+    assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
+
+
 def test_partial_refresh_equals_rows_of_full_build():
     rows = clustered_rows(450, 16, seed=13)
     shards = FakeShards(rows, num_shards=3, block=50)

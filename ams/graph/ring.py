@@ -20,6 +20,7 @@ as its query ids and k match.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ from ams.graph.knn import (
     search_pass,
     split_blocks,
 )
+
+log = logging.getLogger(__name__)
 
 Scan = Callable[[int], Iterable[tuple[Tensor, Tensor]]]
 
@@ -187,6 +190,10 @@ def _query_row_bytes(dim: int, k: int, low_precision: bool) -> int:
     return dim * 4 + (dim * 2 if low_precision else 0) + (k - 1) * (8 + 4)
 
 
+def _tensor_of(value: object, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    return isinstance(value, Tensor) and value.dtype == dtype and tuple(value.shape) == tuple(shape)
+
+
 class _BlockStore:
     """Finished query blocks of one home shard, one file each, written atomically."""
 
@@ -200,12 +207,23 @@ class _BlockStore:
         return self.root / f"shard{self.home_shard:05d}-block{block:07d}.pt"
 
     def load(self, block: int, query_ids: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The stored (neighbors, scores) of ``block`` if it exists and matches."""
+        """The stored (neighbors int64 (q, k), scores float32 (q, k)) of ``block`` for
+        ``query_ids`` int64 (q,), or None when there is none that matches: a file that cannot
+        be read (truncated, not a block's) or holds other ids, k or shapes is computed again."""
         path = self._path(block)
         if not path.exists():
             return None
-        saved = torch.load(path, weights_only=True)
-        if saved["k"] != self.k or not torch.equal(saved["query_ids"], query_ids):
+        try:
+            saved = torch.load(path, weights_only=True)
+        except Exception as e:  # torch.load raises many types for a damaged file
+            log.warning("graph_block_unreadable path=%s error=%s", path, type(e).__name__)
+            return None
+        expected = (query_ids.numel(), self.k)
+        if (not isinstance(saved, dict) or saved.get("k") != self.k
+                or not _tensor_of(saved.get("query_ids"), torch.int64, query_ids.shape)
+                or not torch.equal(saved["query_ids"], query_ids)
+                or not _tensor_of(saved.get("neighbors"), torch.int64, expected)
+                or not _tensor_of(saved.get("scores"), torch.float32, expected)):
             return None
         return saved["neighbors"], saved["scores"]
 
