@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xcls.cli_help import DefaultsHelpFormatter
+from xcls.config import MAX_THREADS
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.secret_files import read_secret
 
@@ -140,10 +142,9 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
 def run_scheduler(args: argparse.Namespace) -> int:
     if args.num_shards < 1:
         raise SystemExit(f"error: --num-shards {args.num_shards} must be >= 1")
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"error: --port {args.port} must be in 0..65535")
-    if not args.lease_ttl > 0:
-        raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0")
+    _check_listen_args(args)
+    if not 0 < args.lease_ttl < math.inf:
+        raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0 and finite")
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     if not _is_loopback(args.host) and not token and not args.insecure:
@@ -164,6 +165,18 @@ def run_scheduler(args: argparse.Namespace) -> int:
     running.stop(args.grace)
     log.info("stopped")
     return 0
+
+
+def _check_listen_args(args: argparse.Namespace) -> None:
+    """Refuse a --port, --port-file or --grace no server could use, before anything starts
+    (the port file is written once serving, too late for a one-line error)."""
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"error: --port {args.port} must be in 0..65535")
+    if args.port_file is not None and not args.port_file.parent.is_dir():
+        raise SystemExit(f"error: --port-file {args.port_file}: {args.port_file.parent} is not "
+                         "a directory")
+    if not 0 <= args.grace < math.inf:
+        raise SystemExit(f"error: --grace {args.grace} must be >= 0 and finite")
 
 
 def _write_port_file(path: Path | None, port: int) -> None:
@@ -234,9 +247,9 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
                          f"{args.num_shards})")
-    for flag, port in (("--port", args.port), ("--data-port", args.data_port)):
-        if not 0 <= port <= 65535:
-            raise SystemExit(f"error: {flag} {port} must be in 0..65535")
+    _check_listen_args(args)
+    if not 0 <= args.data_port <= 65535:
+        raise SystemExit(f"error: --data-port {args.data_port} must be in 0..65535")
     if args.data_port and args.data_port == args.port:
         raise SystemExit(f"error: --data-port {args.data_port} is --port too; give each its "
                          "own")
@@ -254,10 +267,16 @@ def run_shard(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --keep-snapshots {args.keep_snapshots} must be >= 0")
     if args.restore is not None and args.data_dir is None:
         raise SystemExit("error: --restore needs --data-dir")
+    for flag, threads in (("--rpc-threads", args.rpc_threads),
+                          ("--torch-threads", args.torch_threads)):
+        if not 1 <= threads <= MAX_THREADS:  # a process has a limit on its threads
+            raise SystemExit(f"error: {flag} {threads} must be in 1..{MAX_THREADS}")
     _check_lease_args(args)
-
-    if args.torch_threads < 1:
-        raise SystemExit(f"error: --torch-threads {args.torch_threads} must be >= 1")
+    if args.data_dir is not None:
+        try:
+            args.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"error: --data-dir {args.data_dir}: {e.strerror or e}") from None
     import torch
 
     torch.set_num_threads(args.torch_threads)
@@ -334,9 +353,6 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
     """Bind, restore ``--restore`` (health NOT_SERVING meanwhile), then serve ``store`` until
     SIGTERM/SIGINT (exit code 0) or a lost lease."""
     from ams.server import create_server
-
-    if args.data_dir is not None:
-        args.data_dir.mkdir(parents=True, exist_ok=True)
 
     try:
         running = create_server(

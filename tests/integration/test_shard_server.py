@@ -368,6 +368,16 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
     (["--num-shards", "1"], "required"),
     (["--shard-id", "0", "--num-shards", "1", "--require-auth"], "--require-auth"),
     (["--shard-id", "0", "--num-shards", "1", "--keep-snapshots", "-1"], "--keep-snapshots"),
+    # a file where the directory goes; no secret is a megabyte (a wrong path is not read whole)
+    (["--shard-id", "0", "--num-shards", "1", "--data-dir", sys.executable], "--data-dir"),
+    (["--shard-id", "0", "--num-shards", "1", "--port-file", "/nonexistent/dir/port"],
+     "/nonexistent/dir is not a directory"),
+    (["--shard-id", "0", "--num-shards", "1", "--auth-token-file", "/dev/zero"],
+     "not a secret"),
+    (["--shard-id", "0", "--num-shards", "1", "--grace", "inf"], "--grace inf"),
+    (["--shard-id", "0", "--num-shards", "1", "--rpc-threads", "0"], "--rpc-threads 0"),
+    (["--shard-id", "0", "--num-shards", "1", "--torch-threads", "100000"],
+     "--torch-threads 100000 must be in 1..1024"),
 ])
 def test_cli_rejects_bad_arguments(args, needle):
     out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", *args],
