@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -102,6 +103,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cluster.set_defaults(func=lambda args: cluster.print_help() or 2)
 
 
+# Processes one ``cluster up`` starts on its host at most: a typo such as --workers 100000
+# would otherwise fork until the host runs out of memory.
+MAX_PROCESSES = 256
+
+
 def _child_flags(args: argparse.Namespace) -> list[str]:
     """The global verbosity flags, passed on so every role logs as loudly as this one."""
     return ["-q"] if args.quiet else ["-v"] * args.verbose
@@ -115,6 +121,10 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
         raise SystemExit(f"error: --workers {args.workers} must be >= 1")
     if args.slow_workers < 0:
         raise SystemExit(f"error: --slow-workers {args.slow_workers} must be >= 0")
+    processes = args.shards + args.workers + args.slow_workers
+    if processes > MAX_PROCESSES:
+        raise SystemExit(f"error: --shards, --workers and --slow-workers start {processes} "
+                         f"processes on this host; at most {MAX_PROCESSES}")
     if args.base_port is not None and not 1 <= args.base_port <= 65536 - args.shards:
         raise SystemExit(f"error: --base-port {args.base_port}: ports {args.base_port}.."
                          f"{args.base_port + args.shards - 1} must lie in 1..65535")
@@ -122,12 +132,15 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
     if args.metrics_port and not (0 < args.metrics_port and last_metrics_port <= 65535):
         raise SystemExit(f"error: --metrics-port {args.metrics_port}: ports "
                          f"{args.metrics_port}..{last_metrics_port} must lie in 1..65535")
-    if args.start_timeout <= 0 or args.stop_timeout <= 0:
-        raise SystemExit("error: --start-timeout and --stop-timeout must be > 0")
+    for flag, seconds in (("--start-timeout", args.start_timeout),
+                          ("--stop-timeout", args.stop_timeout),
+                          ("--hang-timeout", args.hang_timeout)):
+        if not 0 < seconds < math.inf:
+            raise SystemExit(f"error: {flag} {seconds:g} must be > 0 and finite")
     if args.max_restarts < 0:
         raise SystemExit(f"error: --max-restarts {args.max_restarts} must be >= 0")
-    if not args.hang_timeout > 0:
-        raise SystemExit(f"error: --hang-timeout {args.hang_timeout:g} must be > 0")
+    if args.data_dir is not None and args.data_dir.exists() and not args.data_dir.is_dir():
+        raise SystemExit(f"error: --data-dir {args.data_dir} is not a directory")
     if args.config is None:
         if not args.shards_only:
             raise SystemExit("error: CONFIG is required to train (or use --shards-only)")

@@ -233,6 +233,12 @@ def test_a_killed_shard_is_restarted_and_the_workers_roll_back(glyphs_small, no_
     (["--stop-timeout", "0"], "--stop-timeout"),
     (["--max-restarts", "-1"], "--max-restarts -1 must be >= 0"),
     (["--hang-timeout", "0"], "--hang-timeout 0 must be > 0"),
+    (["--hang-timeout", "inf"], "--hang-timeout inf must be > 0 and finite"),
+    (["--start-timeout", "nan"], "--start-timeout nan"),
+    # a typo must not fork the host out of memory
+    (["--workers", "100000"], "start 100002 processes on this host; at most 256"),
+    (["--shards", "100000"], "start 100001 processes"),
+    (["--data-dir", sys.executable], "is not a directory"),
     (["--set", "head.kind=nope"], "head.kind"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(glyphs_small, no_orphans, args,
