@@ -52,11 +52,14 @@ _GROUP = 8
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to search on: ``device`` if given, else CUDA when available, else CPU.
-    Raises ValueError for a CUDA device on a host without CUDA, or past its device count,
-    before any rows move."""
+    Raises ValueError for a string that names no device, a CUDA device on a host without
+    CUDA, or one past its device count, before any rows move."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch lists every device type it knows
+        raise ValueError(f"{device!r}: not a device (cpu, cuda or cuda:N)") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{device}: no CUDA device is available")
