@@ -59,7 +59,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     graph.set_defaults(func=lambda args: graph.print_help() or 2)
 
 
+def _check_build_args(args: argparse.Namespace) -> None:
+    """Refuse flags no build can use, before torch is imported or a shard is asked."""
+    if args.k < 1:
+        raise SystemExit(f"error: --k {args.k} must be >= 1")
+    if args.builders < 1:
+        raise SystemExit(f"error: --builders {args.builders} must be >= 1")
+    if args.builder_index is not None and not 0 <= args.builder_index < args.builders:
+        raise SystemExit(f"error: --builder-index {args.builder_index} must be in "
+                         f"[0, --builders {args.builders})")
+    for flag, value in (("--version", args.version), ("--step", args.step)):
+        if value is not None and value < 0:
+            raise SystemExit(f"error: {flag} {value} must be >= 0")
+    if not 0 < args.connect_timeout < math.inf:
+        raise SystemExit(f"error: --connect-timeout {args.connect_timeout} must be > 0 and "
+                         "finite")
+    if not args.table:
+        raise SystemExit("error: --table: a table name is required")
+    if args.resume_dir is not None and args.resume_dir.exists() and not args.resume_dir.is_dir():
+        raise SystemExit(f"error: --resume-dir {args.resume_dir} is not a directory")
+
+
 def run_build(args: argparse.Namespace) -> int:
+    _check_build_args(args)
     import ams
     from ams.errors import AmsError
     from ams.graph import resolve_device
@@ -82,23 +104,6 @@ def run_build(args: argparse.Namespace) -> int:
     nprobe = DEFAULT_NPROBE if args.nprobe is None else args.nprobe
     if args.nlist < 0 or nprobe < 1:
         raise SystemExit(f"error: --nlist {args.nlist} must be >= 0 and --nprobe {nprobe} >= 1")
-    if args.k < 1:
-        raise SystemExit(f"error: --k {args.k} must be >= 1")
-    if args.builders < 1:
-        raise SystemExit(f"error: --builders {args.builders} must be >= 1")
-    if args.builder_index is not None and not 0 <= args.builder_index < args.builders:
-        raise SystemExit(f"error: --builder-index {args.builder_index} must be in "
-                         f"[0, --builders {args.builders})")
-    for flag, value in (("--version", args.version), ("--step", args.step)):
-        if value is not None and value < 0:
-            raise SystemExit(f"error: {flag} {value} must be >= 0")
-    if not 0 < args.connect_timeout < math.inf:
-        raise SystemExit(f"error: --connect-timeout {args.connect_timeout} must be > 0 and "
-                         "finite")
-    if not args.table:
-        raise SystemExit("error: --table: a table name is required")
-    if args.resume_dir is not None and args.resume_dir.exists() and not args.resume_dir.is_dir():
-        raise SystemExit(f"error: --resume-dir {args.resume_dir} is not a directory")
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     tls_ca = read_secret(args.tls_ca, "--tls-ca") if args.tls_ca else None
