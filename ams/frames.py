@@ -18,6 +18,7 @@ import torch
 
 from ams.dtypes import torch_dtype, wire_dtype
 from ams.errors import InvalidArgument, RequestTooLarge, shorten
+from ams.jsontext import parse_json
 from ams.wire import MAX_MESSAGE_BYTES
 
 MAGIC = b"XAMS"
@@ -134,8 +135,8 @@ def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
     if not raw:
         return {}
     try:
-        meta = json.loads(bytes(raw))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # too deep
+        meta = parse_json(bytes(raw))
+    except ValueError as e:
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):
         raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")

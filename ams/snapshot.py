@@ -41,6 +41,7 @@ from ams.alloc import release_free_memory
 from ams.dtypes import ROW_DTYPES
 from ams.errors import AmsError, RequestTooLarge, SnapshotError, StorageError, shorten
 from ams.graph.csr import INT32_CLASSES, NeighborTable
+from ams.jsontext import parse_json
 from ams.sharding import piece_name
 from ams.storage import TableTensors, fsync_path
 from ams.store import (
@@ -279,8 +280,8 @@ def load_manifest(path: Path) -> dict:
         raise SnapshotError(f"{path}: manifest unreadable: its SHA-256 does not match "
                             f"{MANIFEST_SUM} (edited or damaged)")
     try:
-        manifest = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        manifest = parse_json(raw)
+    except ValueError as e:
         raise SnapshotError(f"{path}: manifest unreadable ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format_version") not in READ_FORMATS:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None

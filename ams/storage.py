@@ -59,6 +59,7 @@ import torch
 from ams import rowcopy, sharding
 from ams.alloc import libc_function, zeros_on_huge_pages
 from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
+from ams.jsontext import parse_json
 from ams.slots import RowSlots, slot_capacity, slot_dtype
 
 log = logging.getLogger(__name__)
@@ -494,8 +495,8 @@ class MmapStorage(Storage):
         where = home / TABLE_JSON
         fix = _fix(home)
         try:
-            doc = json.loads(where.read_text())
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            doc = parse_json(where.read_text())
+        except (OSError, ValueError) as e:
             raise StorageError(f"{where}: unreadable ({e}); {fix}") from None
         try:
             if not isinstance(doc, dict) or doc.get("format") not in TABLE_FORMATS:

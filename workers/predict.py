@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ams.graph.knn import merge_top_lists, resolve_device
+from ams.jsontext import parse_json
 from ams.optim import all_finite
 from workers.backbones import Backbone, build_backbone
 
@@ -204,8 +205,8 @@ def read_export_meta(path: Path) -> dict:
     file and the field otherwise."""
     where = path / "export.json"
     try:
-        meta = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+        meta = parse_json(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not an xcls export (export.json: {e})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: not an xcls export (a JSON object is due)")
@@ -278,8 +279,8 @@ class Classifier:
                              f"holds rows of shape ({meta['num_classes']}, {meta['dim']}) in "
                              f"one of {ROW_DTYPES}, native byte order")
         try:
-            names = json.loads((path / "classes.json").read_text(encoding="utf-8"))
-        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+            names = parse_json((path / "classes.json").read_text(encoding="utf-8"))
+        except ValueError as e:  # not UTF-8, not JSON
             raise ValueError(f"{path / 'classes.json'}: {e}") from None
         if (not isinstance(names, list) or len(names) != meta["num_classes"]
                 or not all(isinstance(name, str) for name in names)):

@@ -35,6 +35,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ams.jsontext import parse_json
 from workers.data.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ class DatasetMetadata:
     def from_json(cls, raw: bytes, path: Path) -> DatasetMetadata:
         """Parse and validate; any problem raises DatasetError naming ``path`` and the field."""
         try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # too deep
+            obj = parse_json(raw.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8, not JSON
             raise DatasetError(f"{path}: metadata record is not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise DatasetError(f"{path}: metadata record is not a JSON object")
