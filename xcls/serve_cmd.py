@@ -142,7 +142,7 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
 def run_scheduler(args: argparse.Namespace) -> int:
     if args.num_shards < 1:
         raise SystemExit(f"error: --num-shards {args.num_shards} must be >= 1")
-    _check_listen_args(args)
+    _check_server_args(args)
     if not 0 < args.lease_ttl < math.inf:
         raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0 and finite")
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
@@ -167,7 +167,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_listen_args(args: argparse.Namespace) -> None:
+def _check_server_args(args: argparse.Namespace) -> None:
     """Refuse a --port, --port-file or --grace no server could use, before anything starts
     (the port file is written once serving, too late for a one-line error)."""
     if not 0 <= args.port <= 65535:
@@ -247,7 +247,7 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
                          f"{args.num_shards})")
-    _check_listen_args(args)
+    _check_server_args(args)
     if not 0 <= args.data_port <= 65535:
         raise SystemExit(f"error: --data-port {args.data_port} must be in 0..65535")
     if args.data_port and args.data_port == args.port:
