@@ -4,26 +4,30 @@
     client = ams.connect(["127.0.0.1:7001", "127.0.0.1:7002"])   # gRPC shards
     client = ams.connect(local_shards=2)                           # the same API, in process
 
-The client (and with it grpc) is imported on first use, so the pure modules (``ams.store``,
-``ams.optim``, ``ams.sharding``, ``ams.graph``) load without grpc.
+The client (and with it grpc) and the store (and with it torch) are imported on first use, so
+the pure modules (``ams.store``, ``ams.optim``, ``ams.sharding``, ``ams.graph``) load without
+grpc, and ``ams.errors`` loads without torch (the command line checks its flags before torch).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ams.errors import AmsError
-from ams.store import ShardStore, TableSpec
 
 if TYPE_CHECKING:
     from ams.client import ShardedClient, connect
+    from ams.store import ShardStore, TableSpec
 
 __all__ = ["AmsError", "ShardStore", "ShardedClient", "TableSpec", "connect"]
 
+# The public names imported on first use, and the module each lives in.
+_LAZY = {"connect": "ams.client", "ShardedClient": "ams.client",
+         "ShardStore": "ams.store", "TableSpec": "ams.store"}
+
 
 def __getattr__(name: str) -> Any:
-    if name in ("connect", "ShardedClient"):
-        from ams import client
-
-        return getattr(client, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ams' has no attribute {name!r}")

@@ -9,13 +9,17 @@ from __future__ import annotations
 ECHO_CHARS = 80
 
 
-def shorten(value: object, limit: int = ECHO_CHARS) -> str:
-    """``repr(value)`` for an error message, cut to its first ``limit`` characters plus
-    "…(N chars)" when longer."""
-    text = repr(value)
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` for an error message, cut to its first ``limit`` characters plus "…(N chars)"
+    when longer."""
     if len(text) <= limit:
         return text
     return f"{text[:limit]}…({len(text)} chars)"
+
+
+def shorten(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, clipped as ``clip`` does."""
+    return clip(repr(value), limit)
 
 
 class AmsError(Exception):

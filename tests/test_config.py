@@ -134,6 +134,32 @@ def test_hostile_overrides(override, needle):
     assert needle in str(info.value)
 
 
+HUGE = "x" * 100_000
+
+
+@pytest.mark.parametrize("override,file_text,needle", [
+    pytest.param(f"head.kind={HUGE}", None, "head.kind: 'xxx", id="set-value"),
+    pytest.param(f"{HUGE}=1", None, "unknown key xxx", id="set-section"),
+    pytest.param(f"head.{HUGE}=1", None, "unknown key head.xxx", id="set-key"),
+    pytest.param(HUGE, None, "expected KEY=VALUE", id="set-no-equals"),
+    pytest.param("train.batch_schedule=[" + ",".join(["-1"] * 20_000) + "]", None,
+                 "every batch must be > 0, got [-1, -1", id="set-list"),
+    pytest.param(None, f"[head]\n{HUGE} = 1\n", "unknown key head.xxx", id="file-key"),
+    pytest.param(None, f"[gear]\nprefix = '{HUGE}:'\n", "gear.prefix", id="file-prefix"),
+    pytest.param(None, f"[ams]\nscheduler = '{HUGE}'\n", "ams.scheduler: expected host:port",
+                 id="file-scheduler"),
+])
+def test_errors_quote_a_huge_value_shortened(tmp_path, override, file_text, needle):
+    """A value of 100,000 characters is named by its start and its length, not echoed whole
+    into the terminal or the log."""
+    path = write(tmp_path, file_text) if file_text is not None else None
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [override] if override is not None else [])
+    message = str(info.value)
+    assert needle in message
+    assert len(message) < 600 and "chars)" in message
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.toml")

@@ -22,6 +22,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from ams.errors import clip, shorten
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the dotted key."""
@@ -348,41 +350,43 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
     if origin in (list, types.GenericAlias) or kind is list:
         (item,) = typing.get_args(kind) or (str,)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} "
+                              f"{shorten(value)}")
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {shorten(value)}")
         return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {shorten(value)}")
         return value
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {shorten(value)}")
         if not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{key}: expected a finite number, got {shorten(value)}")
         if abs(value) > FLOAT32_MAX:  # every such setting ends up a factor in float32 math
-            raise ConfigError(f"{key}: {value!r} is beyond float32's range "
+            raise ConfigError(f"{key}: {shorten(value)} is beyond float32's range "
                               f"(|x| <= {FLOAT32_MAX:.6g})")
         return float(value)
     if kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {shorten(value)}")
         return value
     raise ConfigError(f"{key}: unsupported field type {kind}")  # pragma: no cover
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a table, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a table, got {shorten(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]} (known: {', '.join(sorted(names))})")
+        raise ConfigError(f"unknown key {clip(where + unknown[0])} "
+                          f"(known: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -399,13 +403,14 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     for key, allowed in CHOICES.items():
         value = get_value(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+            raise ConfigError(f"{key}: {shorten(value)} is not one of "
+                              f"{', '.join(map(repr, allowed))}")
     for key, enum in enum_fields().items():
         value = get_value(cfg, key)
         if key == "ams.state_dtype" and value == "":
             continue  # the rows' dtype
         if value not in list(enum):
-            raise ConfigError(f"{key}: {value!r} is not one of "
+            raise ConfigError(f"{key}: {shorten(value)} is not one of "
                               f"{', '.join(repr(str(m)) for m in enum)}")
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, enum(value))
@@ -433,7 +438,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
                           "gear.backend=redis")
     if not cfg.gear.prefix or ":" in cfg.gear.prefix:
         raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
-                          f"got {cfg.gear.prefix!r}")
+                          f"got {shorten(cfg.gear.prefix)}")
     _check_scheduler(cfg.ams)
     if cfg.head.placement == "collective":
         if cfg.ams.addresses or cfg.ams.scheduler:
@@ -446,7 +451,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
     if any(b <= 0 for b in cfg.train.batch_schedule):
         raise ConfigError(f"train.batch_schedule: every batch must be > 0, got "
-                          f"{cfg.train.batch_schedule}")
+                          f"{shorten(cfg.train.batch_schedule)}")
     if cfg.optim.lars_eta <= 0:
         raise ConfigError(f"optim.lars_eta: must be > 0, got {cfg.optim.lars_eta}")
     if not 0 <= cfg.optim.momentum < 1:
@@ -470,7 +475,7 @@ def _check_scheduler(ams: AmsConfig) -> None:
                           "ams.addresses empty")
     host, _, port = ams.scheduler.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"ams.scheduler: expected host:port, got {ams.scheduler!r}")
+        raise ConfigError(f"ams.scheduler: expected host:port, got {shorten(ams.scheduler)}")
 
 
 def get_value(cfg: Any, dotted: str) -> Any:
@@ -500,7 +505,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b=c`` overrides to the raw config dict (checked against the schema)."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. head.kind=knn")
+            raise ConfigError(f"--set {shorten(item)}: expected KEY=VALUE, e.g. head.kind=knn")
         dotted, text = item.split("=", 1)
         parts = dotted.strip().split(".")
         cls: Any = ExperimentConfig
@@ -509,19 +514,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             fields = {f.name: f for f in dataclasses.fields(cls)}
             key = ".".join(parts[:i + 1])
             if part not in fields:
-                raise ConfigError(f"--set {dotted}: unknown key {key} "
+                raise ConfigError(f"--set {clip(dotted)}: unknown key {clip(key)} "
                                   f"(known: {', '.join(sorted(fields))})")
             kind = typing.get_type_hints(cls)[part]
             if dataclasses.is_dataclass(kind):
                 if i == len(parts) - 1:
-                    raise ConfigError(f"--set {dotted}: {key} is a section, name a field in it")
+                    raise ConfigError(f"--set {clip(dotted)}: {key} is a section, name a field "
+                                      "in it")
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"{key}: expected a table")
                 cls = kind
             else:
                 if i != len(parts) - 1:
-                    raise ConfigError(f"--set {dotted}: {key} is not a section")
+                    raise ConfigError(f"--set {clip(dotted)}: {key} is not a section")
                 node[part] = _parse_override(text.strip(), kind, key)
     return data
 
