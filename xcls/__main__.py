@@ -2,6 +2,6 @@
 
 import sys
 
-from xcls.cli import main
+from xcls.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from importlib.metadata import version
@@ -66,5 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run() -> int:
+    """The ``xcls`` process: ``main`` on ``sys.argv``, then the collector frozen, so that the
+    interpreter's exit skips its final collection over every object torch and grpc made (most
+    of a torch process's exit time, paid by every shard, worker and command as it ends).
+    Library callers use ``main``, which leaves the collector alone."""
+    try:
+        return main()
+    finally:
+        gc.freeze()
