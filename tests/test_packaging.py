@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from xcls.cli import COLLECT_EVERY
 from xcls.config import example_configs, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,22 +97,25 @@ def test_help_does_not_load_torch(argv):
     assert "usage: xcls" in done.stdout
 
 
-def test_the_process_entry_points_freeze_the_collector_before_exit():
-    """The ``xcls`` script and ``python -m xcls`` end with the collector frozen (the exit then
-    skips a final collection over torch's objects); ``main`` called in a process of the
-    caller's leaves the collector as it was."""
+def test_the_process_entry_points_tune_the_collector():
+    """The ``xcls`` script and ``python -m xcls`` collect less often while they run and end
+    with the collector frozen (the exit then skips a final collection over torch's objects);
+    ``main`` called in a process of the caller's leaves the collector as it was."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["xcls"] == "xcls.cli:run"
     probe = ("import atexit, gc, runpy, sys\n"
              "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n"
+             "atexit.register(lambda: print('threshold', gc.get_threshold()[0], "
+             "file=sys.stderr))\n"
              "from xcls.cli import main\n"
              "main(['config', 'print'])\n"
              "print('after-main', gc.get_freeze_count(), file=sys.stderr)\n"
+             "print('after-main-threshold', gc.get_threshold()[0], file=sys.stderr)\n"
              "sys.argv = ['xcls', 'config', 'print']\n"
              "runpy.run_module('xcls', run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     counts = dict(line.split() for line in done.stderr.splitlines())
-    assert counts["after-main"] == "0"
-    assert int(counts["frozen"]) > 0
+    assert counts["after-main"] == "0" and counts["after-main-threshold"] == "700"
+    assert int(counts["frozen"]) > 0 and counts["threshold"] == str(COLLECT_EVERY)

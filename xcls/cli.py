@@ -67,11 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+# Young objects the cyclic collector lets pile up before a pass (Python's default: 700). A
+# process's start is mostly imports, whose objects (torch's above all) live as long as the
+# process; at the default, the collector walks them again and again while they pile up, a
+# share of the start of every shard and worker. Cycles made later wait a little longer.
+COLLECT_EVERY = 50_000
+
+
 def run() -> int:
-    """The ``xcls`` process: ``main`` on ``sys.argv``, then the collector frozen, so that the
-    interpreter's exit skips its final collection over every object torch and grpc made (most
-    of a torch process's exit time, paid by every shard, worker and command as it ends).
-    Library callers use ``main``, which leaves the collector alone."""
+    """The ``xcls`` process: ``main`` on ``sys.argv`` with the collector's passes further
+    apart (``COLLECT_EVERY``), then the collector frozen, so that the interpreter's exit skips
+    its final collection over every object torch and grpc made (most of a torch process's exit
+    time, paid by every shard, worker and command as it ends). Library callers use ``main``,
+    which leaves the collector alone."""
+    gc.set_threshold(COLLECT_EVERY)
     try:
         return main()
     finally:
