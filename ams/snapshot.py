@@ -687,7 +687,7 @@ def _is_complete(step_path: Path) -> bool:
     try:
         for piece in _pieces_of(step_path):
             load_manifest(piece)
-    except SnapshotError:
+    except (SnapshotError, FileNotFoundError):  # gone: the other shards pruned it meanwhile
         return False
     return True
 
@@ -709,7 +709,11 @@ def _remove_pieces(step_path: Path, shard_id: int, num_shards: int) -> list[Path
     """Remove the pieces of an old step this shard answers for, and the step directory once
     nothing is left in it."""
     removed = []
-    for p in step_path.iterdir():
+    try:
+        entries = list(step_path.iterdir())
+    except FileNotFoundError:  # the other shards removed their pieces and the directory first
+        return removed
+    for p in entries:
         m = _PIECE_RE.match(p.name)
         if m and int(m.group(1)) % num_shards == shard_id:
             shutil.rmtree(p, ignore_errors=True)

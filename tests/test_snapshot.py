@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import shutil
 import sys
@@ -430,6 +431,25 @@ def test_prune_keeps_everything_with_keep_zero_or_no_complete_step(tmp_path):
     assert steps_with_piece(tmp_path, 0, 2) == [1, 2, 3, 4]
     snapshot.prune_snapshots(tmp_path, 0, 2, keep=1, protect=(2,))
     assert steps_with_piece(tmp_path, 0, 2) == [2, 4]
+
+
+def test_prune_skips_a_step_the_other_shards_removed_after_it_was_listed(tmp_path,
+                                                                        monkeypatch, caplog):
+    """Shards sharing a data dir prune side by side: a step directory listed by one shard can
+    be gone by the time it looks inside (the last of the others removed it). That step is
+    done, not a failure, and the older steps are still pruned."""
+    client = trained_client(tmp_path, 2, keep_snapshots=0)
+    for step in range(1, 6):
+        client.snapshot(step=step)
+    listed = snapshot.list_steps(tmp_path)
+    for step in (1, 3):  # what the other shard (the last one there) did meanwhile
+        shutil.rmtree(snapshot.step_dir(tmp_path, step))
+    monkeypatch.setattr(snapshot, "list_steps", lambda data_dir: listed)
+    with caplog.at_level(logging.WARNING, logger="ams.snapshot"):
+        snapshot.prune_after_snapshot(tmp_path, 0, 2, keep=2, written=5)
+    assert "snapshot_prune_failed" not in caplog.text
+    assert steps_with_piece(tmp_path, 0, 2) == [4, 5]
+    assert steps_with_piece(tmp_path, 1, 2) == [2, 4, 5]  # not shard 0's to remove
 
 
 def test_local_shards_prune_after_each_snapshot(tmp_path):
