@@ -525,33 +525,29 @@ class ShardedClient:
         table's dtype (CPU)."""
         ids = check_ids(ids)
         spec = self.spec(name)
-        # unique ids are asked for in request order, so each shard's reply lands in the
-        # result with one scatter (none with one shard); repeats are asked for once
-        keys, inverse = ids, None
-        if ids.numel() > 1:
-            ordered = np.sort(ids.numpy())  # a sort tells repeats apart at a third of unique's cost
-            if bool((ordered[1:] == ordered[:-1]).any()):
-                keys, inverse = torch.unique(ids, return_inverse=True)
+        # ids are asked for in request order, so each shard's reply lands in the result with
+        # one scatter (none with one shard); a repeated id is asked for again rather than
+        # looked for: the callers' ids are unique (the active classes), and finding repeats
+        # costs a sort on every pull
         row_bytes = spec.dim * spec.dtype.itemsize
 
         def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
-            wanted = keys if positions is None else keys.index_select(0, positions)
+            wanted = ids if positions is None else ids.index_select(0, positions)
             step = max(1, self.shards[s].piece_bytes // row_bytes)
             return list(wanted.split(step)) if wanted.numel() > step else [wanted]
 
         if self.num_shards == 1:
-            rows = self.shards[0].pull(name, pieces(0, None))
-        else:
-            rows = torch.empty((keys.numel(), spec.dim), dtype=spec.dtype)
-            parts = sharding.split_by_shard(keys, self.num_shards)
+            return self.shards[0].pull(name, pieces(0, None))
+        rows = torch.empty((ids.numel(), spec.dim), dtype=spec.dtype)
+        parts = sharding.split_by_shard(ids, self.num_shards)
 
-            def work(s: int) -> None:
-                if parts[s].numel():
-                    got = self.shards[s].pull(name, pieces(s, parts[s]))
-                    rowcopy.scatter(rows, parts[s], got)
+        def work(s: int) -> None:
+            if parts[s].numel():
+                got = self.shards[s].pull(name, pieces(s, parts[s]))
+                rowcopy.scatter(rows, parts[s], got)
 
-            self._fan_out(work)
-        return rows if keys is ids else rowcopy.gather(rows, inverse)
+        self._fan_out(work)
+        return rows
 
     @_fenced
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,

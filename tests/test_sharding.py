@@ -1,4 +1,5 @@
-"""Routing, and the client's dedupe / split / fan-out / reassembly, against a one-shard store."""
+"""Routing, and the client's split / fan-out / reassembly (and a push's dedupe), against a
+one-shard store."""
 
 from __future__ import annotations
 
