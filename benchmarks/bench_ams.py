@@ -511,7 +511,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.batches, args.repeats = [1_000, 10_000], 2
-        args.table_rows, args.rows_per_repeat, args.memory_rows = 50_000, 20_000, 1_000_000
+        args.table_rows, args.rows_per_repeat, args.memory_rows = 50_000, 10_000, 300_000
         args.latency_calls = 200
     if max(args.batches) > args.table_rows:
         parser.error("--table-rows must be >= the largest batch (ids are unique)")
