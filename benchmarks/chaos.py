@@ -62,32 +62,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a glyph dataset (xcls data glyphs); default: build --classes classes "
                         "under --out")
     p.add_argument("--classes", type=int, default=1000, help="classes of the dataset built")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=int, default=argparse.SUPPRESS,
                    help="training steps of the job (about 0.1 s each on 2 CPU cores; default "
                         "12000, about 20 minutes of fault-free training; 100 with --quick)")
-    p.add_argument("--checkpoint-every", type=int, default=100,
-                   help="steps between checkpoints (what a rollback can lose)")
+    p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS,
+                   help="steps between checkpoints (what a rollback can lose; default 100, 20 "
+                        "with --quick)")
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
-    p.add_argument("--fault-every-checkpoints", type=int, default=0,
+    p.add_argument("--fault-every-checkpoints", type=int, default=argparse.SUPPRESS,
                    help="instead of by time: a fault once the job has written checkpoint "
                         "K·checkpoint_every, 2K·checkpoint_every, ... below the last step "
-                        "(progress, whatever the machine's speed; 2 with --quick)")
-    p.add_argument("--hang-timeout", type=float, default=10.0,
-                   help="cluster up --hang-timeout: seconds a paused shard may stay silent")
+                        "(progress, whatever the machine's speed; default 0: by time, 2 with "
+                        "--quick)")
+    p.add_argument("--hang-timeout", type=float, default=argparse.SUPPRESS,
+                   help="cluster up --hang-timeout: seconds a paused shard may stay silent "
+                        "(default 10, 4 with --quick)")
     p.add_argument("--redis-down", type=float, default=30.0,
                    help="gear job: seconds Redis stays stopped")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos", help="work directory")
     p.add_argument("--keep", action="store_true",
                    help="keep both runs' directories (checkpoints, snapshots, logs)")
     p.add_argument("--quick", action="store_true",
-                   help="the CI version: knn job, 100 steps (unless --steps), a checkpoint "
-                        "every 20 steps, a fault after every second one")
+                   help="the CI version: knn job, 100 steps, a checkpoint every 20 steps, a "
+                        "fault after every second one, a 4 s hang timeout (a flag given "
+                        "explicitly wins)")
     args = p.parse_args(argv)
     if args.quick:
-        args.job, args.checkpoint_every, args.fault_every_checkpoints = "knn", 20, 2
-        args.hang_timeout = 4.0
-    if args.steps is None:
-        args.steps = 100 if args.quick else 12000
+        args.job = "knn"
+    for name, default, quick in (("steps", 12000, 100), ("checkpoint_every", 100, 20),
+                                 ("fault_every_checkpoints", 0, 2), ("hang_timeout", 10.0, 4.0)):
+        if not hasattr(args, name):  # the flag was not given
+            setattr(args, name, quick if args.quick else default)
     if args.steps < 1 or args.checkpoint_every < 1 or args.fault_every <= 0:
         p.error("--steps, --checkpoint-every and --fault-every must be positive")
     if args.fault_every_checkpoints < 0:
