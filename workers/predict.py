@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -117,9 +118,14 @@ def export_onnx(backbone: Backbone, image_size: int, channels: int, path: Path) 
     onnxscript)."""
     model = _FromImages(backbone).eval()
     example = torch.zeros(2, channels, image_size, image_size, dtype=torch.uint8)
-    torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"],
-                      output_names=["features"],
-                      dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+    with warnings.catch_warnings():
+        # the exporter's own deprecations (torch calling its older APIs), nothing a user of
+        # xcls export can act on
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"],
+                          output_names=["features"],
+                          dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
 
 
 def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torch.Tensor,
