@@ -290,21 +290,19 @@ def test_resume_after_kill_or_sigterm_is_bit_identical(glyphs_small, tmp_path):
         assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
 
 
-def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
-    cmd = [sys.executable, "-m", "xcls", "train", "/dev/null"]
-
-    def train(*sets: str) -> subprocess.CompletedProcess:
+def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path, capsys):
+    def argv(*sets: str) -> list[str]:
         args = overrides(glyphs_small, tmp_path / "run", **{"train.max_steps": 2})
         args += list(sets)
-        return subprocess.run([*cmd, *sum((["--set", a] for a in args), [])],
-                              capture_output=True, text=True, timeout=300)
+        return ["train", "/dev/null", *sum((["--set", a] for a in args), [])]
 
-    out = train(f"data.train={tmp_path / 'nowhere'}")
-    assert out.returncode != 0 and "nowhere" in out.stderr
-    out = train("model.backbone=iresnet50")
-    assert out.returncode != 0 and "112" in out.stderr
-    out = train("model.backbone=vgg")
-    assert out.returncode != 0 and "resnet_small" in out.stderr
+    # refused while the run is assembled: the command in this process
+    for change, needle in ((f"data.train={tmp_path / 'nowhere'}", "nowhere"),
+                           ("model.backbone=iresnet50", "112"),
+                           ("model.backbone=vgg", "resnet_small")):
+        assert main(argv(change)) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
 
     # a corrupt record: training stops with an error naming the sample
     broken = tmp_path / "broken"
@@ -321,7 +319,10 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path):
             value[-3] ^= 0xFF
             txn.put(key, bytes(value))
     env.close()
-    out = train(f"data.train={broken}", "data.test=")
+    # refused while it trains: the command as a process
+    out = subprocess.run([sys.executable, "-m", "xcls", *argv(f"data.train={broken}",
+                                                             "data.test=")],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
 
