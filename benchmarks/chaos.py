@@ -20,7 +20,9 @@ cost (chaos wall time minus reference wall time), and two ways to see lost or do
   gradients go, is judged by it (target: within 0.5 points).
 
     python benchmarks/chaos.py                          # 20-minute gear job, faults every 60 s
-    python benchmarks/chaos.py --quick --data DIR       # the 1-minute knn job CI runs
+    python benchmarks/chaos.py --quick --data DIR       # the 1-minute knn job
+    python benchmarks/chaos.py --quick --steps 60 --fault-every-checkpoints 1 --data DIR
+                                                        # what CI runs: a kill, a pause
 """
 
 from __future__ import annotations
