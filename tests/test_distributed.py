@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from torch import nn
 
 from tests.conftest import free_port, set_torchrun_env
 from workers.distributed import process_group, torchrun_env, worker_device
+from xcls.cli import main
 
 GLOO_THREADS = ("gloo", "pt_gloo")
 
@@ -103,21 +102,23 @@ def test_bad_torchrun_environment_is_named(monkeypatch, env, message):
 
 
 def refused_command_stderr(tmp_path: Path, command: list[str], config_text: str,
-                           env: dict[str, str]) -> str:
-    """stderr of ``xcls COMMAND CONFIG``, which must refuse in one line with exit code 2."""
+                           capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr of ``xcls COMMAND CONFIG`` (run in this process, whose environment the caller
+    set), which must refuse in one line with exit code 2."""
     config = tmp_path / "x.toml"
     config.write_text('[gear]\nbackend = "redis"\n' + config_text)
-    proc = subprocess.run([sys.executable, "-m", "xcls", *command, str(config)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    return proc.stderr
+    assert main([*command, str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
 
 
 @pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
-def test_commands_report_a_bad_torchrun_environment(tmp_path, command):
-    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "2"}
-    assert "error: RANK=3, WORLD_SIZE=2" in refused_command_stderr(tmp_path, command, "", env)
+def test_commands_report_a_bad_torchrun_environment(tmp_path, command, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "error: RANK=3, WORLD_SIZE=2" in refused_command_stderr(tmp_path, command, "",
+                                                                  capsys)
 
 
 def test_worker_device_follows_the_setting():
@@ -136,9 +137,10 @@ def test_cuda_without_a_gpu_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 @pytest.mark.parametrize("command", [["train"], ["gear", "slow"]])
-def test_commands_report_cuda_without_a_gpu(tmp_path, command):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    stderr = refused_command_stderr(tmp_path, command, '[train]\ndevice = "cuda"\n', env)
+def test_commands_report_cuda_without_a_gpu(tmp_path, command, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    stderr = refused_command_stderr(tmp_path, command, '[train]\ndevice = "cuda"\n', capsys)
     assert "error: train.device: 'cuda' but no CUDA device is available" in stderr
 
 
