@@ -68,6 +68,10 @@ def _check_build_args(args: argparse.Namespace) -> None:
     if args.builder_index is not None and not 0 <= args.builder_index < args.builders:
         raise SystemExit(f"error: --builder-index {args.builder_index} must be in "
                          f"[0, --builders {args.builders})")
+    if args.nlist < 0:
+        raise SystemExit(f"error: --nlist {args.nlist} must be >= 0")
+    if args.nprobe is not None and args.nprobe < 1:
+        raise SystemExit(f"error: --nprobe {args.nprobe} must be >= 1")
     for flag, value in (("--version", args.version), ("--step", args.step)):
         if value is not None and value < 0:
             raise SystemExit(f"error: {flag} {value} must be >= 0")
@@ -102,8 +106,6 @@ def run_build(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise SystemExit(f"error: --method ivf: {e}") from None
     nprobe = DEFAULT_NPROBE if args.nprobe is None else args.nprobe
-    if args.nlist < 0 or nprobe < 1:
-        raise SystemExit(f"error: --nlist {args.nlist} must be >= 0 and --nprobe {nprobe} >= 1")
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     tls_ca = read_secret(args.tls_ca, "--tls-ca") if args.tls_ca else None
