@@ -109,6 +109,17 @@ def storage(request, tmp_path_factory):
     made.close()
 
 
+def refused_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr of ``xcls ARGV`` run in this process (``xcls.cli.main``), which must refuse it
+    with exit code 2 in one line, no traceback."""
+    from xcls.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
 # --- Redis (gear bridge tests) -------------------------------------------------------------------
 
 import shutil  # noqa: E402
