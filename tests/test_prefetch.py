@@ -44,10 +44,10 @@ def batch_of(label: int) -> ActiveBatch:
                        rows=torch.zeros(1, 1), log_weight=torch.zeros(1))
 
 
-def run_steps(prefetcher: Prefetcher, steps: int) -> list[int]:
-    """Step as the trainer does; the label of each step's batch."""
+def run_steps(prefetcher: Prefetcher, steps: int, first: int = 0) -> list[int]:
+    """Steps ``first, first+1, ...`` as the trainer runs them; the label of each one's batch."""
     got = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         got.append(int(next(prefetcher).active.active_ids[0]))
         prefetcher.wait_prepared(step)
         prefetcher.step_done()
@@ -64,7 +64,7 @@ def test_a_batch_is_prepared_only_after_the_step_depth_before_it_finished():
         prefetcher.wait_prepared(0)
         prefetcher.step_done()
         assert prepare.seen(2, timeout=10)
-        assert run_steps(prefetcher, 3) == [1, 2, 3]
+        assert run_steps(prefetcher, 3, first=1) == [1, 2, 3]
     finally:
         prefetcher.close()
     assert prepare.labels == [0, 1, 2, 3]
