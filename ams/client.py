@@ -103,7 +103,8 @@ class ShardBackend(Protocol):
     piece_bytes: int
     """Bytes of rows one pull or push piece carries (``ShardedClient`` cuts the pieces)."""
 
-    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def pull(self, table: str, pieces: Sequence[torch.Tensor],
+             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None: ...
     def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]: ...
     def scan(self, table: str, block_rows: int | None
@@ -140,8 +141,9 @@ class RemoteShard:
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 timeout: float = 60.0, retries: int = 4) -> None:
+                 timeout: float = 60.0, retries: int = 4, shared_memory: bool = True) -> None:
         self.address = address
+        self.shared_memory = shared_memory
         self.timeout = timeout
         self.retries = retries
         self.incarnation: str | None = None  # the process this client expects; None: any
@@ -234,11 +236,13 @@ class RemoteShard:
 
     piece_bytes = PIECE_BYTES
 
-    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    def pull(self, table: str, pieces: Sequence[torch.Tensor],
+             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Rows of the ids of every piece (int64 (n_i,), owned here), in order: (sum n_i, dim),
-        the pieces pipelined on one data connection."""
+        the pieces pipelined on one data connection; with ``into`` = (out, positions) they
+        land in ``out[positions]`` instead (``DataConnection.pull``)."""
         return self._data_call("Pull", lambda conn, deadline: conn.pull(
-            table, pieces, PIPELINE_WINDOW, deadline))
+            table, pieces, PIPELINE_WINDOW, deadline, into))
 
     def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]:
@@ -303,7 +307,8 @@ class RemoteShard:
         # the HELLO expects this client's incarnation: another process refuses it (ABORTED)
         return DataConnection(self.host, self.data_port, token=self.token, tls_ca=self.tls_ca,
                               expect_incarnation=self.incarnation,
-                              timeout=max(0.1, deadline - time.monotonic()))
+                              timeout=max(0.1, deadline - time.monotonic()),
+                              shared_memory=self.shared_memory)
 
     def _release(self, conn: DataConnection | None) -> None:
         if conn is not None:
@@ -543,8 +548,7 @@ class ShardedClient:
 
         def work(s: int) -> None:
             if parts[s].numel():
-                got = self.shards[s].pull(name, pieces(s, parts[s]))
-                rowcopy.scatter(rows, parts[s], got)
+                self.shards[s].pull(name, pieces(s, parts[s]), (rows, parts[s]))
 
         self._fan_out(work)
         return rows
@@ -750,14 +754,16 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
             data_dir: str | Path | None = None, token: str | None = None,
             tls_ca: bytes | None = None, timeout: float = 60.0,
             ready_timeout: float = 30.0, keep_snapshots: int = 3, storage: str = "memory",
-            storage_dir: str | Path | None = None) -> ShardedClient:
+            storage_dir: str | Path | None = None, shared_memory: bool = True) -> ShardedClient:
     """Connect to an AMS: gRPC shards at ``addresses`` (shard i at ``addresses[i]``), or
     ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots,
     of which they keep the ``keep_snapshots`` newest complete steps, 0: all; remote shards
     prune by their own ``--keep-snapshots``). ``storage``, ``storage_dir``: where in-process
     shards keep their tables (``ams.store.ShardStore``: "memory", or "mmap" files under
     ``storage_dir``, reopened by the next client there once ``close`` closed them); remote
-    shards choose theirs with ``--storage``."""
+    shards choose theirs with ``--storage``. ``shared_memory``: rows to and from a shard on
+    this host bypass the socket through a buffer both map (``ams.shm``; never with TLS);
+    False: always in the frames."""
     if (addresses is None) == (local_shards is None):
         raise InvalidArgument("give either addresses=[...] or local_shards=N")
     if local_shards is not None:
@@ -786,17 +792,18 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
     for address in addresses:  # a typo fails now, not after the wait for the shards
         parse_address(address)
     return join_shards(list(addresses), token=token, tls_ca=tls_ca, timeout=timeout,
-                       ready_timeout=ready_timeout)
+                       ready_timeout=ready_timeout, shared_memory=shared_memory)
 
 
 def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = None,
                 tls_ca: bytes | None = None, timeout: float = 60.0,
-                ready_timeout: float = 30.0) -> ShardedClient:
+                ready_timeout: float = 30.0, shared_memory: bool = True) -> ShardedClient:
     """A client over ``shards[i]`` = shard i: a ``host:port`` of a shard server, or a shard
     held in this process (``ams.local.LocalShard``), as in collective mode, where each worker
     holds its own slice and reaches the others' over gRPC. The remote ones must be serving
     as shard i of ``len(shards)``; their incarnations are learned now."""
-    backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout)
+    backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout,
+                            shared_memory=shared_memory)
                 if isinstance(s, str) else s for s in shards]
     client = ShardedClient(backends)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from ams import frames
+from ams import frames, rowcopy
 from ams.errors import (
     AmsError,
     InvalidArgument,
@@ -41,7 +41,9 @@ from ams.errors import (
 )
 from ams.frames import FrameError, Header, Kind
 from ams.metrics import record_call
+from ams.shm import MIN_SHARED_BYTES, SharedBuffer
 from ams.store import ShardStore
+from ams.wire import PIECE_BYTES, PIPELINE_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +126,17 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
 
 
 def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
-               ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
-    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)) and ``rows`` ((m, dim))."""
+               ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+               shared: bool = False) -> None:
+    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)) and ``rows`` ((m, dim));
+    ``shared``: ``rows`` already lie in the connection's shared buffer, where the meta's
+    "offset" says, and only their shape and dtype are sent."""
     raw_meta = frames.encode_meta(meta) if meta else b""
     num_ids = 0 if ids is None else ids.numel()
-    header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows)
+    header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared)
     send_buffers(sock, [header, raw_meta,
                         tensor_bytes(ids) if ids is not None else b"",
-                        tensor_bytes(rows) if rows is not None else b""])
+                        tensor_bytes(rows) if rows is not None and not shared else b""])
 
 
 @dataclass
@@ -156,7 +161,8 @@ def recv_header(reader: SocketReader) -> Header | None:
 def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | None = None
               ) -> Frame:
     """The body ``header`` announces; rows land in ``rows_out`` when given (a contiguous
-    tensor of the announced shape and dtype), else in a new tensor."""
+    tensor of the announced shape and dtype), else in a new tensor. Rows in the shared buffer
+    are not in the body: the frame's rows are None and ``rows_out`` is not written."""
     meta = bytearray(header.meta_bytes)
     reader.read_into(memoryview(meta))
     ids = _NO_IDS
@@ -164,7 +170,7 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
         ids = torch.empty(header.num_ids, dtype=torch.int64)
         reader.read_into(tensor_bytes(ids))
     rows = None
-    if header.dtype is not None:
+    if header.dtype is not None and not header.shared:
         rows = rows_out if rows_out is not None \
             else torch.empty((header.num_rows, header.dim), dtype=header.dtype)
         reader.read_into(tensor_bytes(rows))
@@ -269,6 +275,15 @@ class DataPlaneServer:
         """Answer frames in order until the peer closes, the server closes, or a frame leaves
         the stream unreadable (answered with an ERROR frame, then the connection is closed).
         ``conn``: the connection under ``sock`` (the same one without TLS)."""
+        shared: list[SharedBuffer] = []  # the one the HELLO offered, once mapped
+        try:
+            self._serve_frames(sock, conn, shared)
+        finally:
+            for buffer in shared:
+                buffer.close()
+
+    def _serve_frames(self, sock: socket.socket, conn: socket.socket,
+                      shared: list[SharedBuffer]) -> None:
         greeted = False
         reader = SocketReader(sock)
         while True:
@@ -303,17 +318,19 @@ class DataPlaneServer:
                                                   "stalled before the body's last byte)"))
                 return
             if frame.header.kind == Kind.HELLO:
+                welcome = {"incarnation": self.incarnation, "shard_id": self.store.shard_id,
+                           "num_shards": self.store.num_shards}
                 try:
                     self._check_hello(frame.meta)
+                    if "shared" in frame.meta:
+                        welcome["shared"] = self._map_shared(frame.meta["shared"], shared)
                 except AmsError as e:
                     self._send_error(sock, e)
                     return
                 greeted = True
-                send_frame(sock, Kind.WELCOME, {
-                    "incarnation": self.incarnation, "shard_id": self.store.shard_id,
-                    "num_shards": self.store.num_shards})
+                send_frame(sock, Kind.WELCOME, welcome)
                 continue
-            self._answer(sock, frame)
+            self._answer(sock, frame, shared[0] if shared else None)
 
     def _check_hello(self, meta: dict) -> None:
         if self._token is not None:
@@ -327,9 +344,24 @@ class DataPlaneServer:
                 f"shard {self.store.shard_id} of {self.store.num_shards}", self.incarnation,
                 expected)
 
-    def _answer(self, sock: socket.socket, frame: Frame) -> None:
+    def _map_shared(self, offer: object, shared: list[SharedBuffer]) -> bool:
+        """Map the buffer a HELLO offers into ``shared`` (replacing one mapped before);
+        whether it was. Never with TLS: its peers are meant to be across a network."""
+        for buffer in shared:
+            buffer.close()
+        shared.clear()
+        buffer = SharedBuffer.attach(offer)  # InvalidArgument for an offer that is not one
+        if buffer is None or self._tls is not None:
+            if buffer is not None:
+                buffer.close()
+            return False
+        shared.append(buffer)
+        return True
+
+    def _answer(self, sock: socket.socket, frame: Frame, shared: SharedBuffer | None) -> None:
         """Apply one PULL or PUSH and answer it; its errors become ERROR frames (the stream
-        stays readable, so the connection stays open)."""
+        stays readable, so the connection stays open). ``shared``: the connection's shared
+        buffer, for frames whose rows are there."""
         method = frame.header.kind.name.capitalize()  # Pull, Push, Scan in the metrics
         started = time.perf_counter()
         code: grpc.StatusCode | None = None
@@ -338,7 +370,14 @@ class DataPlaneServer:
                 raise Unavailable("the shard is restoring its snapshot; it serves once health "
                                   "says SERVING")
             table = frames.meta_field(frame.meta, "table", str)
-            if frame.header.kind == Kind.PULL:
+            if frame.header.shared and shared is None:
+                raise InvalidArgument("frame: rows in a shared buffer, but this connection "
+                                      "has none (its HELLO offered none, or it was refused)")
+            if frame.header.kind == Kind.PULL and frame.header.shared:
+                out = self._shared_rows_out(table, frame, shared)
+                rows = self.store.pull(table, frame.ids, out)
+                send_frame(sock, Kind.ROWS, rows=rows, shared=out is not None)
+            elif frame.header.kind == Kind.PULL:
                 send_frame(sock, Kind.ROWS, rows=self.store.pull(table, frame.ids))
             elif frame.header.kind == Kind.SCAN:
                 ids, rows = self.store.scan_block(
@@ -346,6 +385,10 @@ class DataPlaneServer:
                     frames.meta_field(frame.meta, "rows", int, required=False))
                 send_frame(sock, Kind.ROWS, ids=ids, rows=rows)
             else:
+                if frame.header.shared and frame.header.dtype is not None:
+                    frame.rows = shared.rows(
+                        frames.meta_field(frame.meta, "offset", int), frame.header.dtype,
+                        frame.header.num_rows, frame.header.dim)
                 applied = self._push(table, frame)
                 send_frame(sock, Kind.PUSHED, {"applied": applied})
         except AmsError as e:
@@ -357,6 +400,24 @@ class DataPlaneServer:
             self._send_error(sock, error_from_code("INTERNAL", f"{type(e).__name__}: {e}"))
         finally:
             record_call(method, time.perf_counter() - started, code)
+
+    def _shared_rows_out(self, table: str, frame: Frame, shared: SharedBuffer
+                         ) -> torch.Tensor | None:
+        """Where a PULL asks for its rows in the shared buffer: the (n, dim) tensor at its
+        "offset", or None when they go in the answer's body: when they take more than its
+        "bytes" (the bytes after the region may belong to another request on the wire), or
+        fewer than ``MIN_SHARED_BYTES``."""
+        spec = self.store.table(table).spec
+        offset = frames.meta_field(frame.meta, "offset", int)
+        room = frames.meta_field(frame.meta, "bytes", int)
+        shared.check_offset(offset)
+        if room < 0 or not shared.fits(offset, room):
+            raise InvalidArgument(f"frame meta: {room} bytes at offset {offset} are not in the "
+                                  f"{shared.capacity}-byte shared buffer")
+        nbytes = frame.ids.numel() * spec.dim * spec.dtype.itemsize
+        if not MIN_SHARED_BYTES <= nbytes <= room:
+            return None
+        return shared.rows(offset, spec.dtype, frame.ids.numel(), spec.dim)
 
     def _push(self, table: str, frame: Frame) -> bool:
         meta = frame.meta
@@ -405,10 +466,19 @@ def _server_tls(cert: bytes, key: bytes) -> ssl.SSLContext:
 class DataConnection:
     """One connection to a shard's data port, greeted (token, expected incarnation: another
     process of the shard refuses the HELLO with ABORTED). Not thread-safe; ``RemoteShard``
-    keeps a pool."""
+    keeps a pool.
+
+    ``shared_memory``: offer the shard a shared buffer (``ams.shm``) of ``PIPELINE_WINDOW``
+    pieces; a shard on the same host maps it, and the rows of pulls and pushes then bypass
+    the socket (``shared`` is the buffer; None: rows travel in the frames). Never with TLS.
+    """
 
     def __init__(self, host: str, port: int, *, token: str | None, tls_ca: bytes | None,
-                 expect_incarnation: str | None, timeout: float) -> None:
+                 expect_incarnation: str | None, timeout: float,
+                 shared_memory: bool = True) -> None:
+        self.shared: SharedBuffer | None = None
+        offered = SharedBuffer.create(PIPELINE_WINDOW * PIECE_BYTES) \
+            if shared_memory and tls_ca is None else None
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -420,12 +490,25 @@ class DataConnection:
                 hello["token"] = token
             if expect_incarnation:
                 hello["expect_incarnation"] = expect_incarnation
+            if offered is not None:
+                hello["shared"] = offered[1]
             self.sock, self.reader = sock, SocketReader(sock)
             send_frame(sock, Kind.HELLO, hello)
-            self._expect(Kind.WELCOME)  # a HELLO the shard refuses raises its error here
+            # a HELLO the shard refuses raises its error here
+            granted = self._expect(Kind.WELCOME).meta.get("shared") is True
         except BaseException:
             sock.close()
+            if offered is not None:
+                offered[0].close()
             raise
+        finally:
+            if offered is not None:  # the shard has mapped it or never will
+                SharedBuffer.withdraw(offered[1])
+        if offered is not None:
+            if granted:
+                self.shared = offered[0]
+            else:
+                offered[0].close()
 
     def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None
                 ) -> Frame:
@@ -441,37 +524,71 @@ class DataConnection:
                                   str(meta.get("message", "")))
         if header.kind != kind:
             raise FrameError(f"frame: a {header.kind.name} where a {kind.name} was due")
-        return recv_body(self.reader, header,
-                         rows_out(header) if rows_out is not None else None)
+        return recv_body(self.reader, header, rows_out(header)
+                         if rows_out is not None and not header.shared else None)
 
-    def pull(self, table: str, pieces: Sequence[torch.Tensor], window: int, deadline: float
-             ) -> torch.Tensor:
+    def pull(self, table: str, pieces: Sequence[torch.Tensor], window: int, deadline: float,
+             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Rows of the ids of all ``pieces`` (each int64 (n_i,)), in order: (sum n_i, dim) in
         the table's row dtype. Up to ``window`` requests are on the wire while earlier answers
-        arrive, each received straight into its slice of the result."""
+        arrive, each received straight into its slice of the result.
+
+        ``into`` = (out, positions): the rows go to ``out[positions]`` instead (out (m, dim) of
+        the row dtype, contiguous; positions int64 (sum n_i,)), each piece as it arrives, and
+        None is returned: rows in the shared buffer move once, from there to their places."""
         starts = [0]
         for piece in pieces:
             starts.append(starts[-1] + piece.numel())
         result: list[torch.Tensor] = []
+        shared = self.shared
 
-        def into(i: int) -> Callable[[Header], torch.Tensor]:
-            def rows_out(header: Header) -> torch.Tensor:
-                if not result:  # the first answer says the table's row dtype and width
-                    result.append(torch.empty((starts[-1], header.dim), dtype=header.dtype))
-                out = result[0][starts[i]:starts[i + 1]]
-                if (header.num_rows, header.dim, header.dtype) != (out.shape[0], out.shape[1],
-                                                                   out.dtype):
-                    raise FrameError(
-                        f"frame: {header.num_rows} rows of {header.dim} x {header.dtype} "
-                        f"where {tuple(out.shape)} of {out.dtype} was due")
-                return out
-            return rows_out
+        def check(i: int, header: Header) -> None:
+            """Piece i's answer announces its rows' count, and the width and dtype of the
+            first answer (or of ``into``)."""
+            first = into[0] if into is not None else result[0] if result else None
+            want = (starts[i + 1] - starts[i],
+                    header.dim if first is None else first.shape[1],
+                    header.dtype if first is None else first.dtype)
+            if (header.num_rows, header.dim, header.dtype) != want:
+                raise FrameError(
+                    f"frame: {header.num_rows} rows of {header.dim} x {header.dtype} "
+                    f"where {want[0]} of {want[1]} x {want[2]} was due")
+            if into is None and not result:  # the first answer says the row dtype and width
+                result.append(torch.empty((starts[-1], header.dim), dtype=header.dtype))
 
-        self._pipelined(
-            len(pieces),
-            lambda i: send_frame(self.sock, Kind.PULL, {"table": table}, ids=pieces[i]),
-            lambda i: self._expect(Kind.ROWS, into(i)), window, deadline)
-        return result[0]
+        def rows_out(i: int, header: Header) -> torch.Tensor:
+            """Where piece i's rows are received from the socket: their slice of the result,
+            or a buffer of their own when they go to ``into``."""
+            check(i, header)
+            if into is not None:
+                return torch.empty((header.num_rows, header.dim), dtype=header.dtype)
+            return result[0][starts[i]:starts[i + 1]]
+
+        def send(i: int) -> None:
+            meta: dict = {"table": table}
+            if shared is not None:  # the shard answers in the frame where the rows won't fit
+                meta["offset"], meta["bytes"] = shared.slot(i % window, window), \
+                    shared.slot_bytes(window)
+            send_frame(self.sock, Kind.PULL, meta, ids=pieces[i], shared=shared is not None)
+
+        def receive(i: int) -> None:
+            answer = self._expect(Kind.ROWS, lambda h: rows_out(i, h))
+            if answer.header.shared:
+                if shared is None:
+                    raise FrameError("frame: rows in a shared buffer this connection has not")
+                check(i, answer.header)
+                got = shared.rows(shared.slot(i % window, window), answer.header.dtype,
+                                  answer.header.num_rows, answer.header.dim)
+                if into is None:
+                    rowcopy.copy(result[0][starts[i]:starts[i + 1]], got)
+                    return
+            else:
+                got = answer.rows
+            if into is not None:
+                rowcopy.scatter(into[0], into[1][starts[i]:starts[i + 1]], got)
+
+        self._pipelined(len(pieces), send, receive, window, deadline)
+        return None if into is not None else result[0]
 
     def scan_block(self, table: str, start: int, rows: int | None, deadline: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -495,11 +612,20 @@ class DataConnection:
         pipelined like ``pull``; whether each was applied now (False: before)."""
         applied: list[bool] = []
 
+        shared = self.shared
+
         def send(i: int) -> None:
             ids, grads, sequence = pieces[i]
             meta = {"table": table, "lr": lr, "client_id": client_id, "sequence": sequence}
             if decay_clock is not None:
                 meta["decay_clock"] = decay_clock
+            if shared is not None and MIN_SHARED_BYTES <= grads.numel() * grads.element_size() \
+                    <= shared.slot_bytes(window):
+                meta["offset"] = shared.slot(i % window, window)
+                rows = shared.rows(meta["offset"], grads.dtype, *grads.shape)
+                rowcopy.copy(rows, grads)
+                send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=rows, shared=True)
+                return
             send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=grads)
 
         def receive(i: int) -> None:
@@ -530,3 +656,5 @@ class DataConnection:
 
     def close(self) -> None:
         self.sock.close()
+        if self.shared is not None:
+            self.shared.close()

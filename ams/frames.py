@@ -48,10 +48,21 @@ class Kind(IntEnum):
 REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
 
 
+# The one bit of a header's flags byte: the rows are not in the body but in the connection's
+# shared buffer (``ams.shm``) at the meta's "offset"; on a PULL, where the answer's rows are
+# asked for.
+SHARED_FLAG = 0x01
+
+
+# Kinds that may carry the shared flag: the requests and the answer that move rows.
+SHARED_KINDS = frozenset({Kind.PULL, Kind.PUSH, Kind.ROWS})
+
+
 @dataclass(frozen=True)
 class Header:
     """A parsed, checked frame header; the body that follows holds ``meta_bytes`` of JSON,
-    ``num_ids`` int64 ids and ``num_rows`` rows of ``dim`` values of ``dtype``."""
+    ``num_ids`` int64 ids and ``num_rows`` rows of ``dim`` values of ``dtype``, unless
+    ``shared``: then the rows are in the connection's shared buffer, not in the body."""
 
     kind: Kind
     dtype: torch.dtype | None
@@ -59,6 +70,7 @@ class Header:
     dim: int
     num_ids: int
     num_rows: int
+    shared: bool = False
 
     @property
     def ids_bytes(self) -> int:
@@ -72,7 +84,7 @@ class Header:
 
     @property
     def body_bytes(self) -> int:
-        return self.meta_bytes + self.ids_bytes + self.rows_bytes
+        return self.meta_bytes + self.ids_bytes + (0 if self.shared else self.rows_bytes)
 
 
 class FrameError(InvalidArgument):
@@ -81,16 +93,19 @@ class FrameError(InvalidArgument):
 
 
 def pack_header(kind: Kind, meta: bytes, *, num_ids: int = 0,
-                rows: torch.Tensor | None = None) -> bytes:
+                rows: torch.Tensor | None = None, shared: bool = False) -> bytes:
     """The header of a frame whose body is ``meta``, ``num_ids`` ids, then ``rows``
-    ((n, dim) of a wire dtype, or None)."""
+    ((n, dim) of a wire dtype, or None); ``shared``: the rows are in the shared buffer and
+    the body ends after the ids."""
     if rows is None:
         dtype, dim, num_rows, rows_bytes = 0, 0, 0, 0
     else:
         dtype, (num_rows, dim) = wire_dtype(rows.dtype), rows.shape
-        rows_bytes = rows.numel() * rows.element_size()
+        rows_bytes = 0 if shared else rows.numel() * rows.element_size()
     body = len(meta) + 8 * num_ids + rows_bytes
-    return HEADER.pack(MAGIC, VERSION, kind, dtype, 0, len(meta), dim, num_ids, num_rows, body)
+    flags = SHARED_FLAG if shared else 0
+    return HEADER.pack(MAGIC, VERSION, kind, dtype, flags, len(meta), dim, num_ids, num_rows,
+                       body)
 
 
 def parse_header(raw: bytes | bytearray | memoryview) -> Header:
@@ -108,8 +123,12 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
         kind = Kind(kind)
     except ValueError:
         raise FrameError(f"frame: unknown kind {kind}") from None
-    if flags:
-        raise FrameError(f"frame: flags {flags:#x}; no flags are defined in version {VERSION}")
+    if flags & ~SHARED_FLAG:
+        raise FrameError(f"frame: flags {flags:#x}; version {VERSION} defines only "
+                         f"{SHARED_FLAG:#x} (shared rows)")
+    shared = bool(flags & SHARED_FLAG)
+    if shared and kind not in SHARED_KINDS:
+        raise FrameError(f"frame: a {kind.name} cannot have its rows in a shared buffer")
     if meta_bytes > MAX_META_BYTES:
         raise FrameError(f"frame: {meta_bytes} bytes of meta, the limit is {MAX_META_BYTES}")
     if body > MAX_BODY_BYTES:
@@ -118,10 +137,11 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     row_dtype = torch_dtype(dtype, "frame.dtype") if dtype else None
     if row_dtype is None and (num_rows or dim):
         raise FrameError(f"frame: {num_rows} rows of width {dim} without a dtype")
-    header = Header(kind, row_dtype, meta_bytes, dim, num_ids, num_rows)
+    header = Header(kind, row_dtype, meta_bytes, dim, num_ids, num_rows, shared)
     if header.body_bytes != body:
+        rows = "shared rows" if shared else "rows"
         raise FrameError(f"frame: body_bytes {body}, but {meta_bytes} bytes of meta, "
-                         f"{num_ids} ids and {num_rows} rows of {dim} x {row_dtype} make "
+                         f"{num_ids} ids and {num_rows} {rows} of {dim} x {row_dtype} make "
                          f"{header.body_bytes}")
     return header
 

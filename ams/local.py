@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ams import snapshot
+from ams import rowcopy, snapshot
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
 from ams.store import ShardStore, TableSpec
 from ams.wire import REQUEST_BYTES
@@ -47,9 +47,14 @@ class LocalShard:
     # in process nothing is gained by cutting a request into pieces: one per request limit
     piece_bytes = REQUEST_BYTES
 
-    def pull(self, table: str, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    def pull(self, table: str, pieces: Sequence[torch.Tensor],
+             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         rows = [self.store.pull(table, ids) for ids in pieces]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        got = rows[0] if len(rows) == 1 else torch.cat(rows)
+        if into is None:
+            return got
+        rowcopy.scatter(into[0], into[1], got)
+        return None
 
     def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
              lr: float, client_id: str, decay_clock: float | None) -> list[bool]:

@@ -51,3 +51,14 @@ def scatter(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     if index.numel() == 0 or out.shape[1] == 0:
         return
     np.put(_as_records(out), index.numpy(), _as_records(rows))
+
+
+def copy(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[:] = rows`` for contiguous tensors of one shape and dtype: one memcpy."""
+    if not out.is_contiguous():
+        raise ValueError("rowcopy.copy needs a contiguous destination")
+    if out.shape != rows.shape or out.dtype != rows.dtype:
+        raise ValueError(f"rowcopy.copy: {tuple(rows.shape)} {rows.dtype} into "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if out.numel():
+        np.copyto(_as_bytes(out), _as_bytes(rows))

@@ -424,8 +424,11 @@ class ShardStore:
 
     # ---- rows ---------------------------------------------------------------------------
 
-    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` in request order (repeats allowed). int64 (n,) -> (n, dim) row dtype.
+    def pull(self, name: str, ids: torch.Tensor, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Rows of ``ids`` in request order (repeats allowed). int64 (n,) -> (n, dim) row dtype,
+        a new tensor, or ``out`` (contiguous (n, dim) of the row dtype) written and returned;
+        nothing is written to it when the ids are refused.
 
         Each row comes with the weight decay it owes up to the newest clock pushed here
         (``ams.optim``), so it is the row the dense optimizer would hold after that push."""
@@ -436,7 +439,7 @@ class ShardStore:
         prefetch_rows(table.tensors, positions)
         with table.lock:
             at = table.tensors.at(positions)
-            out = _with_decay_owed(table, rowcopy.gather(table.rows, at), at)
+            out = _with_decay_owed(table, rowcopy.gather(table.rows, at, out), at)
             table.counters.pulls += 1
             table.counters.rows_pulled += positions.numel()
         return out

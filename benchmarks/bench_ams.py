@@ -8,7 +8,10 @@ so drift on a shared machine hits them alike; the table shows medians over repea
 
 * in-proc: ``ams.connect(local_shards=S)``, the embedded store;
 * xcls: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1 (gRPC
-  control plane, rows as frames on each shard's data port);
+  control plane, frames on each shard's data port); on one host the rows bypass the socket
+  through each connection's shared buffer (``ams.shm``);
+* xcls tcp: the same shards with ``shared_memory=False``, the rows in the frames: what a
+  client on another host gets;
 * redis: S ``redis-server`` processes (no persistence), one key per row holding the row's bytes,
   ids split by id % S, pipelined MGET / MSET, shards queried from parallel threads;
 * raw: S socket server processes that receive the ids' bytes (plus the gradients on push) and
@@ -348,9 +351,9 @@ def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: in
                 fn(batches[(r * calls + c) % len(batches)])
             rates[name].append(calls * n / (time.perf_counter() - t0))
     out = {name: statistics.median(v) for name, v in rates.items()}
-    for other in ("raw", "redis", "grpc"):
-        out[f"xcls/{other}"] = statistics.median(
-            a / b for a, b in zip(rates["xcls"], rates[other], strict=True))
+    for mine, other in (("xcls", "raw"), ("tcp", "raw"), ("xcls", "redis"), ("xcls", "grpc")):
+        out[f"{mine}/{other}"] = statistics.median(
+            a / b for a, b in zip(rates[mine], rates[other], strict=True))
     return out
 
 
@@ -364,6 +367,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
             shards = stack.enter_context(shard_processes(
                 num_shards, data_dir=workdir, xcls_flags=["-q"], log_dir=workdir))
             remote = stack.enter_context(ams.connect([shard.address for shard in shards]))
+            tcp = stack.enter_context(ams.connect([shard.address for shard in shards],
+                                                  shared_memory=False))
             local = stack.enter_context(ams.connect(local_shards=num_shards))
             red = RedisShards(num_shards, workdir, pool)
             stack.callback(red.close)
@@ -383,7 +388,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
                                for _ in range(4)]
                     grads = torch.randn(n, dim, generator=gen) * 1e-3
                     calls = max(1, args.rows_per_repeat // n)
-                    pulls, pushes = _backends(local, remote, red, raw, bare, table, grads)
+                    pulls, pushes = _backends(local, remote, tcp, red, raw, bare, table,
+                                              grads)
                     pull = measure(pulls, batches, args.repeats, calls)
                     push = measure(pushes, batches, args.repeats, calls)
                     bare.forget()
@@ -392,14 +398,14 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
                         print(_row(op, dtype_name, n, num_shards, res, dim), flush=True)
                 if num_shards == 1 and dtype_name == args.dtypes[0]:
                     latencies.append(one_row_latency(
-                        *_backends(local, remote, red, raw, bare, table,
+                        *_backends(local, remote, tcp, red, raw, bare, table,
                                    torch.randn(1, dim) * 1e-3)[:1], args.latency_calls))
     return results, latencies
 
 
-def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, red: RedisShards,
-              raw: RawClient, bare: BareGrpcClient, table: str, grads: torch.Tensor
-              ) -> tuple[dict, dict]:
+def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, tcp: ams.ShardedClient,
+              red: RedisShards, raw: RawClient, bare: BareGrpcClient, table: str,
+              grads: torch.Tensor) -> tuple[dict, dict]:
     """Pull and push callables (ids -> None) of every backend for one table and batch size."""
     spec = local.spec(table)
     rows = grads.to(spec.dtype)
@@ -408,6 +414,7 @@ def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, red: RedisSha
     pulls = {
         "in-proc": lambda ids: local.pull(table, ids),
         "xcls": lambda ids: remote.pull(table, ids),
+        "tcp": lambda ids: tcp.pull(table, ids),
         "redis": lambda ids: red.pull(ids, spec.dtype, spec.dim),
         "raw": lambda ids: raw.pull(ids, out),
         "grpc": lambda ids: bare.pull(ids, row_bytes),
@@ -415,6 +422,7 @@ def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, red: RedisSha
     pushes = {
         "in-proc": lambda ids: local.push(table, ids, grads, 1e-3),
         "xcls": lambda ids: remote.push(table, ids, grads, 1e-3),
+        "tcp": lambda ids: tcp.push(table, ids, grads, 1e-3),
         "redis": lambda ids: red.push(ids, rows),
         "raw": lambda ids: raw.push(ids, grads),
         "grpc": lambda ids: bare.push(ids, grads),
@@ -446,13 +454,14 @@ def _row(op: str, dtype_name: str, n: int, num_shards: int, res: dict, dim: int)
         return f"{res[name] / 1e6:.2f} ({res[name] * mb:,.0f})"
 
     return (f"| {op} | {dtype_name} | {n:,} | {num_shards} | {cell('in-proc')} | "
-            f"{cell('xcls')} | {cell('redis')} | {cell('raw')} | {cell('grpc')} | "
-            f"{res['xcls/raw']:.2f} | {res['xcls/redis']:.1f}x | {res['xcls/grpc']:.1f}x |")
+            f"{cell('xcls')} | {cell('tcp')} | {cell('redis')} | {cell('raw')} | "
+            f"{cell('grpc')} | {res['xcls/raw']:.2f} | {res['tcp/raw']:.2f} | "
+            f"{res['xcls/redis']:.1f}x | {res['xcls/grpc']:.1f}x |")
 
 
-TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | redis | raw socket | bare grpc | "
-              "xcls/raw | xcls/redis | xcls/grpc |\n"
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | xcls tcp | redis | raw socket | "
+              "bare grpc | xcls/raw | tcp/raw | xcls/redis | xcls/grpc |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 # ---- resident memory ---------------------------------------------------------------------
 

@@ -33,3 +33,15 @@ def test_empty_index_and_strided_destinations():
         rowcopy.gather(rows, torch.tensor([0, 1, 2]), out=strided)
     with pytest.raises(ValueError, match="contiguous destination"):
         rowcopy.scatter(strided, torch.tensor([0]), rows[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_equals_torch_copy_and_refuses_what_it_cannot_write(dtype):
+    rows = torch.randn(9, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = torch.zeros(9, 5, dtype=dtype)
+    rowcopy.copy(out, rows)
+    assert torch.equal(out, rows)
+    with pytest.raises(ValueError, match="contiguous"):
+        rowcopy.copy(torch.zeros(5, 9, dtype=dtype).t(), rows)
+    with pytest.raises(ValueError, match=r"\(9, 5\)"):
+        rowcopy.copy(torch.zeros(9, 4, dtype=dtype), rows)

@@ -75,9 +75,10 @@ def test_bench_table_pages_quick_times_both_mappings() -> None:
 
 
 def test_bench_ams_quick_measures_every_backend() -> None:
-    """Every backend (embedded, xcls shards, Redis, raw socket, bare gRPC) moves rows in every
-    cell of the quick table, the 1-row latencies are ordered, and the memory probe shows a
-    table whose momentum was never written costing about half its payload."""
+    """Every backend (embedded, xcls shards with and without shared buffers, Redis, raw
+    socket, bare gRPC) moves rows in every cell of the quick table, the 1-row latencies are
+    ordered, and the memory probe shows a table whose momentum was never written costing
+    about half its payload."""
     done = run_benchmark("bench_ams.py", "--quick", "--shards", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout, "pull") + table_rows(done.stdout, "push")
@@ -85,8 +86,8 @@ def test_bench_ams_quick_measures_every_backend() -> None:
         (op, dtype, batch, "1") for op in ("pull", "push") for dtype in ("float32", "float16")
         for batch in ("1,000", "10,000"))
     for r in rows:
-        assert all(float(cell.split()[0]) > 0 for cell in r[4:9]), r
-    for backend in ("in-proc", "xcls", "redis", "raw", "grpc"):
+        assert all(float(cell.split()[0]) > 0 for cell in r[4:10]), r
+    for backend in ("in-proc", "xcls", "tcp", "redis", "raw", "grpc"):
         (cells,) = table_rows(done.stdout, backend)
         assert 0 < float(cells[1]) <= float(cells[2]), cells
     memory = re.search(r"after create_table [\d.]+ B/class \(([\d.]+)x\); momentum written "

@@ -8,7 +8,9 @@ the shard for having changed nothing.
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
+import os
 import random
 import re
 import socket
@@ -80,17 +82,22 @@ class Peer:
         return data
 
     def answer(self):
-        """(kind, meta, ids, rows bytes) of the next frame from the shard."""
-        magic, version, kind, dtype, _, meta_bytes, dim, num_ids, num_rows, body = \
+        """(kind, meta, ids, rows bytes) of the next frame from the shard; its flags and
+        announced rows go to ``flags`` and ``announced`` (num_rows, dim, dtype)."""
+        magic, version, kind, dtype, self.flags, meta_bytes, dim, num_ids, num_rows, body = \
             HEADER.unpack(self._exact(HEADER.size))
         assert (magic, version) == (b"XAMS", 1)
+        self.announced = (num_rows, dim, dtype)
         raw = self._exact(body)
         meta = json.loads(raw[:meta_bytes]) if meta_bytes else {}
         ids = raw[meta_bytes:meta_bytes + 8 * num_ids]
         return kind, meta, ids, raw[meta_bytes + 8 * num_ids:]
 
-    def hello(self, token=None):
-        self.send(frame(HELLO, {"token": token} if token else None))
+    def hello(self, token=None, shared=None):
+        meta = {"token": token} if token else {}
+        if shared is not None:
+            meta["shared"] = shared
+        self.send(frame(HELLO, meta or None))
         kind, meta, _, _ = self.answer()
         assert kind == WELCOME, meta
         return meta
@@ -143,6 +150,10 @@ UNREADABLE = [
     ("version", frame(PULL, {"table": "fc"}, [0], version=2), "INVALID_ARGUMENT", "version 2"),
     ("kind", frame(99, {"table": "fc"}, [0]), "INVALID_ARGUMENT", "unknown kind 99"),
     ("flags", frame(PULL, {"table": "fc"}, [0], flags=4), "INVALID_ARGUMENT", "flags"),
+    ("flags-scan", frame(SCAN, {"table": "fc", "start": 0}, flags=1), "INVALID_ARGUMENT",
+     "SCAN cannot have its rows in a shared buffer"),
+    ("flags-shared-rows-length", frame(PUSH, {**PUSH_META, "offset": 0}, [0], grads(1),
+                                       flags=1), "INVALID_ARGUMENT", "shared rows"),
     ("dtype", frame(PUSH, PUSH_META, [0], grads(1), dtype=77), "INVALID_ARGUMENT", "dtype 77"),
     ("length", frame(PUSH, PUSH_META, [0], grads(1), body_bytes=10_000), "INVALID_ARGUMENT",
      "body_bytes 10000"),
@@ -494,3 +505,174 @@ def test_stop_finishes_the_request_under_way_and_closes_idle_connections():
                                    expected, rtol=0, atol=1e-7)
     finally:
         running.stop(0)
+
+
+# ---- shared buffers (proto/ams/api/frames.md, "Shared buffers") ----------------------------
+
+SHARED_BYTES = 4 << 20
+BIG_N, BIG_D = 40_000, 64  # float32 rows of 256 bytes: 4,096 of them fill 1 MiB
+SHARED_MIN = 1 << 20
+
+
+class Memfd:
+    """A sealed memory file as the frames page describes it, made here, and its offer."""
+
+    def __init__(self, size=SHARED_BYTES, seal=True):
+        self.fd = os.memfd_create("xcls-data", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, 4096 + size)
+        if seal:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.nonce = os.urandom(16)
+        os.pwrite(self.fd, self.nonce, 0)
+        self.offer = {"pid": os.getpid(), "fd": self.fd, "bytes": size, "nonce": self.nonce.hex()}
+
+    def write(self, offset, tensor):
+        os.pwrite(self.fd, tensor.contiguous().view(torch.uint8).numpy().tobytes(), 4096 + offset)
+
+    def read(self, offset, n, dim, dtype=torch.float32):
+        size = n * dim * torch.empty((), dtype=dtype).element_size()
+        return torch.frombuffer(bytearray(os.pread(self.fd, size, 4096 + offset)),
+                                dtype=dtype).view(n, dim)
+
+    def close(self):
+        os.close(self.fd)
+
+
+@pytest.fixture
+def big(cluster):
+    """A fresh float32 table of 256-byte rows on the module's shards, its name, and an
+    embedded reference holding the same table."""
+    address, client = cluster
+    name = f"big{random.randrange(1 << 30)}"
+    reference = ams.connect(local_shards=2)
+    for c in (client, reference):
+        c.create_table(name, num_rows=BIG_N, dim=BIG_D, seed=9)
+    yield address, client, name, reference
+    reference.close()
+
+
+def shared_peer(address):
+    memfd = Memfd()
+    peer = Peer(address)
+    assert peer.hello(shared=memfd.offer)["shared"] is True
+    return peer, memfd
+
+
+def test_rows_move_through_the_shared_buffer_the_shard_maps(big):
+    """A pull asked into the buffer is answered with the SHARED flag and no row bytes, the
+    rows being in the buffer; a push whose gradients are there applies them as the embedded
+    store applies the same push; rows under 1 MiB come in the frame."""
+    address, client, name, reference = big
+    peer, memfd = shared_peer(address)
+    ids = list(range(0, 2 * 4096, 2))  # shard 0's first 4,096 rows: 1 MiB
+    peer.send(frame(PULL, {"table": name, "offset": 64, "bytes": SHARED_MIN}, ids, flags=1))
+    kind, meta, _, rows = peer.answer()
+    assert (kind, peer.flags, rows, peer.announced) == (ROWS, 1, b"", (4096, BIG_D, F32)), meta
+    assert torch.equal(memfd.read(64, 4096, BIG_D), reference.pull(name, torch.tensor(ids)))
+
+    g = torch.randn(4096, BIG_D)
+    memfd.write(SHARED_MIN + 64, g)
+    peer.send(frame(PUSH, {**PUSH_META, "table": name, "offset": SHARED_MIN + 64}, ids,
+                    dtype=F32, dim=BIG_D, num_rows=4096, flags=1))
+    assert peer.answer()[:2] == (PUSHED, {"applied": True})
+    reference.push(name, torch.tensor(ids), g, 0.1)
+    assert torch.equal(client.pull(name, torch.arange(BIG_N)),
+                       reference.pull(name, torch.arange(BIG_N)))
+
+    for few, room in ((ids[:4095], SHARED_MIN), (ids, SHARED_MIN - 64)):
+        peer.send(frame(PULL, {"table": name, "offset": 0, "bytes": room}, few, flags=1))
+        kind, _, _, rows = peer.answer()
+        assert (kind, peer.flags) == (ROWS, 0)
+        assert rows == reference.pull(name, torch.tensor(few)).numpy().tobytes()
+    peer.close()
+    memfd.close()
+
+
+@pytest.mark.parametrize("name,meta,kind,needle", [
+    ("offset-odd", {"offset": 8, "bytes": SHARED_MIN}, PULL, "non-negative multiple of 64"),
+    ("offset-negative", {"offset": -64, "bytes": SHARED_MIN}, PULL, "non-negative multiple"),
+    ("offset-missing", {"bytes": SHARED_MIN}, PULL, "'offset' is required"),
+    ("offset-float", {"offset": 0.0, "bytes": SHARED_MIN}, PULL, "'offset' must be int"),
+    ("bytes-missing", {"offset": 0}, PULL, "'bytes' is required"),
+    ("region-past-end", {"offset": SHARED_BYTES - SHARED_MIN + 64, "bytes": SHARED_MIN}, PULL,
+     "not in the 4194304-byte shared buffer"),
+    ("bytes-negative", {"offset": 0, "bytes": -1}, PULL, "not in the"),
+    ("push-past-end", {"offset": SHARED_BYTES - 64}, PUSH, "pass the end"),
+    ("push-offset-missing", {}, PUSH, "'offset' is required"),
+])
+def test_shared_requests_the_shard_refuses_change_nothing(big, name, meta, kind, needle):
+    address, client, table, reference = big
+    peer, memfd = shared_peer(address)
+    ids = list(range(0, 2 * 4096, 2))
+    memfd.write(0, torch.full((4096, BIG_D), 0.5))
+    if kind == PULL:
+        peer.send(frame(PULL, {"table": table, **meta}, ids, flags=1))
+    else:
+        peer.send(frame(PUSH, {**PUSH_META, "table": table, **meta}, ids, dtype=F32,
+                        dim=BIG_D, num_rows=4096, flags=1))
+    answer, reply, _, _ = peer.answer()
+    assert (answer, reply["code"]) == (ERROR, "INVALID_ARGUMENT"), reply
+    assert needle in reply["message"], reply
+    peer.send(frame(PULL, {"table": table}, [0, 2]))  # the connection serves on
+    assert peer.answer()[0] == ROWS
+    assert torch.equal(client.pull(table, torch.arange(BIG_N)),
+                       reference.pull(table, torch.arange(BIG_N)))
+    peer.close()
+    memfd.close()
+
+
+def test_shared_rows_without_a_granted_buffer_are_refused(big):
+    address, client, table, reference = big
+    unsealed = Memfd(seal=False)
+    for offer in (None, unsealed.offer, {**Memfd().offer, "nonce": "00" * 16}):
+        peer = Peer(address)
+        welcome = peer.hello(shared=offer)
+        assert welcome.get("shared") is (None if offer is None else False)
+        peer.send(frame(PUSH, {**PUSH_META, "table": table, "offset": 0}, [0], dtype=F32,
+                        dim=BIG_D, num_rows=1, flags=1))
+        kind, reply, _, _ = peer.answer()
+        assert (kind, reply["code"]) == (ERROR, "INVALID_ARGUMENT")
+        assert "this connection has none" in reply["message"]
+        peer.close()
+    assert torch.equal(client.pull(table, torch.arange(BIG_N)),
+                       reference.pull(table, torch.arange(BIG_N)))
+    unsealed.close()
+
+
+@pytest.mark.parametrize("offer", ["yes", {"pid": 1}, {"pid": True, "fd": 3, "bytes": 64,
+                                                       "nonce": "00" * 16}])
+def test_a_hello_with_a_malformed_offer_is_refused_and_closed(cluster, offer):
+    address, _ = cluster
+    peer = Peer(address)
+    peer.send(frame(HELLO, {"shared": offer}))
+    kind, meta, _, _ = peer.answer()
+    assert (kind, meta["code"]) == (ERROR, "INVALID_ARGUMENT")
+    assert "shared" in meta["message"]
+    assert peer.is_closed()
+    peer.close()
+
+
+def test_the_client_moves_large_rows_through_shared_buffers(big):
+    """``ams.connect`` on the shards' host maps shared buffers; pulls and pushes through them
+    (pieces of 2 MiB, two on the wire, repeated ids) equal the embedded store's, and so do a
+    client's with ``shared_memory=False``."""
+    address, client, table, reference = big
+    tcp = ams.connect(client_addresses(client), shared_memory=False)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        ids = torch.randint(0, BIG_N, (30_000,), generator=gen)
+        g = torch.randn(30_000, BIG_D, generator=gen)
+        for c in (client, reference):
+            c.push(table, ids, g, 0.05, decay_clock=float(step))
+    every = torch.randperm(BIG_N, generator=gen)
+    expected = reference.pull(table, every)
+    assert torch.equal(client.pull(table, every), expected)
+    assert torch.equal(tcp.pull(table, every), expected)
+    pooled = [conn for shard in client.shards for conn in shard._idle]
+    assert pooled and all(conn.shared is not None for conn in pooled)
+    assert all(conn.shared is None for shard in tcp.shards for conn in shard._idle)
+    tcp.close()
+
+
+def client_addresses(client):
+    return [shard.address for shard in client.shards]

@@ -430,6 +430,8 @@ def test_tls_and_token(shard_cluster, tmp_path):
     client = ams.connect([proc.address], tls_ca=cert.read_bytes(), token="t0k3n")
     client.create_table("fc", num_rows=10, dim=4)
     assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)
+    # rows stay in the TLS stream: no shared buffer bypasses it
+    assert all(conn.shared is None for shard in client.shards for conn in shard._idle)
     client.close()
     with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
         ams.connect([proc.address], token="t0k3n", ready_timeout=2)
