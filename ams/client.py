@@ -70,6 +70,15 @@ class PushPiece(NamedTuple):
     sequence: int
 
 
+def _piece_sizes(rows: int, most: int) -> list[int]:
+    """``rows`` cut into as few pieces of at most ``most`` rows as they take (one of 0 rows
+    for none), their sizes differing by one at most: no short last piece, which would wait on
+    the wire alone and fall below the shared buffer's minimum (``ams.shm.MIN_SHARED_BYTES``)."""
+    count = max(1, -(-rows // max(1, most)))
+    base, longer = divmod(rows, count)
+    return [base + 1] * longer + [base] * (count - longer)
+
+
 class _PushPieces(Sequence[PushPiece]):
     """One shard's part of a push, cut into pieces, each gathered when it is asked for: the
     first piece goes on the wire while the next is gathered, and a resend after a lost
@@ -538,8 +547,8 @@ class ShardedClient:
 
         def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
             wanted = ids if positions is None else ids.index_select(0, positions)
-            step = max(1, self.shards[s].piece_bytes // row_bytes)
-            return list(wanted.split(step)) if wanted.numel() > step else [wanted]
+            return list(wanted.split(_piece_sizes(wanted.numel(),
+                                                  self.shards[s].piece_bytes // row_bytes)))
 
         if self.num_shards == 1:
             return self.shards[0].pull(name, pieces(0, None))
@@ -584,9 +593,10 @@ class ShardedClient:
 
         def work(s: int) -> None:
             if parts[s].numel():
-                step = max(1, self.shards[s].piece_bytes // (spec.dim * 4))
-                pieces = _PushPieces(keys, values, source, parts[s].split(step),
-                                     self._next_sequences(-(-parts[s].numel() // step)))
+                sizes = _piece_sizes(parts[s].numel(),
+                                     self.shards[s].piece_bytes // (spec.dim * 4))
+                pieces = _PushPieces(keys, values, source, parts[s].split(sizes),
+                                     self._next_sequences(len(sizes)))
                 self.shards[s].push(name, pieces, float(lr), self.client_id, decay_clock)
 
         self._fan_out(work)

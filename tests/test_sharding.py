@@ -70,3 +70,31 @@ def test_client_splits_requests_into_the_backends_pieces(monkeypatch):
     everything = torch.arange(N)
     torch.testing.assert_close(client.pull("fc", everything), whole.pull("fc", everything),
                                rtol=0, atol=1e-7)
+
+
+def test_pieces_of_a_shard_are_of_about_one_size(monkeypatch):
+    """A shard's 7 rows at most 3 a piece go as 3 + 2 + 2, not 3 + 3 + 1; pushes alike."""
+    from ams.local import LocalShard
+    from ams.store import ShardStore
+
+    sizes: list[tuple[str, int]] = []
+    pull, push = ShardStore.pull, ShardStore.push
+
+    def recorded_pull(self, name, ids, out=None):
+        sizes.append(("pull", ids.numel()))
+        return pull(self, name, ids, out)
+
+    def recorded_push(self, name, ids, *args, **kwargs):
+        sizes.append(("push", ids.numel()))
+        return push(self, name, ids, *args, **kwargs)
+
+    monkeypatch.setattr(LocalShard, "piece_bytes", 3 * D * 4)
+    monkeypatch.setattr(ShardStore, "pull", recorded_pull)
+    monkeypatch.setattr(ShardStore, "push", recorded_push)
+    client = ams.connect(local_shards=1)
+    client.create_table("fc", num_rows=N, dim=D)
+    ids = torch.arange(7)
+    client.pull("fc", ids)
+    client.push("fc", ids, torch.ones(7, D), lr=0.1)
+    assert sorted(sizes) == [("pull", 2), ("pull", 2), ("pull", 3),
+                             ("push", 2), ("push", 2), ("push", 3)]
