@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -475,11 +475,17 @@ class ShardedClient:
     # ---- plumbing ---------------------------------------------------------------------
 
     def _fan_out(self, work: Callable[[int], T]) -> list[T]:
-        """Run ``work(shard)`` for every shard, in parallel; re-raise the first failure."""
+        """Run ``work(shard)`` for every shard, in parallel; once all have ended, re-raise the
+        failure of the first shard that failed. The calling thread does shard 0's work itself
+        rather than wait idle: one thread hand-off fewer on every call."""
         if self._pool is None:
             return [work(0)]
-        futures = [self._pool.submit(work, s) for s in range(self.num_shards)]
-        return [f.result() for f in futures]
+        futures = [self._pool.submit(work, s) for s in range(1, self.num_shards)]
+        try:
+            first = work(0)
+        finally:
+            wait(futures)
+        return [first] + [f.result() for f in futures]
 
     def _raise_if_invalid(self) -> None:
         reason = self._invalid_reason
