@@ -351,7 +351,9 @@ class DataPlaneServer:
             buffer.close()
         shared.clear()
         buffer = SharedBuffer.attach(offer)  # InvalidArgument for an offer that is not one
-        if buffer is None or self._tls is not None:
+        granted = buffer is not None and self._tls is None
+        log.debug("dataplane_shared_buffer granted=%s", granted)
+        if not granted:
             if buffer is not None:
                 buffer.close()
             return False
