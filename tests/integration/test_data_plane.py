@@ -676,3 +676,52 @@ def test_the_client_moves_large_rows_through_shared_buffers(big):
 
 def client_addresses(client):
     return [shard.address for shard in client.shards]
+
+
+def test_mutated_shared_frames_get_a_typed_answer_and_the_shard_serves_on(shard_cluster,
+                                                                          tmp_path):
+    """As the test above, on connections whose shared buffer was granted: pulls asking for
+    rows there and pushes whose gradients are there, randomly changed, get rows, a receipt
+    or a typed error that is not INTERNAL; the shard serves on, rows finite, no traceback."""
+    (proc,) = shard_cluster(1)
+    rng = random.Random(11)
+    rows_n, dim = 4096, 256  # float32 rows of 1 KiB: 1,024 of them fill 1 MiB
+    answers: collections.Counter[str] = collections.Counter()
+    with ams.connect([proc.address]) as client:
+        client.create_table("fs", num_rows=rows_n, dim=dim, seed=5)
+        for _ in range(150):
+            memfd = Memfd()
+            peer = Peer(proc.address)
+            assert peer.hello(shared=memfd.offer)["shared"] is True
+            ids = sorted(rng.sample(range(rows_n), rng.choice((1, 30, 1024, 2048))))
+            offset = rng.choice((0, 64, SHARED_MIN))
+            if rng.random() < 0.5:
+                data = frame(PULL, {"table": "fs", "offset": offset,
+                                    "bytes": rng.choice((SHARED_MIN, 2 * SHARED_MIN))},
+                             ids, flags=1)
+            else:
+                memfd.write(offset, torch.full((len(ids), dim), rng.uniform(-1e-3, 1e-3)))
+                meta = {"table": "fs", "lr": 0.01, "client_id": f"c{rng.randrange(3)}",
+                        "sequence": rng.randrange(1 << 20), "offset": offset}
+                data = frame(PUSH, meta, ids, dtype=F32, dim=dim, num_rows=len(ids), flags=1)
+            peer.send(_mutated(rng, data))
+            peer.sock.shutdown(socket.SHUT_WR)
+            try:
+                kind, meta, _, _ = peer.answer()
+            except ConnectionError:
+                answers["closed"] += 1
+            else:
+                assert kind in (ROWS, PUSHED, ERROR), (kind, meta)
+                if kind == ERROR:
+                    assert meta["code"] in {"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE",
+                                            "RESOURCE_EXHAUSTED"}, meta
+                answers[{ROWS: "rows", PUSHED: "pushed", ERROR: "error"}[kind]] += 1
+            peer.close()
+            memfd.close()
+        rows = client.pull("fs", torch.arange(rows_n))
+    assert answers["error"] > 20 and answers["rows"] + answers["pushed"] > 5, answers
+    assert bool(torch.isfinite(rows).all())
+    logs = list(tmp_path.glob("*.log"))
+    assert logs
+    log = "".join(p.read_text(errors="replace") for p in logs)
+    assert "Traceback" not in log, log[-3000:]
