@@ -479,8 +479,7 @@ class DataConnection:
                  expect_incarnation: str | None, timeout: float,
                  shared_memory: bool = True) -> None:
         self.shared: SharedBuffer | None = None
-        offered = SharedBuffer.create(PIPELINE_WINDOW * PIECE_BYTES) \
-            if shared_memory and tls_ca is None else None
+        offered: tuple[SharedBuffer, dict] | None = None
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -492,6 +491,8 @@ class DataConnection:
                 hello["token"] = token
             if expect_incarnation:
                 hello["expect_incarnation"] = expect_incarnation
+            if shared_memory and tls_ca is None:
+                offered = SharedBuffer.create(PIPELINE_WINDOW * PIECE_BYTES)
             if offered is not None:
                 hello["shared"] = offered[1]
             self.sock, self.reader = sock, SocketReader(sock)

@@ -725,3 +725,38 @@ def test_mutated_shared_frames_get_a_typed_answer_and_the_shard_serves_on(shard_
     assert logs
     log = "".join(p.read_text(errors="replace") for p in logs)
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path):
+    """A client whose HELLO is refused, or whose shard is gone, keeps none of the memory
+    files it offered: this process's descriptors and mappings are as before."""
+    from ams.dataplane import DataConnection
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    (proc,) = shard_cluster(1, token_file=token_file)
+    port = data_port(proc.address, "s3cret")
+
+    def memfds() -> tuple[int, int]:
+        fds = sum("xcls-data" in os.readlink(f"/proc/self/fd/{fd}")
+                  for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+        maps = open("/proc/self/maps").read().count("xcls-data")
+        return fds, maps
+
+    with socket.socket() as probe:  # a port nobody listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        gone = probe.getsockname()[1]
+    before = memfds()
+    for _ in range(20):
+        with pytest.raises(ams.errors.Unauthenticated):
+            DataConnection("127.0.0.1", port, token="wrong", tls_ca=None,
+                           expect_incarnation=None, timeout=10)
+        with pytest.raises(ConnectionRefusedError):
+            DataConnection("127.0.0.1", gone, token=None, tls_ca=None,
+                           expect_incarnation=None, timeout=10)
+    granted = DataConnection("127.0.0.1", port, token="s3cret", tls_ca=None,
+                             expect_incarnation=None, timeout=10)
+    assert granted.shared is not None
+    assert memfds() == (before[0] + 1, before[1] + 1)  # the mapping and mmap's own descriptor
+    granted.close()
+    assert memfds() == before
