@@ -78,6 +78,7 @@ def test_print_documents_each_field_above_it():
     ("[data]\nbatch_size = 0\n", "data.batch_size: must be > 0"),
     ("[data]\nbatch_size = 2.5\n", "data.batch_size: expected an integer"),
     ("[train]\namp = 1\n", "train.amp: expected true or false"),
+    ("[ams]\nshared_memory = \"no\"\n", "ams.shared_memory: expected true or false"),
     ("[optim]\nlr = -0.1\n", "optim.lr: must be >= 0"),
     ("[optim]\nlr = nan\n", "optim.lr: expected a finite number"),
     ("[optim]\nlr = 1e39\n", "optim.lr: 1e+39 is beyond float32's range"),

@@ -163,6 +163,10 @@ class AmsConfig:
     scheduler: str = ""
     """host:port of an 'xcls serve scheduler' to find the shards through and keep a lease with,
     instead of addresses (a lost shard or worker then rolls training back); empty: none"""
+    shared_memory: bool = True
+    """rows of 1 MiB or more to and from a shard on this host (same pid namespace) bypass the
+    socket through memory both processes map (ams.shm; never with TLS); false: always in the
+    data plane's frames"""
 
 
 @dataclass

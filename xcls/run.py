@@ -335,7 +335,8 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
 
     if not cfg.ams.scheduler:
         if cfg.ams.addresses:
-            return ams.connect(cfg.ams.addresses, token=token, tls_ca=tls_ca)
+            return ams.connect(cfg.ams.addresses, token=token, tls_ca=tls_ca,
+                               shared_memory=cfg.ams.shared_memory)
         client = ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
                              keep_snapshots=cfg.train.snapshots_to_keep,
                              storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables")
@@ -351,7 +352,8 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
 
     scheduler = SchedulerClient(cfg.ams.scheduler, token=token)
     shard_map = scheduler.wait_for_shards(timeout=SHARDS_WAIT_S)
-    client = ams.connect(list(shard_map.addresses), token=token, tls_ca=tls_ca)
+    client = ams.connect(list(shard_map.addresses), token=token, tls_ca=tls_ca,
+                         shared_memory=cfg.ams.shared_memory)
     if lease_rank is None:
         scheduler.close()
         return client

@@ -760,3 +760,19 @@ def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster
     assert memfds() == (before[0] + 1, before[1] + 1)  # the mapping and mmap's own descriptor
     granted.close()
     assert memfds() == before
+
+
+@pytest.mark.parametrize("setting,mapped", [(None, True), ("false", False)])
+def test_the_trainers_client_follows_ams_shared_memory(cluster, tmp_path, setting, mapped):
+    from xcls.config import load_config
+    from xcls.run import connect_ams
+
+    _, client = cluster
+    overrides = [f"ams.addresses={client_addresses(client)!r}"]  # both shards, in order
+    if setting is not None:
+        overrides.append(f"ams.shared_memory={setting}")
+    trainer_client = connect_ams(load_config(None, overrides), tmp_path, None)
+    trainer_client.pull("fc", torch.arange(8))
+    pooled = [conn for shard in trainer_client.shards for conn in shard._idle]
+    assert pooled and all((conn.shared is not None) is mapped for conn in pooled)
+    trainer_client.close()
