@@ -479,6 +479,7 @@ class DataConnection:
                  expect_incarnation: str | None, timeout: float,
                  shared_memory: bool = True) -> None:
         self.shared: SharedBuffer | None = None
+        self._row_bytes: dict[str, int] = {}  # of each table pulled, from its answers
         offered: tuple[SharedBuffer, dict] | None = None
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
@@ -544,6 +545,7 @@ class DataConnection:
             starts.append(starts[-1] + piece.numel())
         result: list[torch.Tensor] = []
         shared = self.shared
+        asked: set[int] = set()  # the pieces whose rows may come in the shared buffer
 
         def check(i: int, header: Header) -> None:
             """Piece i's answer announces its rows' count, and the width and dtype of the
@@ -569,16 +571,24 @@ class DataConnection:
 
         def send(i: int) -> None:
             meta: dict = {"table": table}
-            if shared is not None:  # the shard answers in the frame where the rows won't fit
+            # asked where the rows may take the buffer's minimum (a table's row size is known
+            # from its first answer); the shard answers in the frame where they won't fit
+            row_bytes = self._row_bytes.get(table)
+            ask = shared is not None and (row_bytes is None or MIN_SHARED_BYTES
+                                          <= pieces[i].numel() * row_bytes)
+            if ask:
                 meta["offset"], meta["bytes"] = shared.slot(i % window, window), \
                     shared.slot_bytes(window)
-            send_frame(self.sock, Kind.PULL, meta, ids=pieces[i], shared=shared is not None)
+                asked.add(i)
+            send_frame(self.sock, Kind.PULL, meta, ids=pieces[i], shared=ask)
 
         def receive(i: int) -> None:
             answer = self._expect(Kind.ROWS, lambda h: rows_out(i, h))
+            if answer.header.dtype is not None:
+                self._row_bytes[table] = answer.header.dim * answer.header.dtype.itemsize
             if answer.header.shared:
-                if shared is None:
-                    raise FrameError("frame: rows in a shared buffer this connection has not")
+                if shared is None or i not in asked:
+                    raise FrameError("frame: rows in a shared buffer where none was asked for")
                 check(i, answer.header)
                 got = shared.rows(shared.slot(i % window, window), answer.header.dtype,
                                   answer.header.num_rows, answer.header.dim)

@@ -432,16 +432,20 @@ def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, tcp: ams.Shar
 
 def one_row_latency(pulls: dict, calls: int) -> dict[str, tuple[float, float]]:
     """(p50, p99) seconds of a 1-row pull of each backend, over ``calls`` calls each, the
-    backends taking turns call by call (so drift hits them alike)."""
+    backends taking turns call by call (so drift hits them alike), the first turn moving on
+    by one each round: a call right after the in-process one runs slower (caches, a sleeping
+    core), and no backend should always be the one that follows it."""
     ids = [torch.tensor([i]) for i in range(64)]
     times: dict[str, list[float]] = {name: [] for name in pulls}
     for fn in pulls.values():
         for i in range(20):  # warm-up
             fn(ids[i])
+    names = list(pulls)
     for c in range(calls):
-        for name, fn in pulls.items():
+        first = c % len(names)
+        for name in names[first:] + names[:first]:
             t0 = time.perf_counter()
-            fn(ids[c % len(ids)])
+            pulls[name](ids[c % len(ids)])
             times[name].append(time.perf_counter() - t0)
     return {name: (statistics.median(t), statistics.quantiles(t, n=100)[98])
             for name, t in times.items()}

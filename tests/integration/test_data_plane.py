@@ -652,11 +652,21 @@ def test_a_hello_with_a_malformed_offer_is_refused_and_closed(cluster, offer):
     peer.close()
 
 
-def test_the_client_moves_large_rows_through_shared_buffers(big):
+def test_the_client_moves_large_rows_through_shared_buffers(big, monkeypatch):
     """``ams.connect`` on the shards' host maps shared buffers; pulls and pushes through them
     (pieces of 2 MiB, two on the wire, repeated ids) equal the embedded store's, and so do a
     client's with ``shared_memory=False``."""
+    from ams.shm import SharedBuffer
+
     address, client, table, reference = big
+    through_buffer = collections.Counter()
+    rows_at = SharedBuffer.rows
+
+    def counted(self, offset, dtype, num_rows, dim):
+        through_buffer[num_rows * dim * dtype.itemsize >= SHARED_MIN] += 1
+        return rows_at(self, offset, dtype, num_rows, dim)
+
+    monkeypatch.setattr(SharedBuffer, "rows", counted)
     tcp = ams.connect(client_addresses(client), shared_memory=False)
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
@@ -671,6 +681,10 @@ def test_the_client_moves_large_rows_through_shared_buffers(big):
     pooled = [conn for shard in client.shards for conn in shard._idle]
     assert pooled and all(conn.shared is not None for conn in pooled)
     assert all(conn.shared is None for shard in tcp.shards for conn in shard._idle)
+    # every piece went through the client's buffer, and all were of 1 MiB or more: 3 pushes
+    # of about 10,500 rows a shard (2 pieces of 1.3 MiB), and the pull of 20,000 rows a
+    # shard (3 pieces of 1.6 MiB; the tcp client's pull uses no buffer)
+    assert through_buffer == {True: 3 * 2 * 2 + 2 * 3}, through_buffer
     tcp.close()
 
 
