@@ -37,6 +37,7 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -432,18 +433,19 @@ def _backends(local: ams.ShardedClient, remote: ams.ShardedClient, tcp: ams.Shar
 
 def one_row_latency(pulls: dict, calls: int) -> dict[str, tuple[float, float]]:
     """(p50, p99) seconds of a 1-row pull of each backend, over ``calls`` calls each, the
-    backends taking turns call by call (so drift hits them alike), the first turn moving on
-    by one each round: a call right after the in-process one runs slower (caches, a sleeping
-    core), and no backend should always be the one that follows it."""
+    backends taking turns call by call (so drift hits them alike) in an order shuffled each
+    round: a call right after another backend's runs slower or faster (caches, a core gone
+    to sleep, a shard's thread still awake), and no backend should always follow the same
+    one."""
     ids = [torch.tensor([i]) for i in range(64)]
     times: dict[str, list[float]] = {name: [] for name in pulls}
     for fn in pulls.values():
         for i in range(20):  # warm-up
             fn(ids[i])
-    names = list(pulls)
+    names, shuffle = list(pulls), random.Random(0).shuffle
     for c in range(calls):
-        first = c % len(names)
-        for name in names[first:] + names[:first]:
+        shuffle(names)
+        for name in names:
             t0 = time.perf_counter()
             pulls[name](ids[c % len(ids)])
             times[name].append(time.perf_counter() - t0)
