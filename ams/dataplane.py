@@ -375,12 +375,11 @@ class DataPlaneServer:
             if frame.header.shared and shared is None:
                 raise InvalidArgument("frame: rows in a shared buffer, but this connection "
                                       "has none (its HELLO offered none, or it was refused)")
-            if frame.header.kind == Kind.PULL and frame.header.shared:
-                out = self._shared_rows_out(table, frame, shared)
+            if frame.header.kind == Kind.PULL:
+                out = self._shared_rows_out(table, frame, shared) if frame.header.shared \
+                    else None
                 rows = self.store.pull(table, frame.ids, out)
                 send_frame(sock, Kind.ROWS, rows=rows, shared=out is not None)
-            elif frame.header.kind == Kind.PULL:
-                send_frame(sock, Kind.ROWS, rows=self.store.pull(table, frame.ids))
             elif frame.header.kind == Kind.SCAN:
                 ids, rows = self.store.scan_block(
                     table, frames.meta_field(frame.meta, "start", int),
@@ -577,8 +576,7 @@ class DataConnection:
             ask = shared is not None and (row_bytes is None or MIN_SHARED_BYTES
                                           <= pieces[i].numel() * row_bytes)
             if ask:
-                meta["offset"], meta["bytes"] = shared.slot(i % window, window), \
-                    shared.slot_bytes(window)
+                meta["offset"], meta["bytes"] = shared.slot(i, window), shared.slot_bytes(window)
                 asked.add(i)
             send_frame(self.sock, Kind.PULL, meta, ids=pieces[i], shared=ask)
 
@@ -590,7 +588,7 @@ class DataConnection:
                 if shared is None or i not in asked:
                     raise FrameError("frame: rows in a shared buffer where none was asked for")
                 check(i, answer.header)
-                got = shared.rows(shared.slot(i % window, window), answer.header.dtype,
+                got = shared.rows(shared.slot(i, window), answer.header.dtype,
                                   answer.header.num_rows, answer.header.dim)
                 if into is None:
                     rowcopy.copy(result[0][starts[i]:starts[i + 1]], got)
@@ -624,7 +622,6 @@ class DataConnection:
         """Each piece (ids int64 (n_i,), grads float (n_i, dim), sequence) as one push,
         pipelined like ``pull``; whether each was applied now (False: before)."""
         applied: list[bool] = []
-
         shared = self.shared
 
         def send(i: int) -> None:
@@ -634,7 +631,7 @@ class DataConnection:
                 meta["decay_clock"] = decay_clock
             if shared is not None and MIN_SHARED_BYTES <= grads.numel() * grads.element_size() \
                     <= shared.slot_bytes(window):
-                meta["offset"] = shared.slot(i % window, window)
+                meta["offset"] = shared.slot(i, window)
                 rows = shared.rows(meta["offset"], grads.dtype, *grads.shape)
                 rowcopy.copy(rows, grads)
                 send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=rows, shared=True)

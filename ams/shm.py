@@ -136,11 +136,11 @@ class SharedBuffer:
             return None
         return buffer
 
-    def slot(self, index: int, count: int) -> int:
-        """The offset of slot ``index`` when the region is cut into ``count`` equal slots
-        (multiples of ALIGN): a connection with ``count`` requests on the wire gives request
-        i slot i % count."""
-        return index * self.slot_bytes(count)
+    def slot(self, request: int, count: int) -> int:
+        """The offset of request ``request``'s slot when the region is cut into ``count``
+        equal slots (multiples of ALIGN), one for each request a connection keeps on the wire:
+        request i takes slot i % count."""
+        return request % count * self.slot_bytes(count)
 
     def slot_bytes(self, count: int) -> int:
         return self.capacity // count // ALIGN * ALIGN
