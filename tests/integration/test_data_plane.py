@@ -418,6 +418,32 @@ def _mutated(rng: random.Random, data: bytes) -> bytes:
     return bytes(out)
 
 
+TYPED_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED"}
+
+
+def typed_answer(peer: Peer, data: bytes) -> tuple[str, dict]:
+    """Send ``data`` and shut the sending side (so that no frame leaves the shard waiting for
+    bytes); the answer, checked to be rows, a push receipt or a typed error that is not
+    INTERNAL, as ("rows" | "pushed" | "error", meta), or ("closed", {})."""
+    peer.send(data)
+    peer.sock.shutdown(socket.SHUT_WR)
+    try:
+        kind, meta, _, _ = peer.answer()
+    except ConnectionError:
+        return "closed", {}
+    assert kind in (ROWS, PUSHED, ERROR), (kind, meta, data[:64])
+    if kind == ERROR:
+        assert meta["code"] in TYPED_CODES, (meta, data[:200])
+    return {ROWS: "rows", PUSHED: "pushed", ERROR: "error"}[kind], meta
+
+
+def assert_no_traceback(log_dir) -> None:
+    logs = list(log_dir.glob("*.log"))
+    assert logs
+    log = "".join(p.read_text(errors="replace") for p in logs)
+    assert "Traceback" not in log, log[-3000:]
+
+
 def test_mutated_frames_get_a_typed_answer_and_the_shard_serves_on(shard_cluster, tmp_path):
     """Valid frames with random changes, one per connection whose sender then shuts its side
     (so that no frame leaves the shard waiting for bytes): each gets rows, a push receipt or
@@ -432,28 +458,16 @@ def test_mutated_frames_get_a_typed_answer_and_the_shard_serves_on(shard_cluster
             data = _mutated(rng, _valid_frame(rng, "fz"))
             peer = Peer(proc.address)
             peer.hello()
-            peer.send(data)
-            peer.sock.shutdown(socket.SHUT_WR)
-            try:
-                kind, meta, _, _ = peer.answer()
-            except ConnectionError:
-                answers["closed"] += 1
-            else:
-                assert kind in (ROWS, PUSHED, ERROR), (kind, meta, data[:64])
-                if kind == ERROR:
-                    assert meta["code"] in {"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE",
-                                            "RESOURCE_EXHAUSTED"}, (meta, data[:200])
-                    assert len(meta["message"]) < 1000
-                answers[{ROWS: "rows", PUSHED: "pushed", ERROR: "error"}[kind]] += 1
+            answer, meta = typed_answer(peer, data)
+            if answer == "error":
+                assert len(meta["message"]) < 1000
+            answers[answer] += 1
             peer.close()
         rows = client.pull("fz", torch.arange(N))
     # the changes were both refused and, where they left a valid frame, served
     assert answers["error"] > 50 and answers["rows"] + answers["pushed"] > 10, answers
     assert bool(torch.isfinite(rows.float()).all())
-    logs = list(tmp_path.glob("*.log"))
-    assert logs
-    log = "".join(p.read_text(errors="replace") for p in logs)
-    assert "Traceback" not in log, log[-3000:]
+    assert_no_traceback(tmp_path)
 
 
 def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
@@ -718,27 +732,13 @@ def test_mutated_shared_frames_get_a_typed_answer_and_the_shard_serves_on(shard_
                 meta = {"table": "fs", "lr": 0.01, "client_id": f"c{rng.randrange(3)}",
                         "sequence": rng.randrange(1 << 20), "offset": offset}
                 data = frame(PUSH, meta, ids, dtype=F32, dim=dim, num_rows=len(ids), flags=1)
-            peer.send(_mutated(rng, data))
-            peer.sock.shutdown(socket.SHUT_WR)
-            try:
-                kind, meta, _, _ = peer.answer()
-            except ConnectionError:
-                answers["closed"] += 1
-            else:
-                assert kind in (ROWS, PUSHED, ERROR), (kind, meta)
-                if kind == ERROR:
-                    assert meta["code"] in {"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE",
-                                            "RESOURCE_EXHAUSTED"}, meta
-                answers[{ROWS: "rows", PUSHED: "pushed", ERROR: "error"}[kind]] += 1
+            answers[typed_answer(peer, _mutated(rng, data))[0]] += 1
             peer.close()
             memfd.close()
         rows = client.pull("fs", torch.arange(rows_n))
     assert answers["error"] > 20 and answers["rows"] + answers["pushed"] > 5, answers
     assert bool(torch.isfinite(rows).all())
-    logs = list(tmp_path.glob("*.log"))
-    assert logs
-    log = "".join(p.read_text(errors="replace") for p in logs)
-    assert "Traceback" not in log, log[-3000:]
+    assert_no_traceback(tmp_path)
 
 
 def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path):
