@@ -106,13 +106,18 @@ class SparseMomentumSGD:
         if catch_up is not None:
             w.mul_(catch_up.to(torch.float32)[:, None])
         g = grads.to(torch.float32)  # the caller's tensor when it is float32: not written
-        if self.weight_decay:
-            g = torch.add(g, w, alpha=self.weight_decay)
         new_state = None
         if self.momentum:
+            # v <- g + momentum * v + weight_decay * w in the gathered copy of v: two passes
+            # and no temporary, where building g + weight_decay * w first takes a third pass
+            # and a fresh (m, dim) tensor
             v = rowcopy.gather(state, positions).to(torch.float32)
-            g = v.mul_(self.momentum).add_(g)
+            g = torch.add(g, v, alpha=self.momentum, out=v)
+            if self.weight_decay:
+                g.add_(w, alpha=self.weight_decay)
             new_state = g.to(state.dtype)
+        elif self.weight_decay:
+            g = torch.add(g, w, alpha=self.weight_decay)
         w.sub_(g, alpha=lr)
         return RowUpdate(positions, w.to(rows.dtype), new_state)
 
