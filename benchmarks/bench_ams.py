@@ -339,22 +339,42 @@ class RedisShards:
 # ---- measurement -------------------------------------------------------------------------
 
 
-def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: int) -> dict:
-    """Median rows/s of each backend and median per-repeat ratios; backends run in turn."""
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread, living or ended) that process ``pid`` has used,
+    seconds: its process CPU clock, which Linux lets another process read (the clock id is
+    what glibc's ``clock_getcpuclockid`` makes, which Python does not wrap)."""
+    return time.clock_gettime(((~pid) << 3) | 2)
+
+
+def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: int,
+            shard_pids: list[int]) -> dict:
+    """Median rows/s of each backend and median per-repeat ratios; backends run in turn.
+    "cpu": per xcls call, ms of wall time and of CPU in this process and in the shard
+    processes (``shard_pids``) while the xcls backend ran."""
     n = batches[0].numel()
     for fn in backends.values():  # warm-up: connections, buffers, first-touch pages
         fn(batches[0])
     rates: dict[str, list[float]] = {name: [] for name in backends}
+    cpu = {"wall": 0.0, "client": 0.0, "shards": 0.0}
     for r in range(repeats):
         for name, fn in backends.items():
+            if name == "xcls":
+                client0 = time.process_time()
+                shards0 = sum(map(process_cpu_seconds, shard_pids))
             t0 = time.perf_counter()
             for c in range(calls):
                 fn(batches[(r * calls + c) % len(batches)])
-            rates[name].append(calls * n / (time.perf_counter() - t0))
+            wall = time.perf_counter() - t0
+            rates[name].append(calls * n / wall)
+            if name == "xcls":
+                cpu["wall"] += wall
+                cpu["client"] += time.process_time() - client0
+                cpu["shards"] += sum(map(process_cpu_seconds, shard_pids)) - shards0
     out = {name: statistics.median(v) for name, v in rates.items()}
     for mine, other in (("xcls", "raw"), ("tcp", "raw"), ("xcls", "redis"), ("xcls", "grpc")):
         out[f"{mine}/{other}"] = statistics.median(
             a / b for a, b in zip(rates[mine], rates[other], strict=True))
+    out["cpu"] = {k: v * 1e3 / (repeats * calls) for k, v in cpu.items()}
     return out
 
 
@@ -391,8 +411,9 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
                     calls = max(1, args.rows_per_repeat // n)
                     pulls, pushes = _backends(local, remote, tcp, red, raw, bare, table,
                                               grads)
-                    pull = measure(pulls, batches, args.repeats, calls)
-                    push = measure(pushes, batches, args.repeats, calls)
+                    pids = [shard.proc.pid for shard in shards]
+                    pull = measure(pulls, batches, args.repeats, calls, pids)
+                    push = measure(pushes, batches, args.repeats, calls, pids)
                     bare.forget()
                     for op, res in (("pull", pull), ("push", push)):
                         results.append((op, dtype_name, n, num_shards, res))
@@ -543,7 +564,16 @@ def main() -> int:
           f"~{args.rows_per_repeat:,} rows per backend per repeat; cells: M rows/s (MB/s)")
     print(TABLE_HEAD, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_ams_") as tmp:
-        _, latencies = throughput(args, Path(tmp))
+        results, latencies = throughput(args, Path(tmp))
+    print(f"\nCPU per xcls call (shared buffer), ms; cores busy = (client + shards) / wall, "
+          f"out of {os.cpu_count()}\n\n"
+          "| op | dtype | batch | shards | wall | client CPU | shards CPU | cores busy |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
+    for op, dtype_name, n, num_shards, res in results:
+        cpu = res["cpu"]
+        print(f"| {op} | {dtype_name} | {n:,} | {num_shards} | {cpu['wall']:.2f} | "
+              f"{cpu['client']:.2f} | {cpu['shards']:.2f} | "
+              f"{(cpu['client'] + cpu['shards']) / cpu['wall']:.2f} |")
     for latency in latencies:
         print(f"\n1-row pull, {args.dtypes[0]}, 1 shard, {args.latency_calls:,} calls each: "
               "ms\n\n| backend | p50 | p99 |\n|---|---:|---:|")
