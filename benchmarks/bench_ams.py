@@ -358,9 +358,7 @@ def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: in
     cpu = {"wall": 0.0, "client": 0.0, "shards": 0.0}
     for r in range(repeats):
         for name, fn in backends.items():
-            if name == "xcls":
-                client0 = time.process_time()
-                shards0 = sum(map(process_cpu_seconds, shard_pids))
+            client0, shards0 = time.process_time(), sum(map(process_cpu_seconds, shard_pids))
             t0 = time.perf_counter()
             for c in range(calls):
                 fn(batches[(r * calls + c) % len(batches)])
@@ -387,6 +385,7 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
         with ExitStack() as stack:
             shards = stack.enter_context(shard_processes(
                 num_shards, data_dir=workdir, xcls_flags=["-q"], log_dir=workdir))
+            pids = [shard.proc.pid for shard in shards]
             remote = stack.enter_context(ams.connect([shard.address for shard in shards]))
             tcp = stack.enter_context(ams.connect([shard.address for shard in shards],
                                                   shared_memory=False))
@@ -411,7 +410,6 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
                     calls = max(1, args.rows_per_repeat // n)
                     pulls, pushes = _backends(local, remote, tcp, red, raw, bare, table,
                                               grads)
-                    pids = [shard.proc.pid for shard in shards]
                     pull = measure(pulls, batches, args.repeats, calls, pids)
                     push = measure(pushes, batches, args.repeats, calls, pids)
                     bare.forget()
