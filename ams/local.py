@@ -49,11 +49,14 @@ class LocalShard:
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
              into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        rows = [self.store.pull(table, ids) for ids in pieces]
-        got = rows[0] if len(rows) == 1 else torch.cat(rows)
         if into is None:
-            return got
-        rowcopy.scatter(into[0], into[1], got)
+            rows = [self.store.pull(table, ids) for ids in pieces]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
+        start = 0  # each piece's rows straight to their places: no concatenated copy
+        for ids in pieces:
+            rowcopy.scatter(into[0], into[1][start:start + ids.numel()],
+                            self.store.pull(table, ids))
+            start += ids.numel()
         return None
 
     def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
