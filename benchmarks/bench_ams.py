@@ -342,7 +342,9 @@ class RedisShards:
 def process_cpu_seconds(pid: int) -> float:
     """CPU time (user + system, every thread, living or ended) that process ``pid`` has used,
     seconds: its process CPU clock, which Linux lets another process read (the clock id is
-    what glibc's ``clock_getcpuclockid`` makes, which Python does not wrap)."""
+    what glibc's ``clock_getcpuclockid`` makes, which Python does not wrap). A thread running
+    on another core is counted up to its last scheduler tick, so a window of a few ms (as in
+    ``--quick``) can show more cores busy than the host has."""
     return time.clock_gettime(((~pid) << 3) | 2)
 
 

