@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import select
 import socket
 import ssl
 import tempfile
@@ -74,6 +75,20 @@ class SocketReader:
         self.sock = sock
         self._buffer = memoryview(bytearray(self.SIZE))
         self._start = self._end = 0
+        self._poller: select.poll | None = None
+
+    def wait_for_bytes(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a byte (or the peer's end) can be read, reading
+        nothing from the socket: bytes that arrived stay visible to ``with_bytes_waiting``
+        until the caller reads them. False when the time ran out."""
+        if self._start < self._end:
+            return True
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(self._poller.poll(timeout_s * 1000))
 
     def at_frame_boundary(self) -> bool:
         """Wait for the next byte; False when the peer closed the connection first."""
@@ -204,6 +219,8 @@ class DataPlaneServer:
         self.port: int = self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
         self._busy: set[socket.socket] = set()  # those between a request's first byte and answer
+        # at close: connections whose next request's first bytes had arrived, not yet read
+        self._finishing: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._accepting = threading.Thread(target=self._accept_loop, name="dataplane-accept",
@@ -215,17 +232,20 @@ class DataPlaneServer:
         finishes it (up to ``grace`` seconds), then closes."""
         with self._lock:
             self._closed = True
-            idle = self._connections - self._busy
+            waiting = self._connections - self._busy
+            # A request whose bytes wait in the socket has begun, even if its thread has not
+            # been scheduled to read them yet: it is finished like a busy one.
+            self._finishing = with_bytes_waiting(waiting)
+            _stop_reading(waiting - self._finishing)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
         except OSError:
             pass
         self._listener.close()
-        _stop_reading(idle)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._busy:
+                if not self._busy and not self._finishing & self._connections:
                     break
             time.sleep(0.02)
         with self._lock:
@@ -257,10 +277,17 @@ class DataPlaneServer:
         sock = conn
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # a timed socket throughout: switching between blocking and timed modes costs
+            # system calls on every request
+            conn.settimeout(BODY_TIMEOUT_S)
             if self._tls is not None:
-                conn.settimeout(BODY_TIMEOUT_S)
                 sock = self._tls.wrap_socket(conn, server_side=True)
-            self._serve_requests(sock, conn)
+                with self._lock:  # the wrapped socket takes over the descriptor
+                    self._connections.discard(conn)
+                    if self._closed:
+                        return
+                    self._connections.add(sock)
+            self._serve_requests(sock)
         except (OSError, ssl.SSLError) as e:
             log.debug("dataplane_connection_lost error=%s", e)
         except Exception:  # a fault of this code: the connection goes, the shard serves on
@@ -268,44 +295,39 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
-                self._busy.discard(conn)
+                self._connections.discard(sock)
+                self._busy.discard(sock)
             sock.close()
 
-    def _serve_requests(self, sock: socket.socket, conn: socket.socket) -> None:
+    def _serve_requests(self, sock: socket.socket) -> None:
         """Answer frames in order until the peer closes, the server closes, or a frame leaves
-        the stream unreadable (answered with an ERROR frame, then the connection is closed).
-        ``conn``: the connection under ``sock`` (the same one without TLS)."""
+        the stream unreadable (answered with an ERROR frame, then the connection is closed)."""
         shared: list[SharedBuffer] = []  # the one the HELLO offered, once mapped
         try:
-            self._serve_frames(sock, conn, shared)
+            self._serve_frames(sock, shared)
         finally:
             for buffer in shared:
                 buffer.close()
 
-    def _serve_frames(self, sock: socket.socket, conn: socket.socket,
-                      shared: list[SharedBuffer]) -> None:
+    def _serve_frames(self, sock: socket.socket, shared: list[SharedBuffer]) -> None:
         greeted = False
         reader = SocketReader(sock)
         while True:
             with self._lock:
-                self._busy.discard(conn)
+                self._busy.discard(sock)
                 if self._closed:
                     return
-            # Both waits have a timeout, so the socket stays in one mode: switching between
-            # blocking and timed costs system calls on every request.
-            sock.settimeout(IDLE_TIMEOUT_S)
-            try:
-                if not reader.at_frame_boundary():
-                    return
-            except TimeoutError:  # an idle pooled connection: wait on for its next request
-                continue
+            if not reader.wait_for_bytes(IDLE_TIMEOUT_S):
+                continue  # an idle pooled connection: wait on for its next request
             with self._lock:
-                if self._closed:
+                # the bytes are still unread, so ``close`` saw them and lets this one finish
+                if self._closed and sock not in self._finishing:
                     return
-                self._busy.add(conn)
-            sock.settimeout(BODY_TIMEOUT_S)
+                self._busy.add(sock)
             try:
                 header = recv_header(reader)
+                if header is None:
+                    return  # the peer closed between requests
                 frames.check_request(header, self.store.max_rows_per_request)
                 if not greeted and header.kind != Kind.HELLO:
                     raise Unauthenticated("data plane: the first frame must be a HELLO")
@@ -437,6 +459,21 @@ class DataPlaneServer:
             send_frame(sock, Kind.ERROR, {"code": error.code, "message": str(error)})
         except OSError:
             pass  # the peer is gone; nothing to tell
+
+
+def with_bytes_waiting(connections: set[socket.socket]) -> set[socket.socket]:
+    """Those of ``connections`` with bytes (or the peer's end) ready to read now."""
+    poller = select.poll()
+    by_fd = {}
+    for conn in connections:
+        try:
+            fd = conn.fileno()
+        except OSError:
+            continue
+        if fd >= 0:
+            by_fd[fd] = conn
+            poller.register(fd, select.POLLIN)
+    return {by_fd[fd] for fd, _ in poller.poll(0)}
 
 
 def _stop_reading(connections: set[socket.socket]) -> None:

@@ -14,7 +14,9 @@ import os
 import random
 import re
 import socket
+import ssl
 import struct
+import subprocess
 import threading
 import time
 
@@ -491,7 +493,12 @@ def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
         peer.close()
 
 
-def test_stop_finishes_the_request_under_way_and_closes_idle_connections():
+@pytest.mark.parametrize("order", [None, "stop_waits_first", "thread_waits_first"])
+def test_stop_finishes_the_request_under_way_and_closes_idle_connections(order):
+    """A push whose first bytes reached the shard before stop looked is finished, whether or
+    not the connection's thread has read them yet. ``order``: the server's lock is held while
+    the bytes arrive, and stop and the connection's thread (woken by the bytes) queue for it
+    in this order (the first to queue usually gets it first, so both races are run)."""
     running = create_server(ShardStore(0, 1))
     address = f"127.0.0.1:{running.port}"
     try:
@@ -502,9 +509,22 @@ def test_stop_finishes_the_request_under_way_and_closes_idle_connections():
         for peer in (idle, busy):
             peer.hello()
         push = frame(PUSH, {**PUSH_META, "lr": 0.5}, [3], grads(1, 4, value=0.25))
-        busy.send(push[:-8])  # a push under way: its last bytes come after stop began
         stopper = threading.Thread(target=running.stop, args=(30,))
-        stopper.start()
+        lock = running.data_plane._lock  # white box: the only way to line up the race
+        if order is not None:
+            lock.acquire()
+        if order == "stop_waits_first":
+            stopper.start()
+            time.sleep(0.1)
+        busy.send(push[:-8])  # a push under way: its last bytes come after stop began
+        if order is not None:
+            time.sleep(0.1)  # the connection's thread wakes and waits for the lock
+        if order != "stop_waits_first":
+            stopper.start()
+        if order == "thread_waits_first":
+            time.sleep(0.1)
+        if order is not None:
+            lock.release()
         assert idle.is_closed()
         time.sleep(0.2)
         assert stopper.is_alive()  # waiting for the push under way
@@ -517,6 +537,29 @@ def test_stop_finishes_the_request_under_way_and_closes_idle_connections():
         expected[3] -= 0.5 * 0.25
         torch.testing.assert_close(running.servicer.store.pull("fc", torch.arange(10)).double(),
                                    expected, rtol=0, atol=1e-7)
+    finally:
+        running.stop(0)
+
+
+def test_stop_closes_idle_tls_connections(tmp_path):
+    """A TLS connection's socket is the wrapped one: stop reaches it and closes it."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    running = create_server(ShardStore(0, 1), tls_cert=cert.read_bytes(),
+                            tls_key=key.read_bytes())
+    try:
+        context = ssl.create_default_context(cadata=cert.read_text())
+        raw = socket.create_connection(("127.0.0.1", running.data_plane.port), timeout=10)
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+            sock.sendall(frame(HELLO))
+            assert HEADER.unpack(sock.recv(HEADER.size))[2] == WELCOME
+            sock.recv(1 << 16)  # the rest of the WELCOME
+            began = time.monotonic()
+            running.stop(30)
+            assert time.monotonic() - began < 10  # not held by the idle connection
+            assert sock.recv(1) == b""  # closed by the shard, not left open
     finally:
         running.stop(0)
 
