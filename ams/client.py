@@ -19,14 +19,14 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ams import codec, rowcopy, sharding
+from ams import codec, sharding
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
@@ -43,6 +43,7 @@ from ams.errors import (
 from ams.frames import FrameError
 from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
 from ams.lease import parse_address
+from ams.pieces import PushPieces, piece_sizes
 from ams.rpc import error_from_rpc
 from ams.store import TableSpec
 from ams.wire import (
@@ -61,49 +62,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class PushPiece(NamedTuple):
-    """One push request: ids int64 (n,) owned by the shard, ascending and unique; grads
-    float32 (n, dim); its (client id, sequence) sequence, which makes a retry apply once."""
-
-    ids: torch.Tensor
-    grads: torch.Tensor
-    sequence: int
-
-
-def _piece_sizes(rows: int, most: int) -> list[int]:
-    """``rows`` cut into as few pieces of at most ``most`` rows as they take (one of 0 rows
-    for none), their sizes differing by one at most: no short last piece, which would wait on
-    the wire alone and fall below the shared buffer's minimum (``ams.shm.MIN_SHARED_BYTES``)."""
-    count = max(1, -(-rows // max(1, most)))
-    base, longer = divmod(rows, count)
-    return [base + 1] * longer + [base] * (count - longer)
-
-
-class _PushPieces(Sequence[PushPiece]):
-    """One shard's part of a push, cut into pieces, each gathered when it is asked for: the
-    first piece goes on the wire while the next is gathered, and a resend after a lost
-    connection gathers again (the same rows and sequences).
-
-    keys: int64 ids, ascending and unique; values: float32 (., dim) gradients; source: int64
-    (len(keys),), the row of ``values`` that holds each key's gradient, or None for row i;
-    chunks: positions into ``keys``, one tensor per piece; first_sequence: the first piece's
-    sequence (the others follow it)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, source: torch.Tensor | None,
-                 chunks: Sequence[torch.Tensor], first_sequence: int) -> None:
-        self.keys, self.values, self.source = keys, values, source
-        self.chunks, self.first_sequence = chunks, first_sequence
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __getitem__(self, i: int) -> PushPiece:
-        chunk = self.chunks[i]
-        rows = chunk if self.source is None else self.source.index_select(0, chunk)
-        return PushPiece(self.keys.index_select(0, chunk), rowcopy.gather(self.values, rows),
-                         self.first_sequence + i)
-
-
 class ShardBackend(Protocol):
     """What the client needs from one shard; ids are always owned by that shard."""
 
@@ -114,7 +72,7 @@ class ShardBackend(Protocol):
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
              into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None: ...
-    def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
+    def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]: ...
     def scan(self, table: str, block_rows: int | None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
@@ -253,7 +211,7 @@ class RemoteShard:
         return self._data_call("Pull", lambda conn, deadline: conn.pull(
             table, pieces, PIPELINE_WINDOW, deadline, into))
 
-    def push(self, table: str, pieces: Sequence[PushPiece], lr: float, client_id: str,
+    def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]:
         """Apply each piece, pipelined on one data connection; whether each was applied now
         (False: its sequence was applied before). A retry after a lost connection resends
@@ -553,7 +511,7 @@ class ShardedClient:
 
         def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
             wanted = ids if positions is None else ids.index_select(0, positions)
-            return list(wanted.split(_piece_sizes(wanted.numel(),
+            return list(wanted.split(piece_sizes(wanted.numel(),
                                                   self.shards[s].piece_bytes // row_bytes)))
 
         if self.num_shards == 1:
@@ -599,9 +557,9 @@ class ShardedClient:
 
         def work(s: int) -> None:
             if parts[s].numel():
-                sizes = _piece_sizes(parts[s].numel(),
+                sizes = piece_sizes(parts[s].numel(),
                                      self.shards[s].piece_bytes // (spec.dim * 4))
-                pieces = _PushPieces(keys, values, source, parts[s].split(sizes),
+                pieces = PushPieces(keys, values, source, parts[s].split(sizes),
                                      self._next_sequences(len(sizes)))
                 self.shards[s].push(name, pieces, float(lr), self.client_id, decay_clock)
 

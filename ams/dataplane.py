@@ -42,6 +42,7 @@ from ams.errors import (
 )
 from ams.frames import FrameError, Header, Kind
 from ams.metrics import record_call
+from ams.pieces import PushPieces
 from ams.shm import MIN_SHARED_BYTES, SharedBuffer
 from ams.store import ShardStore
 from ams.wire import PIECE_BYTES, PIPELINE_WINDOW
@@ -653,26 +654,27 @@ class DataConnection:
             raise FrameError("frame: a scan block whose ids and rows differ in number")
         return block.ids, block.rows
 
-    def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
-             lr: float, client_id: str, decay_clock: float | None, window: int,
-             deadline: float) -> list[bool]:
-        """Each piece (ids int64 (n_i,), grads float (n_i, dim), sequence) as one push,
-        pipelined like ``pull``; whether each was applied now (False: before)."""
+    def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
+             decay_clock: float | None, window: int, deadline: float) -> list[bool]:
+        """Each piece as one push, pipelined like ``pull``; whether each was applied now
+        (False: before). A piece's gradients are gathered straight into the shared buffer
+        when it carries them."""
         applied: list[bool] = []
         shared = self.shared
 
         def send(i: int) -> None:
-            ids, grads, sequence = pieces[i]
-            meta = {"table": table, "lr": lr, "client_id": client_id, "sequence": sequence}
+            shape = (pieces.rows_of(i), pieces.dim)
+            meta: dict = {"table": table, "lr": lr, "client_id": client_id}
             if decay_clock is not None:
                 meta["decay_clock"] = decay_clock
-            if shared is not None and MIN_SHARED_BYTES <= grads.numel() * grads.element_size() \
-                    <= shared.slot_bytes(window):
+            if shared is not None and \
+                    MIN_SHARED_BYTES <= shape[0] * shape[1] * 4 <= shared.slot_bytes(window):
                 meta["offset"] = shared.slot(i, window)
-                rows = shared.rows(meta["offset"], grads.dtype, *grads.shape)
-                rowcopy.copy(rows, grads)
+                ids, rows, meta["sequence"] = pieces.gather(
+                    i, out=shared.rows(meta["offset"], torch.float32, *shape))
                 send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=rows, shared=True)
                 return
+            ids, grads, meta["sequence"] = pieces.gather(i)
             send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=grads)
 
         def receive(i: int) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ams import rowcopy, snapshot
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
+from ams.pieces import PushPieces
 from ams.store import ShardStore, TableSpec
 from ams.wire import REQUEST_BYTES
 
@@ -59,9 +60,9 @@ class LocalShard:
             start += ids.numel()
         return None
 
-    def push(self, table: str, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
-             lr: float, client_id: str, decay_clock: float | None) -> list[bool]:
-        """Each piece (``ams.client.PushPiece``: ids, grads, sequence) in turn."""
+    def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
+             decay_clock: float | None) -> list[bool]:
+        """Each piece in turn."""
         return [self.store.push(table, ids, grads, lr, client_id, sequence, decay_clock)
                 for ids, grads, sequence in pieces]
 

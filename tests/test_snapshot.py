@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ams import snapshot
-from ams.client import PushPiece
 from ams.errors import SnapshotError
+from ams.pieces import PushPieces
 from tests.conftest import Storages, in_position_order
 
 N, D = 103, 6
@@ -322,7 +322,7 @@ def plain_sgd_client(data_dir, num_shards):
 
 def push_once(shard, ids, grads, lr, sequence):
     """Whether ``shard`` applied this push of client "worker-a" now (False: before)."""
-    (applied,) = shard.push("fc", [PushPiece(ids, grads, sequence)], lr, "worker-a", None)
+    (applied,) = shard.push("fc", PushPieces.one(ids, grads, sequence), lr, "worker-a", None)
     return applied
 
 def test_dedupe_state_survives_snapshot_and_restore(tmp_path):

@@ -11,7 +11,8 @@ import torch
 
 import ams
 from ams import errors
-from ams.client import PushPiece, RemoteShard
+from ams.client import RemoteShard
+from ams.pieces import PushPieces
 from ams.snapshot import list_steps, piece_name, step_dir
 
 N, D = 400, 8
@@ -111,14 +112,14 @@ def test_damaged_manifest_start_up_falls_back_without_traceback(shard_cluster, d
 
 
 def push_request(sequence, value=0.5):
-    return PushPiece(torch.tensor([3, 8]), torch.full((2, D), value), sequence)
+    return PushPieces.one(torch.tensor([3, 8]), torch.full((2, D), value), sequence)
 
 
 def push(proc, piece):
     """Whether the shard applied ``piece`` now (False: it had applied that sequence)."""
     shard = RemoteShard(proc.address, timeout=10)
     try:
-        (applied,) = shard.push("fc", [piece], 0.1, "worker-7", None)
+        (applied,) = shard.push("fc", piece, 0.1, "worker-7", None)
     finally:
         shard.close()
     return applied
