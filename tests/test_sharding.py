@@ -50,6 +50,25 @@ def test_client_pull_push_equal_one_store(ids, num_shards):
     assert torch.equal(sharded.pull("fc", t), ref.pull("fc", everything)[t])
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, N - 1), max_size=80), st.integers(1, 4), st.booleans())
+def test_client_push_is_plain_sgd_on_each_rows_summed_gradient(ids, num_shards, ascending):
+    """Against a float64 dense update: unsorted ids, repeats, and ids already ascending and
+    unique (``ascending``; the path that skips the client's sort) alike."""
+    if ascending:
+        ids = sorted(set(ids))
+    client = ams.connect(local_shards=num_shards)
+    client.create_table("fc", num_rows=N, dim=D, seed=5, momentum=0.0, weight_decay=0.0)
+    everything = torch.arange(N)
+    expected = client.pull("fc", everything).double()
+    t = torch.tensor(ids, dtype=torch.int64)
+    grads = torch.randn(len(ids), D, generator=torch.Generator().manual_seed(len(ids)))
+    client.push("fc", t, grads, lr=0.3)
+    expected.index_add_(0, t, grads.double(), alpha=-0.3)
+    torch.testing.assert_close(client.pull("fc", everything).double(), expected, rtol=0,
+                               atol=1e-6)
+
+
 def test_client_splits_requests_into_the_backends_pieces(monkeypatch):
     from ams.local import LocalShard
 
