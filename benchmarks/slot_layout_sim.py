@@ -15,6 +15,9 @@ less tidy). Three layouts, each from the same steps:
   (a compaction at graph install), pushes in position order;
 * graph order, kept: the same start, and each push's rows take their new slots in that order.
 
+After the steps in class order it counts the free slots on each page: whether pushes could
+write into pages with no live row (none to read first), as a log-structured store would.
+
     python benchmarks/slot_layout_sim.py                 # about 10 s
     python benchmarks/slot_layout_sim.py --classes 40000 --steps 300   # a smoke run
 """
@@ -85,6 +88,15 @@ def pages_per_active_row(graph: np.ndarray, shards: int, slots: list[RowSlots],
     return out
 
 
+def free_slots_per_page(slots: list[RowSlots], rows_per_page: int) -> np.ndarray:
+    """Free slots on each whole page of every shard's slots, one count per page."""
+    counts = []
+    for m in slots:
+        whole = m.capacity // rows_per_page * rows_per_page
+        counts.append((~m.used[:whole]).reshape(-1, rows_per_page).sum(axis=1))
+    return np.concatenate(counts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -116,13 +128,19 @@ def main() -> None:
     print("| slots | pushed rows take new slots in | pages per active row, first "
           f"{early} steps | last {late} steps |")
     print("|---|---|---:|---:|")
+    census = None
     for name, by_rank, keep in (("class order", False, False), ("graph order", True, False),
                                 ("graph order", True, True)):
-        figures = pages_per_active_row(graph, args.shards, slot_maps(by_rank),
-                                       ranks if keep else None, rows_per_page, args.batch,
-                                       args.steps, args.seed + 1)
+        maps = slot_maps(by_rank)
+        figures = pages_per_active_row(graph, args.shards, maps, ranks if keep else None,
+                                       rows_per_page, args.batch, args.steps, args.seed + 1)
         print(f"| {name} | {'graph order' if keep else 'position order'} | "
               f"{figures[:early].mean():.3f} | {figures[-late:].mean():.3f} |", flush=True)
+        if census is None:
+            census = free_slots_per_page(maps, rows_per_page)
+    print(f"\nFree slots a page after the steps in class order: mean {census.mean():.2f} of "
+          f"{rows_per_page}, at most {census.max()}; pages with no live row: "
+          f"{int((census == rows_per_page).sum()):,} of {census.size:,}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ def test_slot_layout_sim_counts_one_page_per_row_when_a_row_fills_a_page() -> No
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout, "class order") + table_rows(done.stdout, "graph order")
     assert len(rows) == 3 and all(r[2:] == ["1.000", "1.000"] for r in rows), done.stdout
+    # a page per slot: the pages with no live row are exactly the slots no row holds
+    free, pages = re.search(r"pages with no live row: ([\d,]+) of ([\d,]+)", done.stdout).groups()
+    assert int(pages.replace(",", "")) - int(free.replace(",", "")) == 4000, done.stdout
 
 
 def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
