@@ -465,15 +465,10 @@ class DataPlaneServer:
 def with_bytes_waiting(connections: set[socket.socket]) -> set[socket.socket]:
     """Those of ``connections`` with bytes (or the peer's end) ready to read now."""
     poller = select.poll()
-    by_fd = {}
-    for conn in connections:
-        try:
-            fd = conn.fileno()
-        except OSError:
-            continue
-        if fd >= 0:
-            by_fd[fd] = conn
-            poller.register(fd, select.POLLIN)
+    by_fd = {conn.fileno(): conn for conn in connections}
+    by_fd.pop(-1, None)  # a socket already closed
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
     return {by_fd[fd] for fd, _ in poller.poll(0)}
 
 
@@ -663,15 +658,15 @@ class DataConnection:
         shared = self.shared
 
         def send(i: int) -> None:
-            shape = (pieces.rows_of(i), pieces.dim)
+            shape, dtype = (pieces.rows_of(i), pieces.dim), pieces.values.dtype
             meta: dict = {"table": table, "lr": lr, "client_id": client_id}
             if decay_clock is not None:
                 meta["decay_clock"] = decay_clock
-            if shared is not None and \
-                    MIN_SHARED_BYTES <= shape[0] * shape[1] * 4 <= shared.slot_bytes(window):
+            if shared is not None and MIN_SHARED_BYTES <= shape[0] * shape[1] * dtype.itemsize \
+                    <= shared.slot_bytes(window):
                 meta["offset"] = shared.slot(i, window)
                 ids, rows, meta["sequence"] = pieces.gather(
-                    i, out=shared.rows(meta["offset"], torch.float32, *shape))
+                    i, out=shared.rows(meta["offset"], dtype, *shape))
                 send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=rows, shared=True)
                 return
             ids, grads, meta["sequence"] = pieces.gather(i)
