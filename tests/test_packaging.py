@@ -84,6 +84,22 @@ def test_version_and_examples_from_the_command_line():
         load_config(path)  # every shipped example is a valid config
 
 
+def test_a_source_tree_that_is_not_installed_runs(tmp_path):
+    """``PYTHONPATH=checkout python -m xcls``: no package metadata, and still every command
+    (the parser is built first, --version included)."""
+    for package in ("ams", "workers", "bridge", "xcls"):  # no xcls.egg-info beside them
+        (tmp_path / package).symlink_to(ROOT / package)
+    probe = (f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom xcls.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))")
+    for argv, expected in ((["--version"], "xcls (not installed: a source tree)"),
+                           (["--help"], "usage: xcls")):
+        # -S: no site-packages, so no installed xcls (the commands asked need only the stdlib)
+        done = subprocess.run([sys.executable, "-S", "-c", probe, *argv], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(expected), done.stdout
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["data", "glyphs", "--help"], ["train", "--help"],
                                   ["plan", "--help"]])
 def test_help_does_not_load_torch(argv):

@@ -6,7 +6,7 @@ import argparse
 import gc
 import importlib
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from xcls.config import ConfigError
 from xcls.logs import setup_logging
@@ -32,13 +32,22 @@ COMMAND_MODULES = [
 ]
 
 
+def installed_version() -> str:
+    """xcls's version as installed; a source tree run from ``PYTHONPATH`` has no metadata,
+    and must still run."""
+    try:
+        return version("xcls")
+    except PackageNotFoundError:
+        return "(not installed: a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xcls",
         description="Train classifiers with millions of classes: model server (AMS), KNN "
         "softmax, gear bridge. Run 'xcls COMMAND --help' for each command.",
     )
-    parser.add_argument("--version", action="version", version=f"xcls {version('xcls')}")
+    parser.add_argument("--version", action="version", version=f"xcls {installed_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-vv: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
