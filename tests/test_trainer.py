@@ -147,7 +147,10 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
                  str(tmp_path / "exp16"), str(tmp_path / "run" / "config.toml")]) == 0
     session = onnxruntime.InferenceSession(str(tmp_path / "exp16" / "backbone.onnx"))
     onnx_features = session.run(["features"], {"images": images[:7].numpy()})[0]
-    torch.testing.assert_close(torch.from_numpy(onnx_features), clf.embed(images[:7]),
+    # against the backbone on the CPU, as ONNX runs here: on a GPU, convolutions in TF32
+    # differ from it by ~1e-3
+    on_cpu = Classifier.load(tmp_path / "exp16", device="cpu")
+    torch.testing.assert_close(torch.from_numpy(onnx_features), on_cpu.embed(images[:7]),
                                atol=1e-4, rtol=1e-4)
     half = Classifier.load(tmp_path / "exp16")
     assert half.rows.dtype == torch.float16
@@ -167,11 +170,15 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     for f, y in zip(features, train.labels().tolist(), strict=True):
         expected[y] += f / f.norm()
     expected /= expected.norm(dim=1, keepdim=True)
-    torch.testing.assert_close(means.rows.double(), expected, atol=1e-4, rtol=0)
+    # on a GPU the run embeds under AMP (fp16), the Classifier in fp32: ~3e-4 apart, and an
+    # image on a boundary may change sides
+    amp = torch.cuda.is_available()
+    torch.testing.assert_close(means.rows.double(), expected, atol=1e-3 if amp else 1e-4, rtol=0)
     assert '"rows": "class-means"' in (tmp_path / "exp-means" / "export.json").read_text()
     by_means = run.trainer.evaluator.evaluate(rows="class-means")
     ids, _ = means.predict(images, topk=1)
-    assert abs(by_means["top1"] - float((ids[:, 0] == labels).float().mean())) < 1e-6
+    assert abs(by_means["top1"] - float((ids[:, 0] == labels).float().mean())) \
+        <= (1 / len(labels) if amp else 0) + 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")

@@ -15,6 +15,7 @@ An export directory holds everything needed to classify without the AMS:
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import uuid
@@ -115,8 +116,9 @@ def export_onnx(backbone: Backbone, image_size: int, channels: int, path: Path) 
     """Write the backbone as an ONNX model: input ``images`` uint8 (N, channels, image_size,
     image_size), any N; output ``features`` float32 (N, dim), not normalized (cosine against
     rows.npy classifies). Needs the packages of the ``onnx`` extra (torch's exporter imports
-    onnxscript)."""
-    model = _FromImages(backbone).eval()
+    onnxscript). A backbone on a GPU is exported from a CPU copy: the example input is on the
+    CPU, and the file must not depend on the device it was written from."""
+    model = _FromImages(copy.deepcopy(backbone).cpu()).eval()
     example = torch.zeros(2, channels, image_size, image_size, dtype=torch.uint8)
     with warnings.catch_warnings():
         # the exporter's own deprecations (torch calling its older APIs), nothing a user of
