@@ -386,7 +386,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
         pool = ThreadPoolExecutor(num_shards) if num_shards > 1 else None
         with ExitStack() as stack:
             shards = stack.enter_context(shard_processes(
-                num_shards, data_dir=workdir, xcls_flags=["-q"], log_dir=workdir))
+                num_shards, data_dir=workdir, xcls_flags=["-q"], log_dir=workdir,
+                extra_args=["--torch-threads", str(args.shard_torch_threads)]))
             pids = [shard.proc.pid for shard in shards]
             remote = stack.enter_context(ams.connect([shard.address for shard in shards]))
             tcp = stack.enter_context(ams.connect([shard.address for shard in shards],
@@ -542,6 +543,9 @@ def main() -> int:
                         help="classes in the resident-memory probe (0: skip it)")
     parser.add_argument("--latency-calls", type=int, default=2000,
                         help="1-row pulls per backend for the latency table")
+    parser.add_argument("--shard-torch-threads", type=int, default=1,
+                        help="each shard process's torch threads (xcls serve shard "
+                             "--torch-threads; 1, its default, suits a host with few cores)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1k/10k batches, 2 repeats, small tables")
     args = parser.parse_args()
@@ -558,8 +562,8 @@ def main() -> int:
     start = time.monotonic()
     print(f"# bench_ams {datetime.date.today()} {platform.node()} {os.cpu_count()} cpus, "
           f"python {platform.python_version()}, torch {torch.__version__}, "
-          f"torch threads {torch.get_num_threads()}, redis parser "
-          f"{'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}")
+          f"torch threads {torch.get_num_threads()} (shards {args.shard_torch_threads}), "
+          f"redis parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}")
     print(f"# d={args.dim}, table {args.table_rows:,} rows, {args.repeats} repeats, "
           f"~{args.rows_per_repeat:,} rows per backend per repeat; cells: M rows/s (MB/s)")
     print(TABLE_HEAD, flush=True)
