@@ -190,6 +190,21 @@ def test_random_fill_is_uniform_and_excludes_active():
     assert all(200 < c < 400 for c in counts.values())  # expected 300 each
 
 
+def test_random_fill_draws_every_subset_equally_often():
+    # pairs, not single classes: a fill that favoured some combinations (the smallest of the
+    # distinct draws, say) can still show each class equally often on its own
+    g = torch.Generator().manual_seed(3)
+    pairs: collections.Counter[tuple[int, ...]] = collections.Counter()
+    draws = 6000
+    for _ in range(draws):
+        active, _ = select_partial(torch.tensor([0]), None, 3, g, 21)
+        pairs[tuple(active[1:].tolist())] += 1
+    assert len(pairs) == 190  # every pair of the 20 other classes
+    expected = draws / 190
+    chi2 = sum((c - expected) ** 2 / expected for c in pairs.values())
+    assert chi2 < 189 + 5 * (2 * 189) ** 0.5  # 189 degrees of freedom: mean 189, sd 19.4
+
+
 def test_large_ids_and_big_batches():
     n = 2 * BIG
     g = torch.Generator().manual_seed(2)

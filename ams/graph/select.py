@@ -18,6 +18,7 @@ the cores are shared, and B=256 x k=1200 is 300k ids per step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,18 +193,25 @@ def select_partial(
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:
     """Distinct values of (n,) int64 in order of first occurrence."""
-    uniq, first = np.unique(values, return_index=True)
-    return uniq[np.argsort(first, kind="stable")]
+    # one stable sort finds each value's first place; sorting those places restores the order
+    # (np.unique(return_index=True) then an argsort of its indices costs two sorts and more)
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    first = np.ones(values.size, dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return values[np.sort(order[first])]
 
 
 def _sample_excluding(
     excluded: np.ndarray, count: int, num_classes: int, generator: torch.Generator
 ) -> np.ndarray:
-    """``count`` distinct uniform classes of 0..num_classes-1 not in ``excluded`` (n,) int64.
+    """``count`` distinct uniform classes of 0..num_classes-1 not in ``excluded`` (n,) int64:
+    ascending from the rejection sampling, in no particular order from the permutation.
 
-    Rejection sampling (cheap while the fill is small next to N): i.i.d. draws, first
-    occurrences kept in draw order, excluded ones dropped; that is a uniform random subset.
-    When the fill is most of what is left, a permutation of all classes is cheaper.
+    Rejection sampling (cheap while the fill is small next to N): i.i.d. draws until enough
+    distinct ones are left after dropping the excluded, then ``count`` of those at random.
+    Nothing in it favours one class over another, so that is a uniform random subset; when the
+    fill is most of what is left, a permutation of all classes is cheaper.
     """
     if count <= 0:
         return np.empty(0, dtype=np.int64)
@@ -211,12 +219,27 @@ def _sample_excluding(
     if 2 * count >= free:
         perm = torch.randperm(num_classes, generator=generator).numpy()
         return perm[~np.isin(perm, excluded)][:count]
-    out = np.empty(0, dtype=np.int64)
-    while out.size < count:
-        draws = torch.randint(num_classes, (2 * (count - out.size) + 16,), generator=generator)
-        merged = _unique_in_order(np.concatenate([out, draws.numpy()]))
-        out = merged[~np.isin(merged, excluded)][:count]
-    return out
+    distinct = np.empty(0, dtype=np.int64)
+    while distinct.size < count:
+        draws = torch.randint(num_classes, (_draws_for(count - distinct.size, num_classes),),
+                              generator=generator)
+        merged = np.sort(np.concatenate([distinct, draws.numpy()]))
+        new = np.ones(merged.size, dtype=bool)
+        new[1:] = merged[1:] != merged[:-1]
+        distinct = merged[new]
+        distinct = distinct[~np.isin(distinct, excluded)]
+    if distinct.size == count:
+        return distinct
+    keep = np.zeros(distinct.size, dtype=bool)  # a mask, so the subset stays ascending
+    keep[torch.randperm(distinct.size, generator=generator)[:count].numpy()] = True
+    return distinct[keep]
+
+
+def _draws_for(missing: int, num_classes: int) -> int:
+    """Uniform draws from ``num_classes`` classes that give about 5 % more than ``missing``
+    distinct classes: d draws give N (1 - exp(-d / N)) distinct ones on average."""
+    share = min(0.999, (1.05 * missing + 64) / num_classes)
+    return int(-num_classes * math.log1p(-share)) + 16
 
 
 def _check_ids(
