@@ -196,10 +196,14 @@ def _unique_in_order(values: np.ndarray) -> np.ndarray:
     # one stable sort finds each value's first place; sorting those places restores the order
     # (np.unique(return_index=True) then an argsort of its indices costs two sorts and more)
     order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    first = np.ones(values.size, dtype=bool)
-    first[1:] = ordered[1:] != ordered[:-1]
-    return values[np.sort(order[first])]
+    return values[np.sort(order[_run_starts(values[order])])]
+
+
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """(n,) bool: where each run of equal values of the sorted (n,) ``ordered`` begins."""
+    starts = np.ones(ordered.size, dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    return starts
 
 
 def _sample_excluding(
@@ -224,9 +228,7 @@ def _sample_excluding(
         draws = torch.randint(num_classes, (_draws_for(count - distinct.size, num_classes),),
                               generator=generator)
         merged = np.sort(np.concatenate([distinct, draws.numpy()]))
-        new = np.ones(merged.size, dtype=bool)
-        new[1:] = merged[1:] != merged[:-1]
-        distinct = merged[new]
+        distinct = merged[_run_starts(merged)]
         distinct = distinct[~np.isin(distinct, excluded)]
     if distinct.size == count:
         return distinct
