@@ -27,7 +27,13 @@ COPY ams ./ams
 COPY workers ./workers
 COPY bridge ./bridge
 COPY xcls ./xcls
-RUN pip install --no-deps .
+# A C compiler only while installing: it builds the shard's compiled row update
+# (ams/_kernels.c); without one the install goes on and the shards update rows in torch.
+RUN if command -v apt-get >/dev/null && ! command -v gcc >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && pip install --no-deps . \
+        && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
+    else pip install --no-deps .; fi
 
 # Roles run unprivileged (uid 1000; some base images already have a user with it); /shared is
 # where compose mounts the snapshot/checkpoint volume.

@@ -9,16 +9,29 @@ every step, gradient or not; a sparse push only reaches the active rows. So a ta
 with each push, and each row remembers the clock it was last brought up to. A row that sat out
 steps is first multiplied by ``exp(row_clock - D_t)``, exactly the decay those steps would have
 applied; with momentum 0 the rows then equal dense ``torch.optim.SGD`` on the whole table.
+
+The update runs in ams/_kernels.c, one pass over the pushed rows, where the install compiled it
+(it needs a C compiler), and in torch and numpy otherwise; the two give the same values up to
+float32 rounding (tests/test_optim.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ams import rowcopy
+
+try:
+    import ams._kernels as _kernels
+except ImportError:  # not compiled: a source tree, or a host without a C compiler
+    _kernels = None
+
+# The dtype codes of ams/_kernels.c
+_KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_UNCHECKED = ("unchecked", -1)
 
 # The largest lr or weight decay an update takes: both enter its float32 arithmetic as factors.
 MAX_RATE = float(torch.finfo(torch.float32).max)
@@ -58,11 +71,15 @@ class RowUpdate:
     positions: torch.Tensor
     rows: torch.Tensor
     state: torch.Tensor | None
+    # what first_non_finite answers, when the compiled update found it while computing
+    checked: tuple[str, int] | None = field(default=_UNCHECKED, repr=False)
 
     def first_non_finite(self) -> tuple[str, int] | None:
         """("rows" or "state", index into ``positions``) of the first non-finite value, as
         stored (after rounding to the table's dtypes: float16 overflows at 65504), or None
         when every value is finite."""
+        if self.checked is not _UNCHECKED:
+            return self.checked
         for what, values in (("rows", self.rows), ("state", self.state)):
             if values is None or all_finite(values):
                 continue
@@ -81,8 +98,9 @@ class SparseMomentumSGD:
     With momentum 0 there is no v: the state tensor has no columns and is left alone.
     Low-precision rows and state are widened to float32 for the arithmetic and rounded once.
 
-    A step is split in two so that a caller can refuse it before anything changes:
-    ``compute`` returns the new values (``RowUpdate``) and ``commit`` writes them.
+    A step whose stored result would not be finite is refused whole. ``step`` updates the
+    rows where they are; ``compute`` returns the new values (``RowUpdate``) and ``commit``
+    writes them, for a caller that writes them elsewhere (a table whose pushes move rows).
     """
 
     def __init__(self, momentum: float, weight_decay: float) -> None:
@@ -100,6 +118,8 @@ class SparseMomentumSGD:
         float64 (m,) decay factors the rows owe for steps they sat out (``catch_up_factors``),
         applied before the step, or None.
         """
+        if _kernels is not None:
+            return self._compiled_update(False, rows, state, positions, grads, lr, catch_up)
         # rowcopy: torch's index kernels are several times slower for these copies on a busy
         # CPU (ams/rowcopy.py)
         w = rowcopy.gather(rows, positions).to(torch.float32)
@@ -120,6 +140,73 @@ class SparseMomentumSGD:
             g = torch.add(g, w, alpha=self.weight_decay)
         w.sub_(g, alpha=lr)
         return RowUpdate(positions, w.to(rows.dtype), new_state)
+
+    def step(self, rows: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+             grads: torch.Tensor, lr: float, catch_up: torch.Tensor | None = None
+             ) -> tuple[str, int] | None:
+        """One step on the rows at ``positions`` (arguments as ``compute``), written in place.
+        Returns None, or, where a stored value would not be finite, what
+        ``RowUpdate.first_non_finite`` names, and then ``rows`` and ``state`` are unchanged."""
+        if _kernels is None:
+            update = self.compute(rows, state, positions, grads, lr, catch_up)
+            found = update.first_non_finite()
+            if found is None:
+                self.commit(rows, state, update)
+            return found
+        old = self._compiled_update(True, rows, state, positions, grads, lr, catch_up)
+        if old.checked is not None:  # rare: put back the rows and state it saved
+            self.commit(rows, state, old)
+        return old.checked
+
+    def _compiled_update(self, in_place: bool, rows: torch.Tensor, state: torch.Tensor,
+                         positions: torch.Tensor, grads: torch.Tensor, lr: float,
+                         catch_up: torch.Tensor | None) -> RowUpdate:
+        """One pass of ams/_kernels.c: ``compute`` (in_place False: the new values), or
+        ``step`` (True: the table updated, the old values returned, and where the first
+        non-finite value is). The kernel reads and writes raw memory, so every tensor it
+        touches is checked here to be a contiguous CPU tensor of the right shape and dtype,
+        and every position to be in range."""
+        n, dim = rows.shape
+        m = positions.numel()
+        with_state = bool(self.momentum)
+        tensors = [rows, positions, grads] + ([state] if with_state else [])
+        if catch_up is not None:
+            tensors.append(catch_up)
+        if (any(t.device.type != "cpu" for t in tensors) or rows.dtype not in _KERNEL_DTYPES
+                or (with_state and state.dtype not in _KERNEL_DTYPES) or dim == 0):
+            raise ValueError(f"the compiled update takes CPU float32, float16 or bfloat16 rows, "
+                             f"got {rows.dtype} on {rows.device}")
+        if not rows.is_contiguous() or (with_state and not state.is_contiguous()):
+            raise ValueError("the compiled update needs contiguous rows and state")
+        if with_state and tuple(state.shape) != (n, dim):
+            raise ValueError(f"state {tuple(state.shape)} does not match rows {(n, dim)}")
+        if positions.dtype != torch.int64 or positions.dim() != 1:
+            raise ValueError("positions: need an int64 tensor of shape (m,)")
+        if m:
+            lo, hi = (int(x) for x in torch.aminmax(positions))
+            if lo < 0 or hi >= n:
+                raise ValueError(f"positions out of range for {n} rows")
+        positions = positions.contiguous()
+        grads = grads.to(torch.float32).contiguous()
+        if tuple(grads.shape) != (m, dim):
+            raise ValueError(f"grads {tuple(grads.shape)}, need {(m, dim)}")
+        if catch_up is not None:
+            catch_up = catch_up.to(torch.float64).contiguous()
+            if tuple(catch_up.shape) != (m,):
+                raise ValueError(f"catch_up {tuple(catch_up.shape)}, need {(m,)}")
+        new_rows = rows.new_empty((m, dim))
+        new_state = state.new_empty((m, dim)) if with_state else None
+        bad_row, bad_state = _kernels.momentum_sgd(
+            in_place, rows.data_ptr(), _KERNEL_DTYPES[rows.dtype],
+            state.data_ptr() if with_state else 0,
+            _KERNEL_DTYPES[state.dtype] if with_state else 0,
+            positions.data_ptr(), m, dim, grads.data_ptr(),
+            catch_up.data_ptr() if catch_up is not None else 0,
+            self.momentum, self.weight_decay, float(lr),
+            new_rows.data_ptr(), new_state.data_ptr() if with_state else 0)
+        checked = ("rows", bad_row) if bad_row >= 0 else \
+            ("state", bad_state) if bad_state >= 0 else None
+        return RowUpdate(positions, new_rows, new_state, checked)
 
     @staticmethod
     def commit(rows: torch.Tensor, state: torch.Tensor, update: RowUpdate) -> None:

@@ -35,7 +35,6 @@ from ams.errors import (
 from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
 from ams.optim import (
     MAX_RATE,
-    RowUpdate,
     SparseMomentumSGD,
     all_finite,
     catch_up_factors,
@@ -486,13 +485,17 @@ class ShardStore:
             # a slotted table moves the rows, so their clocks move too, updated or not
             row_clock = table.row_clock.index_select(0, at) \
                 if clocked or table.slots is not None else None
-            update = table.optimizer.compute(
-                table.rows, table.state, at, summed, float(lr),
-                catch_up_factors(row_clock, decay_clock) if clocked else None)
-            self._refuse_non_finite(table, update, lr, grads, unique)
-            if table.slots is not None:  # nothing is refused past this point
+            catch_up = catch_up_factors(row_clock, decay_clock) if clocked else None
+            if table.slots is None:  # in place, or refused with nothing changed
+                self._refuse_non_finite(table, table.optimizer.step(
+                    table.rows, table.state, at, summed, float(lr), catch_up),
+                    lr, grads, unique)
+            else:  # the new values go to new slots, taken once nothing can be refused
+                update = table.optimizer.compute(table.rows, table.state, at, summed,
+                                                 float(lr), catch_up)
+                self._refuse_non_finite(table, update.first_non_finite(), lr, grads, unique)
                 at = table.slots.relocate(unique)
-            table.optimizer.commit(table.rows, table.state, replace(update, positions=at))
+                table.optimizer.commit(table.rows, table.state, replace(update, positions=at))
             if clocked:
                 after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
                 row_clock = row_clock.clamp(min=after)
@@ -525,14 +528,14 @@ class ShardStore:
             table.touched[positions] = False
         return positions * self.num_shards + self.shard_id
 
-    def _refuse_non_finite(self, table: ShardTable, update: RowUpdate, lr: float,
+    def _refuse_non_finite(self, table: ShardTable, found: tuple[str, int] | None, lr: float,
                            grads: torch.Tensor, positions: torch.Tensor) -> None:
         """``InvalidArgument`` naming the first non-finite gradient row of the push, or else
-        the first row that ``update`` would make non-finite (of local ``positions``, int64
-        (m,), in ``update``'s order). A non-finite gradient always makes the update
-        non-finite, so ``grads`` is looked at only then: one pass over the pushed rows fewer
-        in every push that is accepted."""
-        found = update.first_non_finite()
+        the first row the update would have made non-finite (``found``, from
+        ``RowUpdate.first_non_finite``: an index into local ``positions``, int64 (m,)); nothing
+        when ``found`` is None. A non-finite gradient always makes the update non-finite, so
+        ``grads`` is looked at only then: one pass over the pushed rows fewer in every push
+        that is accepted."""
         if found is None:
             return
         if not all_finite(grads):

@@ -33,6 +33,20 @@ def set_torchrun_env(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def update_path(request, monkeypatch) -> str:
+    """Runs a test on the shard's compiled row update (ams/_kernels.c) and on the torch one
+    (what a host without a C compiler runs)."""
+    import ams.optim
+
+    if request.param == "compiled":
+        if ams.optim._kernels is None:
+            pytest.skip("ams._kernels is not built here (tests/test_optim.py says why)")
+    else:
+        monkeypatch.setattr(ams.optim, "_kernels", None)
+    return request.param
+
+
 @pytest.fixture
 def tmp_data_dir(tmp_path):
     d = tmp_path / "data"

@@ -13,6 +13,7 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return names
 
 
+def compiled_modules(root: Path) -> set[str]:
+    """The C extensions pyproject.toml builds."""
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {ext["name"] for ext in setuptools.get("ext-modules", [])}
+
+
+COMPILED = compiled_modules(ROOT)
+
+
 def _project_module(name: str, modules: dict[str, Path]) -> str | None:
     """The project module ``name`` loads: itself, or the longest known prefix of it (None for
     anything outside the project)."""
@@ -85,6 +95,8 @@ def project_imports(modules: dict[str, Path]) -> list[Import]:
             else:
                 continue
             for name in names:
+                if name in COMPILED:  # no source here to resolve it to; it imports nothing
+                    continue
                 target = _project_module(name, modules)
                 if target is not None and target != module:
                     found.setdefault((module, target, node.lineno),

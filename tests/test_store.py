@@ -52,7 +52,7 @@ def reference_sgd_step(w: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, grad
 
 
 @pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (1, 3)])
-def test_push_matches_dense_sgd(shard_id, num_shards):
+def test_push_matches_dense_sgd(shard_id, num_shards, update_path):
     store = make_store(shard_id, num_shards)
     mine = owned(store)
     w = store.pull("fc", mine).double()
@@ -69,7 +69,7 @@ def test_push_matches_dense_sgd(shard_id, num_shards):
     torch.testing.assert_close(in_position_order(store)[1].double(), v, rtol=1e-6, atol=1e-7)
 
 
-def test_push_without_momentum_is_plain_sgd_and_keeps_no_state():
+def test_push_without_momentum_is_plain_sgd_and_keeps_no_state(update_path):
     store = make_store(momentum=0.0, weight_decay=0.01)
     assert tuple(in_position_order(store)[1].shape) == (N, 0)
     w = store.pull("fc", owned(store)).double()
@@ -101,7 +101,7 @@ def dense_sgd_with_sparse_grads(w: torch.Tensor, steps: list, wd: float) -> list
 
 
 @pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (2, 3)])
-def test_decay_clock_makes_sparse_pushes_equal_dense_sgd(shard_id, num_shards):
+def test_decay_clock_makes_sparse_pushes_equal_dense_sgd(shard_id, num_shards, update_path):
     wd = 0.05  # large, so a row that sits out steps visibly owes decay
     store = make_store(shard_id, num_shards, momentum=0.0, weight_decay=wd)
     mine = owned(store)
@@ -164,7 +164,7 @@ def test_untouched_rows_and_state_bit_identical():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_tables_follow_float64_reference(dtype):
+def test_low_precision_tables_follow_float64_reference(dtype, update_path):
     store = make_store(dtype=dtype, state_dtype=dtype)
     w = store.pull("fc", torch.arange(N)).double()
     v = torch.zeros_like(w)
@@ -403,7 +403,7 @@ NON_FINITE_PUSHES = [  # (row and state dtype, ids, gradient value per id, lr)
 
 
 @pytest.mark.parametrize("dtype,ids,value,lr", NON_FINITE_PUSHES)
-def test_push_with_non_finite_result_is_refused_whole(dtype, ids, value, lr):
+def test_push_with_non_finite_result_is_refused_whole(dtype, ids, value, lr, update_path):
     store = make_store(dtype=dtype, state_dtype=dtype)
     store.push("fc", torch.tensor([4, 9]), torch.ones(2, D), 0.1, "c", 1, decay_clock=0.0)
     before = snapshot_state(store)
