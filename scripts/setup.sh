@@ -6,8 +6,9 @@
 #   * torch: kept if already importable (GPU hosts bring their own build); otherwise
 #     ${XCLS_TORCH_SPEC:-torch==2.13.0} is installed
 #   * xcls itself, editable, with the dev extra (pytest, hypothesis, ruff, tensorboard)
-#   * Debian packages: redis-server (bridge tests, Redis cache) and the CJK/Hangul font packages
-#     listed in scripts/debian-fonts.txt (the glyph dataset)
+#   * Debian packages: redis-server (bridge tests, Redis cache), the CJK/Hangul font packages
+#     listed in scripts/debian-fonts.txt (the glyph dataset), and a C compiler and Python
+#     headers where missing (the shards' compiled row update, ams/_kernels.c)
 # Set XCLS_SKIP_APT=1 to skip the Debian packages (then install them yourself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,10 +41,16 @@ if "$PY" -c "import torch" 2>/dev/null; then
 else
   "$PY" -m pip install --quiet --root-user-action=ignore "${XCLS_TORCH_SPEC:-torch==2.13.0}"
 fi
-"$PY" -m pip install --quiet --root-user-action=ignore -e ".[dev]"
-
 if [ "${XCLS_SKIP_APT:-0}" != "1" ]; then
   want=(redis-server)
+  # a C compiler and the interpreter's headers build the shards' compiled row update
+  # (ams/_kernels.c); Debian's own python3 keeps its headers in python3-dev
+  command -v cc >/dev/null || want+=(gcc libc6-dev)
+  if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(
+      os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+      && [ "$("$PY" -c 'import sys; print(sys.base_prefix)')" = /usr ]; then
+    want+=(python3-dev)
+  fi
   if [ -f scripts/debian-fonts.txt ]; then
     while read -r pkg _; do
       case "$pkg" in ""|\#*) ;; *) want+=("$pkg") ;; esac
@@ -57,4 +64,8 @@ if [ "${XCLS_SKIP_APT:-0}" != "1" ]; then
     apt_install "${missing[@]}"
   fi
 fi
+"$PY" -m pip install --quiet --root-user-action=ignore -e ".[dev]"
+"$PY" -c "import ams._kernels" 2>/dev/null || echo "setup: ams/_kernels.c was not compiled" \
+  "(no C compiler or Python headers): the shards update rows in torch, more slowly"
+
 echo "setup: done"
