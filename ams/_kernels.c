@@ -111,6 +111,59 @@ static inline void prefetch_row(const char *row, size_t nbytes) {
     for (size_t b = 0; b < nbytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
+/* Whole float16 rows to and from float32. The x86 instructions (F16C) convert 8 values at a
+ * time where the integer arithmetic above takes a dozen instructions for them; the CPU is
+ * asked once whether it has them (have_f16c, set when the module loads). */
+static int have_f16c;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_F16C_CODE 1
+
+__attribute__((target("avx,f16c"))) static void half_row_to_float_f16c(
+        float *dst, const uint16_t *src, int64_t dim) {
+    int64_t j = 0;
+    for (; j + 8 <= dim; j += 8)
+        _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
+    for (; j < dim; j++) dst[j] = half_to_float(src[j]);
+}
+
+__attribute__((target("avx,f16c"))) static uint32_t float_row_to_half_f16c(
+        uint16_t *dst, const float *src, int64_t dim) {
+    const __m128i exponent = _mm_set1_epi16(0x7C00);
+    __m128i bad = _mm_setzero_si128();
+    int64_t j = 0;
+    for (; j + 8 <= dim; j += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(dst + j), h);
+        bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+    }
+    uint32_t tail_bad = 0;
+    for (; j < dim; j++) tail_bad |= store_value(DT_FLOAT16, dst, j, src[j]);
+    return (uint32_t)(_mm_movemask_epi8(bad) != 0) | tail_bad;
+}
+#endif
+
+static inline void half_row_to_float(float *dst, const void *src, int64_t dim) {
+#ifdef HAVE_F16C_CODE
+    if (have_f16c) {
+        half_row_to_float_f16c(dst, (const uint16_t *)src, dim);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < dim; j++) dst[j] = load_value(DT_FLOAT16, src, j);
+}
+
+/* Returns 1 when a stored value is not finite. */
+static inline uint32_t float_row_to_half(void *dst, const float *src, int64_t dim) {
+#ifdef HAVE_F16C_CODE
+    if (have_f16c) return float_row_to_half_f16c((uint16_t *)dst, src, dim);
+#endif
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < dim; j++) bad |= store_value(DT_FLOAT16, dst, j, src[j]);
+    return bad;
+}
+
 /* One row: w <- w * c; v <- g + momentum * v + weight_decay * w (v is g + weight_decay * w
  * without state); w <- w - lr * v. Returns bit 0 when the stored row is not finite, bit 1
  * when the stored state is not. Inlined with constant dtypes, so each (row, state) dtype pair
@@ -130,31 +183,55 @@ static inline __attribute__((always_inline)) int update_row(
     return (bad_row != 0) | ((bad_state != 0) << 1);
 }
 
-/* In place, the row and its state are first copied to the out buffers (to restore them from if
- * the step is refused) and the update reads that copy: the table is then only written, never
- * read and written through one pointer, which would keep the compiler from vectorizing. */
-#define UPDATE_CASE(RD, SD, WS)                                                                \
-    do {                                                                                       \
-        char *table_row = rows + positions[i] * row_bytes;                                    \
-        char *table_st = WS ? state + positions[i] * state_bytes : NULL;                      \
-        char *out_row = out_rows + i * row_bytes;                                              \
-        char *out_st = WS ? out_state + i * state_bytes : NULL;                                \
-        if (in_place) {                                                                        \
-            memcpy(out_row, table_row, row_bytes);                                             \
-            if (WS) memcpy(out_st, table_st, state_bytes);                                     \
-            bad = update_row(RD, SD, WS, out_row, out_st, grads + i * dim, c, dim, momentum,  \
-                             weight_decay, lr, table_row, table_st);                           \
-        } else {                                                                               \
-            bad = update_row(RD, SD, WS, table_row, table_st, grads + i * dim, c, dim,         \
-                             momentum, weight_decay, lr, out_row, out_st);                     \
-        }                                                                                      \
-    } while (0)
+#define UPDATE_ROW(RD, SD, WS)                                                                 \
+    update_row(RD, SD, WS, row_in, st_in, g, c, dim, momentum, weight_decay, lr, row_out, st_out)
 
-#define STATE_CASES(RD)                                                                        \
-    if (!state) UPDATE_CASE(RD, DT_FLOAT32, 0);                                                \
-    else if (state_dtype == DT_FLOAT32) UPDATE_CASE(RD, DT_FLOAT32, 1);                        \
-    else if (state_dtype == DT_FLOAT16) UPDATE_CASE(RD, DT_FLOAT16, 1);                        \
-    else UPDATE_CASE(RD, DT_BFLOAT16, 1)
+/* One pushed row: the table's row and state (table_row, table_st) and the out buffers' (out_row,
+ * out_st; see momentum_sgd), and a scratch of 4 * dim floats. Returns update_row's bits.
+ *
+ * In place, the row and its state are first copied to the out buffers (to restore them from
+ * if the step is refused) and the update reads that copy: the table is then only written,
+ * never read and written through one pointer, which would keep the compiler from vectorizing.
+ * float16 goes through float32 copies in the scratch, converted a row at a time. */
+static inline __attribute__((always_inline)) int update_one(
+        int in_place, int rows_dtype, int state_dtype, int with_state, char *table_row,
+        char *table_st, char *out_row, char *out_st, size_t row_bytes, size_t state_bytes,
+        const float *g, float c, int64_t dim, float momentum, float weight_decay, float lr,
+        float *scratch) {
+    const void *row_in = table_row, *st_in = table_st;
+    void *row_out = out_row, *st_out = out_st;
+    if (in_place) {
+        memcpy(out_row, table_row, row_bytes);
+        if (with_state) memcpy(out_st, table_st, state_bytes);
+        row_in = out_row, st_in = out_st, row_out = table_row, st_out = table_st;
+    }
+    void *half_row = NULL, *half_st = NULL;
+    int rd = rows_dtype, sd = state_dtype;
+    if (rd == DT_FLOAT16) {
+        half_row_to_float(scratch, row_in, dim);
+        half_row = row_out, row_in = scratch, row_out = scratch + dim, rd = DT_FLOAT32;
+    }
+    if (with_state && sd == DT_FLOAT16) {
+        half_row_to_float(scratch + 2 * dim, st_in, dim);
+        half_st = st_out, st_in = scratch + 2 * dim, st_out = scratch + 3 * dim;
+        sd = DT_FLOAT32;
+    }
+    int bad;
+    if (!with_state) {
+        bad = rd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 0)
+                               : UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 0);
+    } else if (rd == DT_FLOAT32) {
+        bad = sd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 1)
+                               : UPDATE_ROW(DT_FLOAT32, DT_BFLOAT16, 1);
+    } else {
+        bad = sd == DT_FLOAT32 ? UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 1)
+                               : UPDATE_ROW(DT_BFLOAT16, DT_BFLOAT16, 1);
+    }
+    /* a float32 value that float16 cannot hold becomes inf only here */
+    if (half_row) bad = (bad & ~1) | (int)float_row_to_half(half_row, row_out, dim);
+    if (half_st) bad = (bad & ~2) | (int)float_row_to_half(half_st, st_out, dim) << 1;
+    return bad;
+}
 
 /* One momentum SGD step on the rows at positions[0..m). in_place 0: the new rows and state go
  * to out_rows / out_state (m, dim), the table is only read; 1: they are written to the table
@@ -165,7 +242,7 @@ static void momentum_sgd(int in_place, char *rows, int rows_dtype, char *state,
                          int state_dtype, const int64_t *positions, int64_t m, int64_t dim,
                          const float *grads, const double *catch_up, float momentum,
                          float weight_decay, float lr, char *out_rows, char *out_state,
-                         int64_t *first_bad) {
+                         float *scratch, int64_t *first_bad) {
     const size_t row_bytes = (size_t)dim * dtype_size(rows_dtype);
     const size_t state_bytes = state ? (size_t)dim * dtype_size(state_dtype) : 0;
     first_bad[0] = first_bad[1] = -1;
@@ -179,14 +256,12 @@ static void momentum_sgd(int in_place, char *rows, int rows_dtype, char *state,
             if (state) prefetch_row(state + positions[i + AHEAD] * state_bytes, state_bytes);
         }
         const float c = catch_up ? (float)catch_up[i] : 1.0f;
-        int bad;
-        if (rows_dtype == DT_FLOAT32) {
-            STATE_CASES(DT_FLOAT32);
-        } else if (rows_dtype == DT_FLOAT16) {
-            STATE_CASES(DT_FLOAT16);
-        } else {
-            STATE_CASES(DT_BFLOAT16);
-        }
+        int bad = update_one(in_place, rows_dtype, state_dtype, state != NULL,
+                             rows + positions[i] * row_bytes,
+                             state ? state + positions[i] * state_bytes : NULL,
+                             out_rows + i * row_bytes, state ? out_state + i * state_bytes : NULL,
+                             row_bytes, state_bytes, grads + i * dim, c, dim, momentum,
+                             weight_decay, lr, scratch);
         if ((bad & 1) && first_bad[0] < 0) first_bad[0] = i;
         if ((bad & 2) && first_bad[1] < 0) first_bad[1] = i;
     }
@@ -207,15 +282,35 @@ static PyObject *py_momentum_sgd(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "momentum_sgd: bad dtype code or size");
         return NULL;
     }
+    float *scratch = PyMem_RawMalloc((size_t)dim * 4 * sizeof(float));
+    if (!scratch) return PyErr_NoMemory();
     int64_t first_bad[2];
     Py_BEGIN_ALLOW_THREADS
     momentum_sgd(in_place, (char *)(uintptr_t)rows, rows_dtype, (char *)(uintptr_t)state,
                  state_dtype, (const int64_t *)(uintptr_t)positions, m, dim,
                  (const float *)(uintptr_t)grads, (const double *)(uintptr_t)catch_up,
                  momentum, weight_decay, lr, (char *)(uintptr_t)out_rows,
-                 (char *)(uintptr_t)out_state, first_bad);
+                 (char *)(uintptr_t)out_state, scratch, first_bad);
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
     return Py_BuildValue("LL", (long long)first_bad[0], (long long)first_bad[1]);
+}
+
+static int cpu_has_f16c(void) {
+#ifdef HAVE_F16C_CODE
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *py_use_f16c(PyObject *self, PyObject *args) {
+    int on, before = have_f16c;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    have_f16c = on && cpu_has_f16c();
+    return PyBool_FromLong(before);
 }
 
 static PyMethodDef methods[] = {
@@ -224,6 +319,10 @@ static PyMethodDef methods[] = {
      "catch_up, momentum, weight_decay, lr, out_rows, out_state)\n"
      "-> (first bad row, first bad state)\n"
      "Addresses are data pointers (0: none); use ams.optim, which checks them."},
+    {"use_f16c", py_use_f16c, METH_VARARGS,
+     "use_f16c(on) -> whether it was on. Convert float16 rows with the CPU's F16C instructions "
+     "(on where the CPU has them, from import) or with integer arithmetic (what other CPUs "
+     "run; tests check both)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -235,4 +334,7 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    have_f16c = cpu_has_f16c();
+    return PyModule_Create(&module);
+}

@@ -33,18 +33,25 @@ def set_torchrun_env(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def update_path(request, monkeypatch) -> str:
-    """Runs a test on the shard's compiled row update (ams/_kernels.c) and on the torch one
-    (what a host without a C compiler runs)."""
+@pytest.fixture(params=["compiled", "compiled-no-f16c", "torch"])
+def update_path(request, monkeypatch):
+    """Runs a test on the shard's compiled row update (ams/_kernels.c), on it with float16
+    converted without the F16C instructions (as CPUs without them, ARM's included, run it),
+    and on the torch one (what a host without a C compiler runs)."""
     import ams.optim
 
-    if request.param == "compiled":
-        if ams.optim._kernels is None:
-            pytest.skip("ams._kernels is not built here (tests/test_optim.py says why)")
-    else:
+    kernels = ams.optim._kernels
+    if request.param == "torch":
         monkeypatch.setattr(ams.optim, "_kernels", None)
-    return request.param
+        yield request.param
+        return
+    if kernels is None:
+        pytest.skip("ams._kernels is not built here (tests/test_optim.py says why)")
+    before = kernels.use_f16c(request.param == "compiled")
+    try:
+        yield request.param
+    finally:
+        kernels.use_f16c(before)
 
 
 @pytest.fixture
