@@ -6,6 +6,7 @@ against arithmetic done here.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -75,6 +76,24 @@ def test_bench_table_pages_quick_times_both_mappings() -> None:
         for cells in rows.values():
             assert int(cells[2].replace(",", "")) >= 0
             assert all(float(x) > 0 for x in cells[3:5])
+
+
+def test_bench_row_update_quick_times_each_update() -> None:
+    if importlib.util.find_spec("ams._kernels") is None:
+        pytest.skip("ams._kernels is not built here")
+    done = run_benchmark("bench_row_update.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = {(cells[0], cells[2]): cells for cells in
+             (cells for rows in ("float32", "float16", "bfloat16")
+              for cells in table_rows(done.stdout, rows))}
+    assert set(found) == {("float32", "torch"), ("float32", "compiled"),
+                          ("float16", "torch"), ("float16", "compiled"),
+                          ("float16", "compiled, no F16C"),
+                          ("bfloat16", "torch"), ("bfloat16", "compiled")}, done.stdout
+    for (_, update), cells in found.items():
+        assert float(cells[3]) > 0
+        if update == "torch":
+            assert cells[4] == "1.00x"
 
 
 def test_bench_ams_quick_measures_every_backend() -> None:
