@@ -16,35 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 import ams.optim
 from ams import alloc
+from ams.optim import update_path
 from ams.store import ShardStore, TableSpec
 
 # (rows dtype, state dtype)
 CONFIGS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "float32")]
-
-
-@contextmanager
-def update_path(name: str) -> Iterator[None]:
-    """Pushes in the block run the named update: "torch", "compiled", "compiled, no F16C"."""
-    kernels = ams.optim._kernels
-    if name == "torch":
-        ams.optim._kernels = None
-        try:
-            yield
-        finally:
-            ams.optim._kernels = kernels
-        return
-    before = kernels.use_f16c(name == "compiled")
-    try:
-        yield
-    finally:
-        kernels.use_f16c(before)
 
 
 def main() -> int:

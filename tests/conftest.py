@@ -33,25 +33,16 @@ def set_torchrun_env(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
-@pytest.fixture(params=["compiled", "compiled-no-f16c", "torch"])
-def update_path(request, monkeypatch):
-    """Runs a test on the shard's compiled row update (ams/_kernels.c), on it with float16
-    converted without the F16C instructions (as CPUs without them, ARM's included, run it),
-    and on the torch one (what a host without a C compiler runs)."""
+@pytest.fixture(params=["compiled", "compiled, no F16C", "torch"],
+                ids=["compiled", "compiled-no-f16c", "torch"])
+def update_path(request):
+    """Runs a test on each way the shard's row update runs (``ams.optim.UPDATE_PATHS``)."""
     import ams.optim
 
-    kernels = ams.optim._kernels
-    if request.param == "torch":
-        monkeypatch.setattr(ams.optim, "_kernels", None)
-        yield request.param
-        return
-    if kernels is None:
+    if request.param != "torch" and ams.optim._kernels is None:
         pytest.skip("ams._kernels is not built here (tests/test_optim.py says why)")
-    before = kernels.use_f16c(request.param == "compiled")
-    try:
+    with ams.optim.update_path(request.param):
         yield request.param
-    finally:
-        kernels.use_f16c(before)
 
 
 @pytest.fixture
@@ -77,6 +68,21 @@ def png_declaring(height: int, width: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + \
         chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+def reference_sgd_step(w: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
+                       lr: float, momentum: float, wd: float) -> None:
+    """torch.optim.SGD (float64) applied to just the touched rows, state carried over."""
+    unique = torch.unique(ids)
+    summed = torch.zeros((unique.numel(), w.shape[1]), dtype=torch.float64)
+    summed.index_add_(0, torch.searchsorted(unique, ids), grads.double())
+    p = torch.nn.Parameter(w[unique].clone())
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=wd)
+    opt.state[p]["momentum_buffer"] = v[unique].clone()
+    p.grad = summed
+    opt.step()
+    w[unique] = p.detach()
+    v[unique] = opt.state[p]["momentum_buffer"]
 
 
 def in_position_order(store, name: str = "fc") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 
 import ams.optim as optim
 from ams.optim import SparseMomentumSGD
+from tests.conftest import reference_sgd_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The rounding of one stored value, relative: float32 leaves only float32 arithmetic
@@ -29,14 +30,9 @@ def reference(rows, state, positions, grads, lr, momentum, wd, catch_up):
     w = rows[positions].double()
     if catch_up is not None:
         w = w * catch_up.to(torch.float32).double()[:, None]
-    p = torch.nn.Parameter(w.clone())
-    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=wd)
-    if momentum:
-        opt.state[p]["momentum_buffer"] = state[positions].double().clone()
-    p.grad = grads.double()
-    opt.step()
-    new_state = opt.state[p]["momentum_buffer"] if momentum else None
-    return p.detach(), new_state
+    v = state[positions].double()
+    reference_sgd_step(w, v, torch.arange(positions.numel()), grads, lr, momentum, wd)
+    return w, v
 
 
 def rounded_as(got: torch.Tensor, want: torch.Tensor) -> float:

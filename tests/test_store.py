@@ -12,7 +12,7 @@ import torch
 from ams import errors
 from ams.optim import step_decay
 from ams.store import ShardStore, TableSpec
-from tests.conftest import Storages, in_position_order
+from tests.conftest import Storages, in_position_order, reference_sgd_step
 
 N, D = 50, 8
 STORAGE: Storages | None = None  # the storage of the running test, see _on_each_storage
@@ -34,21 +34,6 @@ def make_store(shard_id=0, num_shards=1, **spec_kw) -> ShardStore:
 
 def owned(store: ShardStore) -> torch.Tensor:
     return torch.arange(store.shard_id, N, store.num_shards)
-
-
-def reference_sgd_step(w: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
-                       lr: float, momentum: float, wd: float) -> None:
-    """torch.optim.SGD (float64) applied to just the touched rows, state carried over."""
-    unique = torch.unique(ids)
-    summed = torch.zeros((unique.numel(), w.shape[1]), dtype=torch.float64)
-    summed.index_add_(0, torch.searchsorted(unique, ids), grads.double())
-    p = torch.nn.Parameter(w[unique].clone())
-    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, weight_decay=wd)
-    opt.state[p]["momentum_buffer"] = v[unique].clone()
-    p.grad = summed
-    opt.step()
-    w[unique] = p.detach()
-    v[unique] = opt.state[p]["momentum_buffer"]
 
 
 @pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (1, 3)])
