@@ -278,7 +278,7 @@ class RemoteShard:
                               shared_memory=self.shared_memory)
 
     def _release(self, conn: DataConnection | None) -> None:
-        if conn is not None:
+        if conn is not None and not conn.lost:
             with self._idle_lock:
                 self._idle.append(conn)
 

@@ -690,7 +690,35 @@ class DataConnection:
                 send(sent)
                 sent += 1
             self._set_deadline(deadline)
-            receive(i)
+            try:
+                receive(i)
+            except FrameError:
+                raise  # the stream is lost; the connection is dropped
+            except AmsError:
+                # A refusal of request i leaves the later ones on the wire: their answers are
+                # read and dropped here, or the connection's next request would take one of
+                # them for its own (another request's rows, silently).
+                self._drop_answers(sent - i - 1, deadline)
+                raise
+
+    def _drop_answers(self, count: int, deadline: float) -> None:
+        """Read and discard the answers of ``count`` requests on the wire. Where they cannot
+        be read the connection is closed (``lost``), so that it is not used again."""
+        try:
+            for _ in range(count):
+                self._set_deadline(deadline)
+                header = recv_header(self.reader)
+                if header is None:
+                    raise ConnectionError("the shard closed the data connection")
+                recv_body(self.reader, header)
+        except (OSError, FrameError) as e:
+            log.debug("data_connection_lost while=dropping_answers error=%s", e)
+            self.close()
+
+    @property
+    def lost(self) -> bool:
+        """Closed, by ``close`` or because its stream could not be kept in step."""
+        return self.sock.fileno() == -1
 
     def _set_deadline(self, deadline: float) -> None:
         remaining = deadline - time.monotonic()

@@ -27,6 +27,7 @@ import torch
 import ams
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.errors import IdOutOfRange, InvalidArgument
 from ams.server import create_server
 from ams.store import ShardStore
 
@@ -311,6 +312,32 @@ def test_requests_are_answered_in_order_on_one_connection(cluster):
     assert torch.equal(torch.cat(got), expected)
     peer.close()
 
+
+
+@pytest.mark.parametrize("refused", ["pull", "push"])
+def test_a_refused_piece_leaves_the_connection_in_step(cluster, refused):
+    """A request of many pipelined pieces whose first piece the shard refuses: the pieces
+    still on the wire are answered too, and the connection's next request must read its own
+    answer, not one of theirs (another request's rows, of the same shape)."""
+    _, reference = cluster
+    client = ams.connect(client_addresses(reference))
+    table = f"step_{refused}"
+    client.create_table(table, num_rows=N, dim=D, seed=5)
+    for shard in client.shards:
+        shard.piece_bytes = 8 * D * 4  # pieces of 8 rows: several on the wire at once
+    ids = torch.arange(0, 200, 2)  # all on shard 0: 13 pieces on one connection
+    if refused == "pull":
+        with pytest.raises(IdOutOfRange):
+            client.pull(table, torch.cat([torch.tensor([N + 2]), ids]))
+    else:
+        g = grads(ids.numel())
+        g[0, 0] = float("nan")
+        with pytest.raises(InvalidArgument, match="finite"):
+            client.push(table, ids, g, 0.1)
+    for _ in range(3):  # each pooled connection is used again
+        assert torch.equal(client.pull(table, torch.arange(N)),
+                           reference.pull(table, torch.arange(N)))
+    client.close()
 
 def test_scan_blocks_cover_the_shard_in_id_order(cluster):
     address, client = cluster
