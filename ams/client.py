@@ -45,6 +45,7 @@ from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
 from ams.lease import parse_address
 from ams.pieces import PushPieces, piece_sizes
 from ams.rpc import error_from_rpc
+from ams.shm import MIN_SHARED_BYTES, SharedArena
 from ams.store import TableSpec
 from ams.wire import (
     EXPECT_INCARNATION_KEY,
@@ -71,7 +72,7 @@ class ShardBackend(Protocol):
     """Bytes of rows one pull or push piece carries (``ShardedClient`` cuts the pieces)."""
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
-             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None: ...
+             into: tuple[torch.Tensor, torch.Tensor | None]) -> None: ...
     def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]: ...
     def scan(self, table: str, block_rows: int | None
@@ -108,9 +109,10 @@ class RemoteShard:
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 timeout: float = 60.0, retries: int = 4, shared_memory: bool = True) -> None:
+                 timeout: float = 60.0, retries: int = 4,
+                 arena: SharedArena | None = None) -> None:
         self.address = address
-        self.shared_memory = shared_memory
+        self.arena = arena  # the client's shared buffer, offered on each data connection
         self.timeout = timeout
         self.retries = retries
         self.incarnation: str | None = None  # the process this client expects; None: any
@@ -204,11 +206,10 @@ class RemoteShard:
     piece_bytes = PIECE_BYTES
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
-             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Rows of the ids of every piece (int64 (n_i,), owned here), in order: (sum n_i, dim),
-        the pieces pipelined on one data connection; with ``into`` = (out, positions) they
-        land in ``out[positions]`` instead (``DataConnection.pull``)."""
-        return self._data_call("Pull", lambda conn, deadline: conn.pull(
+             into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Rows of the ids of every piece (int64 (n_i,), owned here) into ``into`` = (out,
+        positions), the pieces pipelined on one data connection (``DataConnection.pull``)."""
+        self._data_call("Pull", lambda conn, deadline: conn.pull(
             table, pieces, PIPELINE_WINDOW, deadline, into))
 
     def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
@@ -246,6 +247,9 @@ class RemoteShard:
                 if attempt == self.retries or time.monotonic() >= deadline:
                     raise failure from None
                 self.data_port = None  # ask again: a restarted shard has another port
+            except BaseException:  # the connection's state is unknown: not used again
+                self._discard(conn)
+                raise
             else:
                 self._release(conn)
                 return result
@@ -275,7 +279,7 @@ class RemoteShard:
         return DataConnection(self.host, self.data_port, token=self.token, tls_ca=self.tls_ca,
                               expect_incarnation=self.incarnation,
                               timeout=max(0.1, deadline - time.monotonic()),
-                              shared_memory=self.shared_memory)
+                              arena=self.arena)
 
     def _release(self, conn: DataConnection | None) -> None:
         if conn is not None and not conn.lost:
@@ -409,7 +413,10 @@ class ShardedClient:
         client.restore(step)            # then put all of them at one checkpoint's step
     """
 
-    def __init__(self, shards: Sequence[ShardBackend]) -> None:
+    def __init__(self, shards: Sequence[ShardBackend], arena: SharedArena | None = None
+                 ) -> None:
+        """``arena``: the shared buffer the remote shards' data connections offer (the
+        client closes it); large pulls return tensors in it."""
         if not shards:
             raise InvalidArgument("a client needs at least one shard")
         # Pulls and pushes, in-process or on the wire, move reply-sized buffers, and a
@@ -419,6 +426,7 @@ class ShardedClient:
         keep_large_buffers()
         self.shards = list(shards)
         self.num_shards = len(self.shards)
+        self.arena = arena
         self.client_id = uuid.uuid4().hex
         self._sequence = 0
         self._sequence_lock = threading.Lock()
@@ -503,10 +511,10 @@ class ShardedClient:
         table's dtype (CPU)."""
         ids = check_ids(ids)
         spec = self.spec(name)
-        # ids are asked for in request order, so each shard's reply lands in the result with
-        # one scatter (none with one shard); a repeated id is asked for again rather than
-        # looked for: the callers' ids are unique (the active classes), and finding repeats
-        # costs a sort on every pull
+        # Each row moves once: each shard writes its rows to their places in the result (in
+        # the shared buffer, which the result then is), or they are received or scattered
+        # there. A repeated id is asked for again rather than looked for: the callers' ids
+        # are unique (the active classes), and finding repeats costs a sort on every pull.
         row_bytes = spec.dim * spec.dtype.itemsize
 
         def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
@@ -514,9 +522,10 @@ class ShardedClient:
             return list(wanted.split(piece_sizes(wanted.numel(),
                                                   self.shards[s].piece_bytes // row_bytes)))
 
+        rows = self._new_rows(ids.numel(), spec)
         if self.num_shards == 1:
-            return self.shards[0].pull(name, pieces(0, None))
-        rows = torch.empty((ids.numel(), spec.dim), dtype=spec.dtype)
+            self.shards[0].pull(name, pieces(0, None), (rows, None))
+            return rows
         parts = sharding.split_by_shard(ids, self.num_shards)
 
         def work(s: int) -> None:
@@ -712,11 +721,24 @@ class ShardedClient:
         if isinstance(shard, RemoteShard):  # an in-process shard cannot restart on its own
             shard.learn_incarnation()
 
+    def _new_rows(self, num_rows: int, spec: TableSpec) -> torch.Tensor:
+        """An uninitialized (num_rows, dim) tensor of the table's row dtype for a pull's
+        result: in the shared buffer where there is one, the rows take at least
+        ``MIN_SHARED_BYTES`` and a region is free, else in the process's memory."""
+        if self.arena is not None \
+                and num_rows * spec.dim * spec.dtype.itemsize >= MIN_SHARED_BYTES:
+            rows = self.arena.result(num_rows, spec.dim, spec.dtype)
+            if rows is not None:
+                return rows
+        return torch.empty((num_rows, spec.dim), dtype=spec.dtype)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for shard in self.shards:
             shard.close()
+        if self.arena is not None:
+            self.arena.close()
 
     def __enter__(self) -> ShardedClient:
         return self
@@ -777,10 +799,12 @@ def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = Non
     held in this process (``ams.local.LocalShard``), as in collective mode, where each worker
     holds its own slice and reaches the others' over gRPC. The remote ones must be serving
     as shard i of ``len(shards)``; their incarnations are learned now."""
-    backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout,
-                            shared_memory=shared_memory)
+    remote = any(isinstance(s, str) for s in shards)
+    # one buffer for all shards: each writes its rows of a pull straight into the result
+    arena = SharedArena.create() if remote and shared_memory and tls_ca is None else None
+    backends = [RemoteShard(s, token=token, tls_ca=tls_ca, timeout=timeout, arena=arena)
                 if isinstance(s, str) else s for s in shards]
-    client = ShardedClient(backends)
+    client = ShardedClient(backends, arena)
 
     def first_contact(i: int) -> dict | None:
         backend = backends[i]

@@ -16,6 +16,7 @@ certificate.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import os
@@ -43,9 +44,8 @@ from ams.errors import (
 from ams.frames import FrameError, Header, Kind
 from ams.metrics import record_call
 from ams.pieces import PushPieces
-from ams.shm import MIN_SHARED_BYTES, SharedBuffer
+from ams.shm import MIN_SHARED_BYTES, SharedArena, SharedBuffer
 from ams.store import ShardStore
-from ams.wire import PIECE_BYTES, PIPELINE_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -143,26 +143,31 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
 
 def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
                ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-               shared: bool = False) -> None:
-    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)) and ``rows`` ((m, dim));
-    ``shared``: ``rows`` already lie in the connection's shared buffer, where the meta's
-    "offset" says, and only their shape and dtype are sent."""
+               positions: torch.Tensor | None = None, shared: bool = False) -> None:
+    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)), ``positions`` (int64 (n,),
+    a shared PULL's) and ``rows`` ((m, dim)); ``shared``: the rows are in the shared buffer,
+    where the meta's "offset" says (a request's ``rows``: already written there; an answer's:
+    written there, sent for their shape and dtype)."""
     raw_meta = frames.encode_meta(meta) if meta else b""
     num_ids = 0 if ids is None else ids.numel()
-    header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared)
+    header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared,
+                                positions=positions is not None)
     send_buffers(sock, [header, raw_meta,
                         tensor_bytes(ids) if ids is not None else b"",
+                        tensor_bytes(positions) if positions is not None else b"",
                         tensor_bytes(rows) if rows is not None and not shared else b""])
 
 
 @dataclass
 class Frame:
-    """A frame as read: its header, meta, and ids and rows (empty when the frame has none)."""
+    """A frame as read: its header, meta, and ids and rows (empty when the frame has none),
+    and a shared PULL's positions."""
 
     header: Header
     meta: dict
     ids: torch.Tensor
     rows: torch.Tensor | None
+    positions: torch.Tensor | None = None
 
 
 def recv_header(reader: SocketReader) -> Header | None:
@@ -181,16 +186,20 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
     are not in the body: the frame's rows are None and ``rows_out`` is not written."""
     meta = bytearray(header.meta_bytes)
     reader.read_into(memoryview(meta))
-    ids = _NO_IDS
+    ids, positions = _NO_IDS, None
     if header.num_ids:
-        ids = torch.empty(header.num_ids, dtype=torch.int64)
+        ids = torch.empty(header.num_ids * (2 if header.positions else 1), dtype=torch.int64)
         reader.read_into(tensor_bytes(ids))
+        if header.positions:
+            ids, positions = ids[:header.num_ids], ids[header.num_ids:]
+    elif header.positions:
+        positions = _NO_IDS
     rows = None
     if header.dtype is not None and not header.shared:
         rows = rows_out if rows_out is not None \
             else torch.empty((header.num_rows, header.dim), dtype=header.dtype)
         reader.read_into(tensor_bytes(rows))
-    return Frame(header, frames.decode_meta(meta), ids, rows)
+    return Frame(header, frames.decode_meta(meta), ids, rows, positions)
 
 
 # ---- the shard's end -----------------------------------------------------------------------
@@ -399,10 +408,11 @@ class DataPlaneServer:
                 raise InvalidArgument("frame: rows in a shared buffer, but this connection "
                                       "has none (its HELLO offered none, or it was refused)")
             if frame.header.kind == Kind.PULL:
-                out = self._shared_rows_out(table, frame, shared) if frame.header.shared \
-                    else None
-                rows = self.store.pull(table, frame.ids, out)
-                send_frame(sock, Kind.ROWS, rows=rows, shared=out is not None)
+                if frame.header.shared:
+                    rows = self._pull_into_shared(table, frame, shared)
+                else:
+                    rows = self.store.pull(table, frame.ids)
+                send_frame(sock, Kind.ROWS, rows=rows, shared=frame.header.shared)
             elif frame.header.kind == Kind.SCAN:
                 ids, rows = self.store.scan_block(
                     table, frames.meta_field(frame.meta, "start", int),
@@ -425,23 +435,35 @@ class DataPlaneServer:
         finally:
             record_call(method, time.perf_counter() - started, code)
 
-    def _shared_rows_out(self, table: str, frame: Frame, shared: SharedBuffer
-                         ) -> torch.Tensor | None:
-        """Where a PULL asks for its rows in the shared buffer: the (n, dim) tensor at its
-        "offset", or None when they go in the answer's body: when they take more than its
-        "bytes" (the bytes after the region may belong to another request on the wire), or
-        fewer than ``MIN_SHARED_BYTES``."""
+    def _pull_into_shared(self, table: str, frame: Frame, shared: SharedBuffer
+                          ) -> torch.Tensor:
+        """A shared PULL: its rows written to the region of "bytes" at "offset" of the shared
+        buffer, in order from its start, or row j at row positions[j] of it; the rows
+        returned (for the answer's shape). Nothing is written when it is refused."""
         spec = self.store.table(table).spec
         offset = frames.meta_field(frame.meta, "offset", int)
         room = frames.meta_field(frame.meta, "bytes", int)
-        shared.check_offset(offset)
+        shared.check_offset(offset, spec.dtype)
         if room < 0 or not shared.fits(offset, room):
             raise InvalidArgument(f"frame meta: {room} bytes at offset {offset} are not in the "
                                   f"{shared.capacity}-byte shared buffer")
-        nbytes = frame.ids.numel() * spec.dim * spec.dtype.itemsize
-        if not MIN_SHARED_BYTES <= nbytes <= room:
-            return None
-        return shared.rows(offset, spec.dtype, frame.ids.numel(), spec.dim)
+        region_rows = room // (spec.dim * spec.dtype.itemsize)
+        n = frame.ids.numel()
+        if frame.positions is None:
+            if n > region_rows:
+                raise InvalidArgument(f"frame: {n} rows of {spec.dim} x {spec.dtype} do not "
+                                      f"fit in the {room} bytes at offset {offset}")
+            return self.store.pull(table, frame.ids,
+                                   shared.rows(offset, spec.dtype, n, spec.dim))
+        if n:
+            lo, hi = (int(x) for x in torch.aminmax(frame.positions))
+            if lo < 0 or hi >= region_rows:
+                raise InvalidArgument(f"frame: position {lo if lo < 0 else hi} is outside the "
+                                      f"{region_rows} rows at offset {offset}")
+        rows = self.store.pull(table, frame.ids)
+        rowcopy.scatter(shared.rows(offset, spec.dtype, region_rows, spec.dim),
+                        frame.positions, rows)
+        return rows
 
     def _push(self, table: str, frame: Frame) -> bool:
         meta = frame.meta
@@ -502,17 +524,18 @@ class DataConnection:
     process of the shard refuses the HELLO with ABORTED). Not thread-safe; ``RemoteShard``
     keeps a pool.
 
-    ``shared_memory``: offer the shard a shared buffer (``ams.shm``) of ``PIPELINE_WINDOW``
-    pieces; a shard on the same host maps it, and the rows of pulls and pushes then bypass
-    the socket (``shared`` is the buffer; None: rows travel in the frames). Never with TLS.
+    ``arena``: the client's shared buffer (``ams.shm``), offered to the shard; a shard on the
+    same host maps it, and the rows of large pulls and pushes then bypass the socket
+    (``shared`` is the arena; None: rows travel in the frames). Never with TLS.
     """
 
     def __init__(self, host: str, port: int, *, token: str | None, tls_ca: bytes | None,
                  expect_incarnation: str | None, timeout: float,
-                 shared_memory: bool = True) -> None:
-        self.shared: SharedBuffer | None = None
-        self._row_bytes: dict[str, int] = {}  # of each table pulled, from its answers
-        offered: tuple[SharedBuffer, dict] | None = None
+                 arena: SharedArena | None = None) -> None:
+        self.shared: SharedArena | None = None
+        # Each request sent and not answered yet: the shared region it writes or reads
+        # (None: none), and whether that region is given back once the answer is in.
+        self._unanswered: collections.deque[tuple[int | None, bool]] = collections.deque()
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -524,27 +547,40 @@ class DataConnection:
                 hello["token"] = token
             if expect_incarnation:
                 hello["expect_incarnation"] = expect_incarnation
-            if shared_memory and tls_ca is None:
-                offered = SharedBuffer.create(PIPELINE_WINDOW * PIECE_BYTES)
-            if offered is not None:
-                hello["shared"] = offered[1]
+            if arena is not None and tls_ca is None:
+                hello["shared"] = arena.offer
             self.sock, self.reader = sock, SocketReader(sock)
-            send_frame(sock, Kind.HELLO, hello)
+            self._send(Kind.HELLO, hello)
             # a HELLO the shard refuses raises its error here
             granted = self._expect(Kind.WELCOME).meta.get("shared") is True
         except BaseException:
             sock.close()
-            if offered is not None:
-                offered[0].close()
             raise
-        finally:
-            if offered is not None:  # the shard has mapped it or never will
-                SharedBuffer.withdraw(offered[1])
-        if offered is not None:
-            if granted:
-                self.shared = offered[0]
-            else:
-                offered[0].close()
+        if granted:
+            self.shared = arena
+
+    def _send(self, kind: Kind, meta: dict | None = None, *, ids: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              region: int | None = None, release: bool = False) -> None:
+        """``send_frame``, the request remembered until its answer is read: ``region``, the
+        offset of the shared region it uses, given back then where ``release``; rows in the
+        shared buffer where ``region`` is given."""
+        self._unanswered.append((region, release))
+        send_frame(self.sock, kind, meta, ids=ids, rows=rows, positions=positions,
+                   shared=region is not None)
+
+    def _answered(self) -> None:
+        region, release = self._unanswered.popleft()
+        if release and region is not None and self.shared is not None:
+            self.shared.release(region)
+
+    def _read_answer(self) -> None:
+        """Read and drop the oldest request's answer, whatever it is."""
+        header = recv_header(self.reader)
+        if header is None:
+            raise ConnectionError("the shard closed the data connection")
+        recv_body(self.reader, header)
+        self._answered()
 
     def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None
                 ) -> Frame:
@@ -556,83 +592,71 @@ class DataConnection:
             raise ConnectionError("the shard closed the data connection")
         if header.kind == Kind.ERROR:
             meta = recv_body(self.reader, header).meta
+            self._answered()
             raise error_from_code(str(meta.get("code", "UNKNOWN")),
                                   str(meta.get("message", "")))
         if header.kind != kind:
             raise FrameError(f"frame: a {header.kind.name} where a {kind.name} was due")
-        return recv_body(self.reader, header, rows_out(header)
-                         if rows_out is not None and not header.shared else None)
+        answer = recv_body(self.reader, header, rows_out(header)
+                           if rows_out is not None and not header.shared else None)
+        self._answered()
+        return answer
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor], window: int, deadline: float,
-             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Rows of the ids of all ``pieces`` (each int64 (n_i,)), in order: (sum n_i, dim) in
-        the table's row dtype. Up to ``window`` requests are on the wire while earlier answers
-        arrive, each received straight into its slice of the result.
+             into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Rows of the ids of all ``pieces`` (each int64 (n_i,)) into ``into`` = (out,
+        positions): out (m, dim) of the table's row dtype, contiguous; positions None (the
+        rows fill out in order, m = sum n_i) or int64 (sum n_i,) (row j goes to
+        out[positions[j]]). Up to ``window`` requests are on the wire while earlier answers
+        arrive.
 
-        ``into`` = (out, positions): the rows go to ``out[positions]`` instead (out (m, dim) of
-        the row dtype, contiguous; positions int64 (sum n_i,)), each piece as it arrives, and
-        None is returned: rows in the shared buffer move once, from there to their places."""
+        Where out lies in the shared buffer the shard writes each row to its place there;
+        otherwise the rows come in the frames, received straight into their slice of out, or
+        scattered from there to their positions."""
+        out, positions = into
         starts = [0]
         for piece in pieces:
             starts.append(starts[-1] + piece.numel())
-        result: list[torch.Tensor] = []
-        shared = self.shared
-        asked: set[int] = set()  # the pieces whose rows may come in the shared buffer
+        row_bytes = out.shape[1] * out.element_size()
+        base = self.shared.offset_of(out) if self.shared is not None else None
 
         def check(i: int, header: Header) -> None:
-            """Piece i's answer announces its rows' count, and the width and dtype of the
-            first answer (or of ``into``)."""
-            first = into[0] if into is not None else result[0] if result else None
-            want = (starts[i + 1] - starts[i],
-                    header.dim if first is None else first.shape[1],
-                    header.dtype if first is None else first.dtype)
+            """Piece i's answer announces its rows' count and out's width and dtype."""
+            want = (starts[i + 1] - starts[i], out.shape[1], out.dtype)
             if (header.num_rows, header.dim, header.dtype) != want:
                 raise FrameError(
                     f"frame: {header.num_rows} rows of {header.dim} x {header.dtype} "
                     f"where {want[0]} of {want[1]} x {want[2]} was due")
-            if into is None and not result:  # the first answer says the row dtype and width
-                result.append(torch.empty((starts[-1], header.dim), dtype=header.dtype))
 
         def rows_out(i: int, header: Header) -> torch.Tensor:
-            """Where piece i's rows are received from the socket: their slice of the result,
-            or a buffer of their own when they go to ``into``."""
             check(i, header)
-            if into is not None:
+            if positions is not None:
                 return torch.empty((header.num_rows, header.dim), dtype=header.dtype)
-            return result[0][starts[i]:starts[i + 1]]
+            return out[starts[i]:starts[i + 1]]
 
         def send(i: int) -> None:
             meta: dict = {"table": table}
-            # asked where the rows may take the buffer's minimum (a table's row size is known
-            # from its first answer); the shard answers in the frame where they won't fit
-            row_bytes = self._row_bytes.get(table)
-            ask = shared is not None and (row_bytes is None or MIN_SHARED_BYTES
-                                          <= pieces[i].numel() * row_bytes)
-            if ask:
-                meta["offset"], meta["bytes"] = shared.slot(i, window), shared.slot_bytes(window)
-                asked.add(i)
-            send_frame(self.sock, Kind.PULL, meta, ids=pieces[i], shared=ask)
+            if base is None:
+                self._send(Kind.PULL, meta, ids=pieces[i])
+            elif positions is None:
+                meta["offset"] = base + starts[i] * row_bytes
+                meta["bytes"] = (starts[i + 1] - starts[i]) * row_bytes
+                self._send(Kind.PULL, meta, ids=pieces[i], region=meta["offset"])
+            else:
+                meta["offset"], meta["bytes"] = base, out.shape[0] * row_bytes
+                self._send(Kind.PULL, meta, ids=pieces[i], region=base,
+                           positions=positions[starts[i]:starts[i + 1]])
 
         def receive(i: int) -> None:
             answer = self._expect(Kind.ROWS, lambda h: rows_out(i, h))
-            if answer.header.dtype is not None:
-                self._row_bytes[table] = answer.header.dim * answer.header.dtype.itemsize
             if answer.header.shared:
-                if shared is None or i not in asked:
+                if base is None:
                     raise FrameError("frame: rows in a shared buffer where none was asked for")
                 check(i, answer.header)
-                got = shared.rows(shared.slot(i, window), answer.header.dtype,
-                                  answer.header.num_rows, answer.header.dim)
-                if into is None:
-                    rowcopy.copy(result[0][starts[i]:starts[i + 1]], got)
-                    return
-            else:
-                got = answer.rows
-            if into is not None:
-                rowcopy.scatter(into[0], into[1][starts[i]:starts[i + 1]], got)
+            elif positions is not None:
+                rowcopy.scatter(out, positions[starts[i]:starts[i + 1]], answer.rows)
 
         self._pipelined(len(pieces), send, receive, window, deadline)
-        return None if into is not None else result[0]
 
     def scan_block(self, table: str, start: int, rows: int | None, deadline: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -642,7 +666,7 @@ class DataConnection:
         if rows is not None:
             meta["rows"] = rows
         self._set_deadline(deadline)
-        send_frame(self.sock, Kind.SCAN, meta)
+        self._send(Kind.SCAN, meta)
         self._set_deadline(deadline)
         block = self._expect(Kind.ROWS)
         if block.rows is None or block.ids.numel() != block.rows.shape[0]:
@@ -652,8 +676,8 @@ class DataConnection:
     def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
              decay_clock: float | None, window: int, deadline: float) -> list[bool]:
         """Each piece as one push, pipelined like ``pull``; whether each was applied now
-        (False: before). A piece's gradients are gathered straight into the shared buffer
-        when it carries them."""
+        (False: before). A piece's gradients are gathered straight into a region of the
+        shared buffer when it carries them, given back once the push is answered."""
         applied: list[bool] = []
         shared = self.shared
 
@@ -662,15 +686,21 @@ class DataConnection:
             meta: dict = {"table": table, "lr": lr, "client_id": client_id}
             if decay_clock is not None:
                 meta["decay_clock"] = decay_clock
-            if shared is not None and MIN_SHARED_BYTES <= shape[0] * shape[1] * dtype.itemsize \
-                    <= shared.slot_bytes(window):
-                meta["offset"] = shared.slot(i, window)
-                ids, rows, meta["sequence"] = pieces.gather(
-                    i, out=shared.rows(meta["offset"], dtype, *shape))
-                send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=rows, shared=True)
+            nbytes = shape[0] * shape[1] * dtype.itemsize
+            region = shared.allocate(nbytes) if shared is not None \
+                and nbytes >= MIN_SHARED_BYTES else None
+            if region is not None:
+                meta["offset"] = region
+                try:
+                    ids, rows, meta["sequence"] = pieces.gather(
+                        i, out=shared.rows(region, dtype, *shape))
+                except BaseException:
+                    shared.release(region)
+                    raise
+                self._send(Kind.PUSH, meta, ids=ids, rows=rows, region=region, release=True)
                 return
             ids, grads, meta["sequence"] = pieces.gather(i)
-            send_frame(self.sock, Kind.PUSH, meta, ids=ids, rows=grads)
+            self._send(Kind.PUSH, meta, ids=ids, rows=grads)
 
         def receive(i: int) -> None:
             applied.append(bool(self._expect(Kind.PUSHED).meta.get("applied")))
@@ -707,10 +737,7 @@ class DataConnection:
         try:
             for _ in range(count):
                 self._set_deadline(deadline)
-                header = recv_header(self.reader)
-                if header is None:
-                    raise ConnectionError("the shard closed the data connection")
-                recv_body(self.reader, header)
+                self._read_answer()
         except (OSError, FrameError) as e:
             log.debug("data_connection_lost while=dropping_answers error=%s", e)
             self.close()
@@ -727,6 +754,10 @@ class DataConnection:
         self.sock.settimeout(remaining)
 
     def close(self) -> None:
+        """Close the socket. The shared regions of requests still unanswered may yet be
+        written by the shard: they are never reused."""
         self.sock.close()
-        if self.shared is not None:
-            self.shared.close()
+        while self._unanswered:
+            region, _ = self._unanswered.popleft()
+            if region is not None and self.shared is not None:
+                self.shared.abandon(region)

@@ -48,10 +48,13 @@ class Kind(IntEnum):
 REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
 
 
-# The one bit of a header's flags byte: the rows are not in the body but in the connection's
-# shared buffer (``ams.shm``) at the meta's "offset"; on a PULL, where the answer's rows are
-# asked for.
+# A header's flags. SHARED: the rows are not in the body but in the connection's shared
+# buffer (``ams.shm``) at the meta's "offset"; on a PULL, where the answer's rows are asked
+# for. POSITIONS (a shared PULL only): the ids are followed by as many int64 positions, and
+# the row of ids[j] goes to row positions[j] of the region at "offset", not to row j.
 SHARED_FLAG = 0x01
+POSITIONS_FLAG = 0x02
+KNOWN_FLAGS = SHARED_FLAG | POSITIONS_FLAG
 
 
 # Kinds that may carry the shared flag: the requests and the answer that move rows.
@@ -61,8 +64,9 @@ SHARED_KINDS = frozenset({Kind.PULL, Kind.PUSH, Kind.ROWS})
 @dataclass(frozen=True)
 class Header:
     """A parsed, checked frame header; the body that follows holds ``meta_bytes`` of JSON,
-    ``num_ids`` int64 ids and ``num_rows`` rows of ``dim`` values of ``dtype``, unless
-    ``shared``: then the rows are in the connection's shared buffer, not in the body."""
+    ``num_ids`` int64 ids (and as many int64 positions where ``positions``) and ``num_rows``
+    rows of ``dim`` values of ``dtype``, unless ``shared``: then the rows are in the
+    connection's shared buffer, not in the body."""
 
     kind: Kind
     dtype: torch.dtype | None
@@ -71,10 +75,12 @@ class Header:
     num_ids: int
     num_rows: int
     shared: bool = False
+    positions: bool = False
 
     @property
     def ids_bytes(self) -> int:
-        return 8 * self.num_ids
+        """The ids' bytes, with the positions' that follow them."""
+        return 8 * self.num_ids * (2 if self.positions else 1)
 
     @property
     def rows_bytes(self) -> int:
@@ -93,17 +99,18 @@ class FrameError(InvalidArgument):
 
 
 def pack_header(kind: Kind, meta: bytes, *, num_ids: int = 0,
-                rows: torch.Tensor | None = None, shared: bool = False) -> bytes:
-    """The header of a frame whose body is ``meta``, ``num_ids`` ids, then ``rows``
-    ((n, dim) of a wire dtype, or None); ``shared``: the rows are in the shared buffer and
-    the body ends after the ids."""
+                rows: torch.Tensor | None = None, shared: bool = False,
+                positions: bool = False) -> bytes:
+    """The header of a frame whose body is ``meta``, ``num_ids`` ids (and as many positions
+    where ``positions``), then ``rows`` ((n, dim) of a wire dtype, or None); ``shared``: the
+    rows are in the shared buffer and the body ends after the ids."""
     if rows is None:
         dtype, dim, num_rows, rows_bytes = 0, 0, 0, 0
     else:
         dtype, (num_rows, dim) = wire_dtype(rows.dtype), rows.shape
         rows_bytes = 0 if shared else rows.numel() * rows.element_size()
-    body = len(meta) + 8 * num_ids + rows_bytes
-    flags = SHARED_FLAG if shared else 0
+    body = len(meta) + 8 * num_ids * (2 if positions else 1) + rows_bytes
+    flags = (SHARED_FLAG if shared else 0) | (POSITIONS_FLAG if positions else 0)
     return HEADER.pack(MAGIC, VERSION, kind, dtype, flags, len(meta), dim, num_ids, num_rows,
                        body)
 
@@ -123,12 +130,15 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
         kind = Kind(kind)
     except ValueError:
         raise FrameError(f"frame: unknown kind {kind}") from None
-    if flags & ~SHARED_FLAG:
+    if flags & ~KNOWN_FLAGS:
         raise FrameError(f"frame: flags {flags:#x}; version {VERSION} defines only "
-                         f"{SHARED_FLAG:#x} (shared rows)")
-    shared = bool(flags & SHARED_FLAG)
+                         f"{SHARED_FLAG:#x} (shared rows) and {POSITIONS_FLAG:#x} (positions)")
+    shared, positions = bool(flags & SHARED_FLAG), bool(flags & POSITIONS_FLAG)
     if shared and kind not in SHARED_KINDS:
         raise FrameError(f"frame: a {kind.name} cannot have its rows in a shared buffer")
+    if positions and (kind != Kind.PULL or not shared):
+        raise FrameError(f"frame: only a PULL with shared rows has positions, not "
+                         f"a{' shared' if shared else ''} {kind.name}")
     if meta_bytes > MAX_META_BYTES:
         raise FrameError(f"frame: {meta_bytes} bytes of meta, the limit is {MAX_META_BYTES}")
     if body > MAX_BODY_BYTES:
@@ -137,11 +147,12 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     row_dtype = torch_dtype(dtype, "frame.dtype") if dtype else None
     if row_dtype is None and (num_rows or dim):
         raise FrameError(f"frame: {num_rows} rows of width {dim} without a dtype")
-    header = Header(kind, row_dtype, meta_bytes, dim, num_ids, num_rows, shared)
+    header = Header(kind, row_dtype, meta_bytes, dim, num_ids, num_rows, shared, positions)
     if header.body_bytes != body:
         rows = "shared rows" if shared else "rows"
+        ids = f"{num_ids} ids{' with positions' if positions else ''}"
         raise FrameError(f"frame: body_bytes {body}, but {meta_bytes} bytes of meta, "
-                         f"{num_ids} ids and {num_rows} {rows} of {dim} x {row_dtype} make "
+                         f"{ids} and {num_rows} {rows} of {dim} x {row_dtype} make "
                          f"{header.body_bytes}")
     return header
 

@@ -49,16 +49,17 @@ class LocalShard:
     piece_bytes = REQUEST_BYTES
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
-             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        if into is None:
-            rows = [self.store.pull(table, ids) for ids in pieces]
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
-        start = 0  # each piece's rows straight to their places: no concatenated copy
+             into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Each piece's rows straight to their places (``RemoteShard.pull``)."""
+        out, positions = into
+        start = 0
         for ids in pieces:
-            rowcopy.scatter(into[0], into[1][start:start + ids.numel()],
-                            self.store.pull(table, ids))
-            start += ids.numel()
-        return None
+            end = start + ids.numel()
+            if positions is None:
+                self.store.pull(table, ids, out[start:end])
+            else:
+                rowcopy.scatter(out, positions[start:end], self.store.pull(table, ids))
+            start = end
 
     def push(self, table: str, pieces: PushPieces, lr: float, client_id: str,
              decay_clock: float | None) -> list[bool]:

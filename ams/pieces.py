@@ -1,7 +1,7 @@
 """A push cut into pieces: the requests one shard's part of a push travels in.
 
 Pure torch. Each piece's gradients are gathered when it is sent, straight into the buffer that
-carries them when the caller has one (a data connection's shared buffer): one copy per piece on
+carries them when the caller has one (a region of the client's shared buffer): one copy per piece on
 the client, none of them into a temporary first.
 """
 

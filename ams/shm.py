@@ -1,19 +1,26 @@
-"""A data connection's shared buffer: rows between a client and a shard on the same host
-without the socket.
+"""A client's shared buffer: rows between a client and the shards on its host without the
+socket.
 
 Over loopback a frame's rows are copied by the kernel twice (into the socket, out of it) on
 top of the gather and the scatter at either end, and on a host whose cores the client and its
 shards share, those copies are CPU the update needs. With a shared buffer the client writes a
-push's gradients where the shard applies them from, and the shard gathers a pull's rows where
-the client reads them; the socket carries the frame's header, meta and ids only
-(``frames.SHARED_FLAG``, proto/ams/api/frames.md).
+push's gradients where the shard applies them from, and each shard writes a pull's rows
+straight to their places in the pull's result, which the client hands out without copying it;
+the socket carries the frame's header, meta and ids only (``frames.SHARED_FLAG``,
+proto/ams/api/frames.md).
 
 The client makes the buffer: an anonymous memory file (memfd) sealed against shrinking and
 growing, so that nothing the client does later can make the shard's accesses fault. It offers
-the file in its HELLO by process id, descriptor number, size and a random nonce written at the
-file's start; the shard opens ``/proc/<pid>/fd/<fd>``, which reaches the file only from the
-same host and pid namespace, and maps it only when it is such a sealed memfd of that size
-holding that nonce. Anything else leaves the connection on plain frames.
+the file in the HELLO of each of its data connections by process id, descriptor number, size
+and a random nonce written at the file's start; the shard opens ``/proc/<pid>/fd/<fd>``, which
+reaches the file only from the same host and pid namespace, and maps it only when it is such
+a sealed memfd of that size holding that nonce. Anything else leaves the connection on plain
+frames.
+
+The client cuts the buffer into regions (``SharedArena``): a pull's result, a push piece's
+gradients. A region goes back for reuse only when nothing can still write it: a result once
+its last tensor is gone, a push piece once its answer came; a region a lost connection may
+still be writing is never reused.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import logging
 import mmap
 import os
 import stat
+import threading
+import weakref
 
 import torch
 
@@ -35,10 +44,14 @@ log = logging.getLogger(__name__)
 # The file's first page holds the nonce; the rows' region starts page-aligned after it.
 RESERVED_BYTES = 4096
 NONCE_BYTES = 16
-# Offsets into the region are multiples of this: every row dtype views them aligned.
+# Regions of a client's buffer start at multiples of this (a cache line).
 ALIGN = 64
 # The most a shard maps for one connection.
-MAX_SHARED_BYTES = 64 << 20
+MAX_SHARED_BYTES = 1 << 30
+# What a client offers: room for the results its caller holds (a trainer keeps a step's
+# pulls and the next step's prefetched ones) and the pushes on the wire. Memory is taken as
+# regions are first written, up to the most in use at once.
+ARENA_BYTES = 256 << 20
 # Rows of fewer bytes go in the frame: over loopback the sender's and the receiver's copies of
 # a small frame overlap, and the buffer's bookkeeping costs more than the copies it saves.
 MIN_SHARED_BYTES = 1 << 20
@@ -136,31 +149,23 @@ class SharedBuffer:
             return None
         return buffer
 
-    def slot(self, request: int, count: int) -> int:
-        """The offset of request ``request``'s slot when the region is cut into ``count``
-        equal slots (multiples of ALIGN), one for each request a connection keeps on the wire:
-        request i takes slot i % count."""
-        return request % count * self.slot_bytes(count)
-
-    def slot_bytes(self, count: int) -> int:
-        return self.capacity // count // ALIGN * ALIGN
-
     def fits(self, offset: int, nbytes: int) -> bool:
         """Whether ``nbytes`` from ``offset`` (checked by ``check_offset``) lie in the region."""
         return offset + nbytes <= self.capacity
 
     @staticmethod
-    def check_offset(offset: int) -> None:
-        """``InvalidArgument`` unless ``offset`` is a non-negative multiple of ALIGN."""
-        if offset < 0 or offset % ALIGN:
+    def check_offset(offset: int, dtype: torch.dtype) -> None:
+        """``InvalidArgument`` unless ``offset`` is a non-negative multiple of ``dtype``'s
+        size (where values of it can be viewed)."""
+        if offset < 0 or offset % dtype.itemsize:
             raise InvalidArgument(f"frame meta: 'offset' must be a non-negative multiple of "
-                                  f"{ALIGN}, got {offset}")
+                                  f"{dtype.itemsize} for {dtype} rows, got {offset}")
 
     def rows(self, offset: int, dtype: torch.dtype, num_rows: int, dim: int) -> torch.Tensor:
         """The (num_rows, dim) tensor of ``dtype`` at byte ``offset`` of the region, sharing
         its memory. ``InvalidArgument`` for an offset that is not aligned or rows that do not
         fit."""
-        self.check_offset(offset)
+        self.check_offset(offset, dtype)
         nbytes = num_rows * dim * dtype.itemsize
         if not self.fits(offset, nbytes):
             raise InvalidArgument(f"frame: {num_rows} rows of {dim} x {dtype} at offset "
@@ -175,3 +180,123 @@ class SharedBuffer:
         self._bytes = None
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+class SharedArena:
+    """The client's side of its shared buffer, cut into regions: the buffer every data
+    connection of one client offers its shard. Thread-safe.
+
+    A region is taken by ``allocate`` and given back by ``release``, or by the death of the
+    last tensor over it (``result``). ``abandon`` keeps a region from ever being given back:
+    for one that a shard may still write after its connection was lost.
+    """
+
+    def __init__(self, buffer: SharedBuffer, offer: dict) -> None:
+        self.buffer, self.offer = buffer, offer
+        self.capacity = buffer.capacity
+        assert buffer._bytes is not None
+        self._base = buffer._bytes.data_ptr() + RESERVED_BYTES
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, bytes), sorted
+        self._taken: dict[int, int] = {}  # offset -> bytes of each region in use
+        self._abandoned: set[int] = set()
+        # Regions whose last tensor died. A tensor may die in any thread, inside a call
+        # that holds the lock (a garbage collection), so the finalizer only appends here
+        # (atomic) and the next call under the lock gives them back.
+        self._dead: list[int] = []
+
+    @staticmethod
+    def create(capacity: int = ARENA_BYTES) -> SharedArena | None:
+        """A new arena, or None where this system has no sealable memory files."""
+        made = SharedBuffer.create(capacity)
+        return None if made is None else SharedArena(*made)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a region of ``nbytes`` (> 0) now the caller's, or None when no free
+        region is that large."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            self._give_back_dead()
+            for i, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + size, free - size)
+                    self._taken[offset] = size
+                    return offset
+        return None
+
+    def release(self, offset: int) -> None:
+        """Give back the region at ``offset`` (unless it was abandoned)."""
+        with self._lock:
+            self._give_back_dead()
+            self._give_back(offset)
+
+    def abandon(self, where: int) -> None:
+        """Never give back the region that holds byte ``where``."""
+        with self._lock:
+            for offset, size in self._taken.items():
+                if offset <= where < offset + size:
+                    if offset not in self._abandoned:
+                        log.warning("shared_region_abandoned offset=%d bytes=%d", offset, size)
+                    self._abandoned.add(offset)
+                    return
+
+    def rows(self, offset: int, dtype: torch.dtype, num_rows: int, dim: int) -> torch.Tensor:
+        """``SharedBuffer.rows``: a view of the caller's region, alive only while it is."""
+        return self.buffer.rows(offset, dtype, num_rows, dim)
+
+    def result(self, num_rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new (num_rows, dim) tensor of ``dtype`` in a region of its own, given back once
+        the tensor and every view of it are gone; None when no region is free."""
+        nbytes = num_rows * dim * dtype.itemsize
+        offset = self.allocate(nbytes) if nbytes else None
+        if offset is None:
+            return None
+        start = RESERVED_BYTES + offset
+        view = memoryview(self.buffer._map)[start:start + nbytes]
+        # the tensor holds ``view`` (torch.frombuffer keeps the exporter), so ``view`` dies
+        # with the last tensor that shares its memory
+        weakref.finalize(view, self._dead.append, offset)
+        return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(num_rows, dim)
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """The byte offset of ``tensor``'s first element in the buffer, or None when its
+        memory is not the buffer's."""
+        offset = tensor.data_ptr() - self._base
+        if tensor.device.type != "cpu" or not 0 <= offset < self.capacity:
+            return None
+        return offset
+
+    def in_use(self) -> int:
+        """Bytes of the regions taken now (abandoned ones included)."""
+        with self._lock:
+            self._give_back_dead()
+            return sum(self._taken.values())
+
+    def close(self) -> None:
+        """Close the offer's descriptor and unmap, once no tensor of a result is left."""
+        SharedBuffer.withdraw(self.offer)
+        self.buffer.close()
+
+    def _give_back_dead(self) -> None:
+        while self._dead:
+            self._give_back(self._dead.pop())
+
+    def _give_back(self, offset: int) -> None:
+        if offset in self._abandoned:
+            return
+        size = self._taken.pop(offset)
+        free = self._free
+        i = 0
+        while i < len(free) and free[i][0] < offset:
+            i += 1
+        free.insert(i, (offset, size))
+        # merge with the neighbours, so that large regions stay allocatable
+        if i + 1 < len(free) and offset + size == free[i + 1][0]:
+            free[i] = (offset, size + free[i + 1][1])
+            del free[i + 1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+            del free[i]

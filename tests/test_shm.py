@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
+import random
 
 import pytest
 import torch
 
 from ams.errors import InvalidArgument
-from ams.shm import ALIGN, MAX_SHARED_BYTES, MEMFD_NAME, RESERVED_BYTES, SharedBuffer
+from ams.shm import (
+    ALIGN,
+    MAX_SHARED_BYTES,
+    MEMFD_NAME,
+    RESERVED_BYTES,
+    SharedArena,
+    SharedBuffer,
+)
 
 CAPACITY = 1 << 16
 
@@ -44,18 +53,9 @@ def test_the_client_cannot_shrink_the_file_under_the_shard(offered):
         os.ftruncate(offer["fd"], RESERVED_BYTES)
 
 
-def test_slots_are_aligned_and_inside_the_region(offered):
-    buffer, _ = offered
-    for count in (1, 2, 3, 7):
-        size = buffer.slot_bytes(count)
-        assert size % ALIGN == 0 and count * size <= CAPACITY
-        assert [buffer.slot(i, count) for i in range(count)] == [i * size
-                                                                for i in range(count)]
-
-
 @pytest.mark.parametrize("offset,rows,needle", [
-    (-64, 1, "non-negative multiple of 64"),
-    (8, 1, "non-negative multiple of 64"),
+    (-4, 1, "non-negative multiple of 4"),
+    (2, 1, "non-negative multiple of 4"),
     (CAPACITY - 64, 5, "pass the end"),
     (0, CAPACITY // 16 + 1, "pass the end"),
 ])
@@ -122,3 +122,87 @@ def test_an_offer_of_anything_but_that_sealed_memory_file_is_not_mapped(offered,
     finally:
         os.close(fd)
         os.close(unsealed)
+
+
+# ---- the client's regions ------------------------------------------------------------------
+
+
+@pytest.fixture
+def arena():
+    made = SharedArena.create(CAPACITY)
+    assert made is not None
+    yield made
+    made.close()
+
+
+def test_regions_never_overlap_and_freed_room_is_taken_again(arena):
+    """Random allocations and releases against a byte map of who holds what: a region is
+    aligned, inside the buffer and overlaps no other held region; an allocation fails only
+    when no free run of bytes is long enough (so freed neighbours are merged again)."""
+    rng = random.Random(0)
+    owner = [None] * (CAPACITY // ALIGN)  # ALIGN-sized granules: which region holds each
+    held: dict[int, int] = {}
+    for step in range(3000):
+        if held and rng.random() < 0.45:
+            offset = rng.choice(list(held))
+            granules = held.pop(offset)
+            arena.release(offset)
+            owner[offset // ALIGN:offset // ALIGN + granules] = [None] * granules
+            continue
+        nbytes = rng.choice([1, 63, 64, 65, 1000, 4096, 20_000])
+        granules = -(-nbytes // ALIGN)
+        offset = arena.allocate(nbytes)
+        longest = run = 0
+        for g in owner:
+            run = run + 1 if g is None else 0
+            longest = max(longest, run)
+        if offset is None:
+            assert longest < granules, (step, nbytes, longest)
+            continue
+        assert offset % ALIGN == 0 and offset + nbytes <= CAPACITY
+        first = offset // ALIGN
+        assert owner[first:first + granules] == [None] * granules, step
+        owner[first:first + granules] = [offset] * granules
+        held[offset] = granules
+    for offset in held:
+        arena.release(offset)
+    assert arena.in_use() == 0 and arena.allocate(CAPACITY) == 0
+
+
+def test_a_result_region_comes_back_when_its_last_view_is_gone(arena):
+    rows = arena.result(10, 16, torch.float32)
+    assert rows.shape == (10, 16) and arena.offset_of(rows) is not None
+    rows.copy_(torch.arange(160, dtype=torch.float32).view(10, 16))
+    half, as_numpy = rows[5:], rows.numpy()
+    del rows
+    gc.collect()
+    assert arena.in_use() == 10 * 16 * 4 // ALIGN * ALIGN  # the views keep it
+    assert float(half[0, 0]) == 80.0 and as_numpy[9, 15] == 159.0
+    del half, as_numpy
+    assert arena.in_use() == 0
+    assert arena.offset_of(torch.zeros(3)) is None  # not the buffer's memory
+
+
+def test_the_shard_writes_a_result_where_the_client_reads_it(arena):
+    shard = SharedBuffer.attach(arena.offer)
+    assert shard is not None
+    rows = arena.result(4, 8, torch.float16)
+    written = torch.randn(4, 8).to(torch.float16)
+    shard.rows(arena.offset_of(rows), torch.float16, 4, 8).copy_(written)
+    assert torch.equal(rows, written)
+    shard.close()
+
+
+def test_an_abandoned_region_is_never_taken_again(arena):
+    """A region a lost connection may still write: neither its release nor the death of its
+    result gives it back."""
+    pushed = arena.allocate(CAPACITY // 2)
+    rows = arena.result(CAPACITY // 2 // 64, 16, torch.float32)  # the other half
+    assert pushed is not None and rows is not None
+    arena.abandon(pushed + 100)  # any byte of the region names it
+    arena.abandon(arena.offset_of(rows))
+    arena.release(pushed)
+    del rows
+    gc.collect()
+    assert arena.in_use() == CAPACITY
+    assert arena.allocate(64) is None and arena.result(1, 16, torch.float32) is None

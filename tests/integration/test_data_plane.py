@@ -38,11 +38,13 @@ F32, F16, I64 = 1, 2, 4
 
 
 def frame(kind, meta=None, ids=(), rows=None, *, dtype=None, magic=b"XAMS", version=1,
-          flags=0, num_ids=None, num_rows=None, dim=None, body_bytes=None, raw_meta=None):
-    """The bytes of one frame; every header field can be overridden to lie."""
+          flags=0, num_ids=None, num_rows=None, dim=None, body_bytes=None, raw_meta=None,
+          positions=()):
+    """The bytes of one frame; every header field can be overridden to lie. ``positions``
+    follow the ids (a shared PULL's, flags 3)."""
     meta_bytes = raw_meta if raw_meta is not None else \
         (json.dumps(meta).encode() if meta is not None else b"")
-    id_bytes = torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()
+    id_bytes = torch.tensor(list(ids) + list(positions), dtype=torch.int64).numpy().tobytes()
     row_bytes = b"" if rows is None else rows.contiguous().view(torch.uint8).numpy().tobytes()
     if dtype is None:
         dtype = 0 if rows is None else {torch.float32: F32, torch.float16: F16}[rows.dtype]
@@ -153,6 +155,13 @@ UNREADABLE = [
     ("version", frame(PULL, {"table": "fc"}, [0], version=2), "INVALID_ARGUMENT", "version 2"),
     ("kind", frame(99, {"table": "fc"}, [0]), "INVALID_ARGUMENT", "unknown kind 99"),
     ("flags", frame(PULL, {"table": "fc"}, [0], flags=4), "INVALID_ARGUMENT", "flags"),
+    ("positions-unshared", frame(PULL, {"table": "fc"}, [0], flags=2, positions=[0]),
+     "INVALID_ARGUMENT", "only a PULL with shared rows has positions"),
+    ("positions-push", frame(PUSH, {**PUSH_META, "offset": 0}, [0], dtype=F32, dim=D,
+                             num_rows=1, flags=3, positions=[0]), "INVALID_ARGUMENT",
+     "not a shared PUSH"),
+    ("positions-missing", frame(PULL, {"table": "fc", "offset": 0, "bytes": 64}, [0, 2],
+                                flags=3), "INVALID_ARGUMENT", "2 ids with positions"),
     ("flags-scan", frame(SCAN, {"table": "fc", "start": 0}, flags=1), "INVALID_ARGUMENT",
      "SCAN cannot have its rows in a shared buffer"),
     ("flags-shared-rows-length", frame(PUSH, {**PUSH_META, "offset": 0}, [0], grads(1),
@@ -644,8 +653,8 @@ def shared_peer(address):
 
 def test_rows_move_through_the_shared_buffer_the_shard_maps(big):
     """A pull asked into the buffer is answered with the SHARED flag and no row bytes, the
-    rows being in the buffer; a push whose gradients are there applies them as the embedded
-    store applies the same push; rows under 1 MiB come in the frame."""
+    rows being in the buffer, in order or each at its position; a push whose gradients are
+    there applies them as the embedded store applies the same push."""
     address, client, name, reference = big
     peer, memfd = shared_peer(address)
     ids = list(range(0, 2 * 4096, 2))  # shard 0's first 4,096 rows: 1 MiB
@@ -663,17 +672,23 @@ def test_rows_move_through_the_shared_buffer_the_shard_maps(big):
     assert torch.equal(client.pull(name, torch.arange(BIG_N)),
                        reference.pull(name, torch.arange(BIG_N)))
 
-    for few, room in ((ids[:4095], SHARED_MIN), (ids, SHARED_MIN - 64)):
-        peer.send(frame(PULL, {"table": name, "offset": 0, "bytes": room}, few, flags=1))
-        kind, _, _, rows = peer.answer()
-        assert (kind, peer.flags) == (ROWS, 0)
-        assert rows == reference.pull(name, torch.tensor(few)).numpy().tobytes()
+    # a few rows, each at its position in a region of 10 rows at an offset of 4 bytes (the
+    # float32 rows' own alignment); the rows between them are not written
+    memfd.write(4, torch.full((10, BIG_D), -1.0))
+    few, positions = [6, 0, 4], [9, 2, 0]
+    peer.send(frame(PULL, {"table": name, "offset": 4, "bytes": 10 * BIG_D * 4}, few,
+                    flags=3, positions=positions))
+    kind, meta, _, rows = peer.answer()
+    assert (kind, peer.flags, rows, peer.announced) == (ROWS, 1, b"", (3, BIG_D, F32)), meta
+    expected = torch.full((10, BIG_D), -1.0)
+    expected[positions] = reference.pull(name, torch.tensor(few))
+    assert torch.equal(memfd.read(4, 10, BIG_D), expected)
     peer.close()
     memfd.close()
 
 
 @pytest.mark.parametrize("name,meta,kind,needle", [
-    ("offset-odd", {"offset": 8, "bytes": SHARED_MIN}, PULL, "non-negative multiple of 64"),
+    ("offset-odd", {"offset": 2, "bytes": SHARED_MIN}, PULL, "non-negative multiple of 4"),
     ("offset-negative", {"offset": -64, "bytes": SHARED_MIN}, PULL, "non-negative multiple"),
     ("offset-missing", {"bytes": SHARED_MIN}, PULL, "'offset' is required"),
     ("offset-float", {"offset": 0.0, "bytes": SHARED_MIN}, PULL, "'offset' must be int"),
@@ -681,6 +696,11 @@ def test_rows_move_through_the_shared_buffer_the_shard_maps(big):
     ("region-past-end", {"offset": SHARED_BYTES - SHARED_MIN + 64, "bytes": SHARED_MIN}, PULL,
      "not in the 4194304-byte shared buffer"),
     ("bytes-negative", {"offset": 0, "bytes": -1}, PULL, "not in the"),
+    ("bytes-too-few", {"offset": 0, "bytes": SHARED_MIN - 64}, PULL, "do not fit in the"),
+    ("position-past-region", {"offset": 0, "bytes": SHARED_MIN, "positions": 4096}, PULL,
+     "position 4096 is outside the 4096 rows"),
+    ("position-negative", {"offset": 0, "bytes": SHARED_MIN, "positions": -1}, PULL,
+     "position -1 is outside"),
     ("push-past-end", {"offset": SHARED_BYTES - 64}, PUSH, "pass the end"),
     ("push-offset-missing", {}, PUSH, "'offset' is required"),
 ])
@@ -689,7 +709,12 @@ def test_shared_requests_the_shard_refuses_change_nothing(big, name, meta, kind,
     peer, memfd = shared_peer(address)
     ids = list(range(0, 2 * 4096, 2))
     memfd.write(0, torch.full((4096, BIG_D), 0.5))
-    if kind == PULL:
+    if kind == PULL and "positions" in meta:  # every row at its place, one of them wrong
+        meta = dict(meta)
+        positions = list(range(len(ids)))
+        positions[len(ids) // 2] = meta.pop("positions")
+        peer.send(frame(PULL, {"table": table, **meta}, ids, flags=3, positions=positions))
+    elif kind == PULL:
         peer.send(frame(PULL, {"table": table, **meta}, ids, flags=1))
     else:
         peer.send(frame(PUSH, {**PUSH_META, "table": table, **meta}, ids, dtype=F32,
@@ -701,6 +726,7 @@ def test_shared_requests_the_shard_refuses_change_nothing(big, name, meta, kind,
     assert peer.answer()[0] == ROWS
     assert torch.equal(client.pull(table, torch.arange(BIG_N)),
                        reference.pull(table, torch.arange(BIG_N)))
+    assert torch.equal(memfd.read(0, 4096, BIG_D), torch.full((4096, BIG_D), 0.5))
     peer.close()
     memfd.close()
 
@@ -763,12 +789,18 @@ def test_the_client_moves_large_rows_through_shared_buffers(big, monkeypatch):
     assert torch.equal(client.pull(table, every), expected)
     assert torch.equal(tcp.pull(table, every), expected)
     pooled = [conn for shard in client.shards for conn in shard._idle]
-    assert pooled and all(conn.shared is not None for conn in pooled)
-    assert all(conn.shared is None for shard in tcp.shards for conn in shard._idle)
-    # every piece went through the client's buffer, and all were of 1 MiB or more: 3 pushes
-    # of about 10,500 rows a shard (2 pieces of 1.3 MiB), and the pull of 20,000 rows a
-    # shard (3 pieces of 1.6 MiB; the tcp client's pull uses no buffer)
-    assert through_buffer == {True: 3 * 2 * 2 + 2 * 3}, through_buffer
+    assert pooled and all(conn.shared is client.arena for conn in pooled)
+    assert tcp.arena is None
+    # every push piece went through the client's buffer, and all were of 1 MiB or more: 3
+    # pushes of about 10,500 rows a shard (2 pieces of 1.3 MiB); the pulls' rows were written
+    # by the shards straight into the result, which lies in the buffer (the tcp client's
+    # does not), and its region is the buffer's only one in use until the result is gone
+    assert through_buffer == {True: 3 * 2 * 2}, through_buffer
+    result = client.pull(table, every)
+    assert client.arena.offset_of(result) is not None and tcp.arena is None
+    assert client.arena.in_use() == BIG_N * BIG_D * 4
+    del result
+    assert client.arena.in_use() == 0
     tcp.close()
 
 
@@ -812,9 +844,11 @@ def test_mutated_shared_frames_get_a_typed_answer_and_the_shard_serves_on(shard_
 
 
 def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path):
-    """A client whose HELLO is refused, or whose shard is gone, keeps none of the memory
-    files it offered: this process's descriptors and mappings are as before."""
+    """A client whose HELLO is refused, or whose shard is gone, keeps no memory file or
+    mapping beyond its shared buffer's own, and once that is closed, none: this process's
+    descriptors and mappings are as before."""
     from ams.dataplane import DataConnection
+    from ams.shm import SharedArena
 
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
@@ -831,18 +865,22 @@ def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster
         probe.bind(("127.0.0.1", 0))
         gone = probe.getsockname()[1]
     before = memfds()
+    arena = SharedArena.create(1 << 20)
+    # the offered descriptor, mmap's own, and the mapping
+    assert memfds() == (before[0] + 2, before[1] + 1)
     for _ in range(20):
         with pytest.raises(ams.errors.Unauthenticated):
             DataConnection("127.0.0.1", port, token="wrong", tls_ca=None,
-                           expect_incarnation=None, timeout=10)
+                           expect_incarnation=None, timeout=10, arena=arena)
         with pytest.raises(ConnectionRefusedError):
             DataConnection("127.0.0.1", gone, token=None, tls_ca=None,
-                           expect_incarnation=None, timeout=10)
+                           expect_incarnation=None, timeout=10, arena=arena)
     granted = DataConnection("127.0.0.1", port, token="s3cret", tls_ca=None,
-                             expect_incarnation=None, timeout=10)
-    assert granted.shared is not None
-    assert memfds() == (before[0] + 1, before[1] + 1)  # the mapping and mmap's own descriptor
+                             expect_incarnation=None, timeout=10, arena=arena)
+    assert granted.shared is arena
+    assert memfds() == (before[0] + 2, before[1] + 1)
     granted.close()
+    arena.close()
     assert memfds() == before
 
 
@@ -860,3 +898,30 @@ def test_the_trainers_client_follows_ams_shared_memory(cluster, tmp_path, settin
     pooled = [conn for shard in trainer_client.shards for conn in shard._idle]
     assert pooled and all((conn.shared is not None) is mapped for conn in pooled)
     trainer_client.close()
+
+
+def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
+    """A pull into a result's region whose connection is closed before its answer came: the
+    shard may write the region after the client dropped the result, so the region is never
+    handed out again; a region whose answer came is."""
+    from ams.dataplane import DataConnection
+    from ams.frames import Kind
+    from ams.shm import SharedArena
+
+    address, _, table, reference = big
+    arena = SharedArena.create(8 << 20)
+    conn = DataConnection("127.0.0.1", data_port(address), token=None, tls_ca=None,
+                          expect_incarnation=None, timeout=10, arena=arena)
+    assert conn.shared is arena
+    ids = torch.arange(0, 2 * 4096, 2)  # shard 0's: 1 MiB of rows
+    answered = arena.result(4096, BIG_D, torch.float32)
+    conn.pull(table, [ids], 2, time.monotonic() + 30, (answered, None))
+    assert torch.equal(answered, reference.pull(table, ids))
+    lost = arena.result(4096, BIG_D, torch.float32)
+    where = arena.offset_of(lost)
+    conn._send(Kind.PULL, {"table": table, "offset": where, "bytes": 4096 * BIG_D * 4},
+               ids=ids, region=where)
+    conn.close()  # before the answer
+    del answered, lost
+    assert arena.in_use() == 4096 * BIG_D * 4  # the lost one's region only
+    arena.close()
