@@ -522,17 +522,28 @@ class ShardedClient:
             return list(wanted.split(piece_sizes(wanted.numel(),
                                                   self.shards[s].piece_bytes // row_bytes)))
 
-        rows = self._new_rows(ids.numel(), spec)
-        if self.num_shards == 1:
-            self.shards[0].pull(name, pieces(0, None), (rows, None))
+        parts = sharding.split_by_shard(ids, self.num_shards) if self.num_shards > 1 \
+            else None
+
+        def pull_into(rows: torch.Tensor) -> torch.Tensor:
+            if parts is None:
+                self.shards[0].pull(name, pieces(0, None), (rows, None))
+                return rows
+
+            def work(s: int) -> None:
+                if parts[s].numel():
+                    self.shards[s].pull(name, pieces(s, parts[s]), (rows, parts[s]))
+
+            self._fan_out(work)
             return rows
-        parts = sharding.split_by_shard(ids, self.num_shards)
 
-        def work(s: int) -> None:
-            if parts[s].numel():
-                self.shards[s].pull(name, pieces(s, parts[s]), (rows, parts[s]))
-
-        self._fan_out(work)
+        rows = pull_into(self._new_rows(ids.numel(), spec))
+        if self.arena is not None and self.arena.abandoned(rows):
+            # a connection was lost and the pull retried on another: the lost one's shard may
+            # still write this region after the caller has the rows, so they are pulled again
+            # into this process's own memory (the region is never reused)
+            log.warning("pull_repeated_off_shared_buffer table=%s rows=%d", name, ids.numel())
+            rows = pull_into(torch.empty((ids.numel(), spec.dim), dtype=spec.dtype))
         return rows
 
     @_fenced

@@ -199,8 +199,10 @@ def test_an_abandoned_region_is_never_taken_again(arena):
     pushed = arena.allocate(CAPACITY // 2)
     rows = arena.result(CAPACITY // 2 // 64, 16, torch.float32)  # the other half
     assert pushed is not None and rows is not None
+    assert not arena.abandoned(rows)
     arena.abandon(pushed + 100)  # any byte of the region names it
-    arena.abandon(arena.offset_of(rows))
+    arena.abandon(arena.offset_of(rows) + 64)
+    assert arena.abandoned(rows) and not arena.abandoned(torch.zeros(3))
     arena.release(pushed)
     del rows
     gc.collect()

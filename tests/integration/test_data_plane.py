@@ -925,3 +925,37 @@ def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
     del answered, lost
     assert arena.in_use() == 4096 * BIG_D * 4  # the lost one's region only
     arena.close()
+
+
+
+def check_a_retried_pull(client, reference, table, ids):
+    assert torch.equal(client.pull(table, ids), reference.pull(table, ids))
+    conn = client.shards[0]._idle[0]
+    conn.sock.shutdown(socket.SHUT_WR)  # the next request on it cannot be sent
+    before = client.arena.in_use()
+    got = client.pull(table, ids)
+    assert torch.equal(got, reference.pull(table, ids))
+    assert client.arena.offset_of(got) is None  # the process's own memory
+    # the first try's result region is never reused; the next pull takes another one
+    assert client.arena.in_use() - before == ids.numel() * BIG_D * 4
+    fresh = client.pull(table, ids)
+    assert client.arena.offset_of(fresh) is not None and torch.equal(fresh, got)
+
+
+def test_a_pull_retried_after_a_lost_connection_returns_rows_no_shard_still_writes(big):
+    """A pull whose pooled connection is found broken is retried on a new one. The broken
+    connection's shard may yet write the region it was asked to fill, so the rows the caller
+    gets must not lie there: they equal the embedded store's and are the process's own
+    memory. Two shards, each writing its rows at their positions in the result."""
+    _, client, table, reference = big
+    ids = torch.randperm(BIG_N, generator=torch.Generator().manual_seed(4))[:16_384]
+    check_a_retried_pull(client, reference, table, ids)
+
+
+def test_a_one_shard_pull_retried_after_a_lost_connection(shard_cluster):
+    """As above with one shard, whose rows fill the result in order, piece by piece."""
+    (proc,) = shard_cluster(1)
+    with ams.connect([proc.address]) as client, ams.connect(local_shards=1) as reference:
+        for c in (client, reference):
+            c.create_table("r", num_rows=BIG_N, dim=BIG_D, seed=9)
+        check_a_retried_pull(client, reference, "r", torch.arange(3, 16_387))
