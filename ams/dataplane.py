@@ -582,11 +582,12 @@ class DataConnection:
         recv_body(self.reader, header)
         self._answered()
 
-    def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None
-                ) -> Frame:
+    def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None,
+                consume: Callable[[Frame], None] | None = None) -> Frame:
         """The answer of the oldest request: a frame of ``kind``, its rows received into
-        ``rows_out(header)``; an ERROR frame raises its typed error (the connection stays
-        usable), anything else ``FrameError`` (it does not)."""
+        ``rows_out(header)``, then ``consume(answer)`` before the request's shared region is
+        given back; an ERROR frame raises its typed error (the connection stays usable),
+        anything else ``FrameError`` (it does not)."""
         header = recv_header(self.reader)
         if header is None:
             raise ConnectionError("the shard closed the data connection")
@@ -599,7 +600,11 @@ class DataConnection:
             raise FrameError(f"frame: a {header.kind.name} where a {kind.name} was due")
         answer = recv_body(self.reader, header, rows_out(header)
                            if rows_out is not None and not header.shared else None)
-        self._answered()
+        try:
+            if consume is not None:
+                consume(answer)
+        finally:  # the answer is read whole: the shard writes its region no more
+            self._answered()
         return answer
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor], window: int, deadline: float,
@@ -610,15 +615,19 @@ class DataConnection:
         out[positions[j]]). Up to ``window`` requests are on the wire while earlier answers
         arrive.
 
-        Where out lies in the shared buffer the shard writes each row to its place there;
-        otherwise the rows come in the frames, received straight into their slice of out, or
-        scattered from there to their positions."""
+        Where out lies in the shared buffer the shard writes each row to its place there.
+        Otherwise a piece of at least ``MIN_SHARED_BYTES`` is written to a region of the
+        shared buffer of its own (where one is free), and its rows copied or scattered from
+        there to their places before the region is given back; the others come in the
+        frames, received straight into their slice of out or scattered from there."""
         out, positions = into
         starts = [0]
         for piece in pieces:
             starts.append(starts[-1] + piece.numel())
         row_bytes = out.shape[1] * out.element_size()
-        base = self.shared.offset_of(out) if self.shared is not None else None
+        shared = self.shared
+        base = shared.offset_of(out) if shared is not None else None
+        staged: dict[int, int] = {}  # piece -> the region its rows are written to
 
         def check(i: int, header: Header) -> None:
             """Piece i's answer announces its rows' count and out's width and dtype."""
@@ -637,7 +646,15 @@ class DataConnection:
         def send(i: int) -> None:
             meta: dict = {"table": table}
             if base is None:
-                self._send(Kind.PULL, meta, ids=pieces[i])
+                nbytes = (starts[i + 1] - starts[i]) * row_bytes
+                region = shared.allocate(nbytes) if shared is not None \
+                    and nbytes >= MIN_SHARED_BYTES else None
+                if region is None:
+                    self._send(Kind.PULL, meta, ids=pieces[i])
+                    return
+                staged[i] = meta["offset"] = region
+                meta["bytes"] = nbytes
+                self._send(Kind.PULL, meta, ids=pieces[i], region=region, release=True)
             elif positions is None:
                 meta["offset"] = base + starts[i] * row_bytes
                 meta["bytes"] = (starts[i + 1] - starts[i]) * row_bytes
@@ -647,14 +664,26 @@ class DataConnection:
                 self._send(Kind.PULL, meta, ids=pieces[i], region=base,
                            positions=positions[starts[i]:starts[i + 1]])
 
-        def receive(i: int) -> None:
-            answer = self._expect(Kind.ROWS, lambda h: rows_out(i, h))
+        def take(i: int, answer: Frame) -> None:
+            """Piece i's rows to their places, from its staged region while it is still
+            this request's."""
+            wanted = None if positions is None else positions[starts[i]:starts[i + 1]]
             if answer.header.shared:
-                if base is None:
+                if base is None and i not in staged:
                     raise FrameError("frame: rows in a shared buffer where none was asked for")
                 check(i, answer.header)
-            elif positions is not None:
-                rowcopy.scatter(out, positions[starts[i]:starts[i + 1]], answer.rows)
+                if i in staged:
+                    got = shared.rows(staged[i], out.dtype, starts[i + 1] - starts[i],
+                                      out.shape[1])
+                    if wanted is None:
+                        rowcopy.copy(out[starts[i]:starts[i + 1]], got)
+                    else:
+                        rowcopy.scatter(out, wanted, got)
+            elif wanted is not None:
+                rowcopy.scatter(out, wanted, answer.rows)
+
+        def receive(i: int) -> None:
+            self._expect(Kind.ROWS, lambda h: rows_out(i, h), lambda a: take(i, a))
 
         self._pipelined(len(pieces), send, receive, window, deadline)
 

@@ -18,9 +18,9 @@ a sealed memfd of that size holding that nonce. Anything else leaves the connect
 frames.
 
 The client cuts the buffer into regions (``SharedArena``): a pull's result, a push piece's
-gradients. A region goes back for reuse only when nothing can still write it: a result once
-its last tensor is gone, a push piece once its answer came; a region a lost connection may
-still be writing is never reused.
+gradients, a pull piece's rows where the result does not fit. A region goes back for reuse
+only when nothing can still write it: a result once its last tensor is gone, a piece's once
+its answer came; a region a lost connection may still be writing is never reused.
 """
 
 from __future__ import annotations

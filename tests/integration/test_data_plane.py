@@ -959,3 +959,33 @@ def test_a_one_shard_pull_retried_after_a_lost_connection(shard_cluster):
         for c in (client, reference):
             c.create_table("r", num_rows=BIG_N, dim=BIG_D, seed=9)
         check_a_retried_pull(client, reference, "r", torch.arange(3, 16_387))
+
+
+@pytest.mark.parametrize("free_bytes,staged", [(8 << 20, True), (0, False)])
+def test_a_pull_whose_result_does_not_fit_the_buffer(big, monkeypatch, free_bytes, staged):
+    """A result larger than the shared buffer's free room is the process's own memory. Its
+    pieces are written to regions of their own where there is room for them, and copied to
+    their places from there; where there is none they come in the frames. Either way the
+    rows equal the embedded store's, and every region is given back."""
+    from ams.shm import SharedBuffer
+
+    _, module_client, table, reference = big
+    through_buffer = collections.Counter()
+    rows_at = SharedBuffer.rows
+
+    def counted(self, offset, dtype, num_rows, dim):
+        through_buffer[num_rows * dim * dtype.itemsize] += 1
+        return rows_at(self, offset, dtype, num_rows, dim)
+
+    with ams.connect(client_addresses(module_client)) as client:
+        arena = client.arena
+        held = arena.allocate(arena.capacity - free_bytes)
+        assert held is not None
+        monkeypatch.setattr(SharedBuffer, "rows", counted)
+        every = torch.randperm(BIG_N, generator=torch.Generator().manual_seed(6))
+        got = client.pull(table, every)
+        assert arena.offset_of(got) is None
+        assert torch.equal(got, reference.pull(table, every))
+        # 20,000 rows of 256 bytes a shard: 3 pieces of 1.6 MiB each
+        assert sum(through_buffer.values()) == (6 if staged else 0), through_buffer
+        assert arena.in_use() == arena.capacity - free_bytes
