@@ -8,8 +8,9 @@ so drift on a shared machine hits them alike; the table shows medians over repea
 
 * in-proc: ``ams.connect(local_shards=S)``, the embedded store;
 * xcls: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1 (gRPC
-  control plane, frames on each shard's data port); on one host the rows bypass the socket
-  through each connection's shared buffer (``ams.shm``);
+  control plane, frames on each shard's data port); on one host rows of 1 MiB or more bypass
+  the socket through the client's shared buffer (``ams.shm``), each shard writing its rows of
+  a pull straight into the result;
 * xcls tcp: the same shards with ``shared_memory=False``, the rows in the frames: what a
   client on another host gets;
 * redis: S ``redis-server`` processes (no persistence), one key per row holding the row's bytes,
@@ -349,8 +350,10 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: int,
-            shard_pids: list[int]) -> dict:
-    """Median rows/s of each backend and median per-repeat ratios; backends run in turn.
+            min_seconds: float, shard_pids: list[int]) -> dict:
+    """Median rows/s of each backend and median per-repeat ratios; backends run in turn,
+    each for ``calls`` calls and at least ``min_seconds`` a repeat (a fast backend's few
+    calls would be a window of milliseconds, where one slow wake-up moves the figure).
     "cpu": per xcls call, ms of wall time and of CPU in this process and in the shard
     processes (``shard_pids``) while the xcls backend ran."""
     n = batches[0].numel()
@@ -358,15 +361,19 @@ def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: in
         fn(batches[0])
     rates: dict[str, list[float]] = {name: [] for name in backends}
     cpu = {"wall": 0.0, "client": 0.0, "shards": 0.0}
+    xcls_calls = 0
     for r in range(repeats):
         for name, fn in backends.items():
             client0, shards0 = time.process_time(), sum(map(process_cpu_seconds, shard_pids))
             t0 = time.perf_counter()
-            for c in range(calls):
-                fn(batches[(r * calls + c) % len(batches)])
+            done = 0
+            while done < calls or time.perf_counter() - t0 < min_seconds:
+                fn(batches[(r * calls + done) % len(batches)])
+                done += 1
             wall = time.perf_counter() - t0
-            rates[name].append(calls * n / wall)
+            rates[name].append(done * n / wall)
             if name == "xcls":
+                xcls_calls += done
                 cpu["wall"] += wall
                 cpu["client"] += time.process_time() - client0
                 cpu["shards"] += sum(map(process_cpu_seconds, shard_pids)) - shards0
@@ -374,7 +381,7 @@ def measure(backends: dict, batches: list[torch.Tensor], repeats: int, calls: in
     for mine, other in (("xcls", "raw"), ("tcp", "raw"), ("xcls", "redis"), ("xcls", "grpc")):
         out[f"{mine}/{other}"] = statistics.median(
             a / b for a, b in zip(rates[mine], rates[other], strict=True))
-    out["cpu"] = {k: v * 1e3 / (repeats * calls) for k, v in cpu.items()}
+    out["cpu"] = {k: v * 1e3 / xcls_calls for k, v in cpu.items()}
     return out
 
 
@@ -413,8 +420,10 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[tuple], li
                     calls = max(1, args.rows_per_repeat // n)
                     pulls, pushes = _backends(local, remote, tcp, red, raw, bare, table,
                                               grads)
-                    pull = measure(pulls, batches, args.repeats, calls, pids)
-                    push = measure(pushes, batches, args.repeats, calls, pids)
+                    pull = measure(pulls, batches, args.repeats, calls, args.min_seconds,
+                                   pids)
+                    push = measure(pushes, batches, args.repeats, calls, args.min_seconds,
+                                   pids)
                     bare.forget()
                     for op, res in (("pull", pull), ("push", push)):
                         results.append((op, dtype_name, n, num_shards, res))
@@ -539,6 +548,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median is shown)")
     parser.add_argument("--rows-per-repeat", type=int, default=100_000,
                         help="rows moved per backend per repeat (calls = this // batch, >= 1)")
+    parser.add_argument("--min-seconds", type=float, default=0.25,
+                        help="each backend calls on until it has run this long in a repeat")
     parser.add_argument("--memory-rows", type=int, default=10_000_000,
                         help="classes in the resident-memory probe (0: skip it)")
     parser.add_argument("--latency-calls", type=int, default=2000,
@@ -552,7 +563,7 @@ def main() -> int:
     if args.quick:
         args.batches, args.repeats = [1_000, 10_000], 2
         args.table_rows, args.rows_per_repeat, args.memory_rows = 50_000, 10_000, 300_000
-        args.latency_calls = 200
+        args.latency_calls, args.min_seconds = 200, 0.0
     if max(args.batches) > args.table_rows:
         parser.error("--table-rows must be >= the largest batch (ids are unique)")
     if shutil.which("redis-server") is None:
@@ -565,7 +576,8 @@ def main() -> int:
           f"torch threads {torch.get_num_threads()} (shards {args.shard_torch_threads}), "
           f"redis parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}")
     print(f"# d={args.dim}, table {args.table_rows:,} rows, {args.repeats} repeats, "
-          f"~{args.rows_per_repeat:,} rows per backend per repeat; cells: M rows/s (MB/s)")
+          f"~{args.rows_per_repeat:,} rows and >= {args.min_seconds:g} s per backend per "
+          "repeat; cells: M rows/s (MB/s)")
     print(TABLE_HEAD, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_ams_") as tmp:
         results, latencies = throughput(args, Path(tmp))
