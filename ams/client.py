@@ -516,16 +516,20 @@ class ShardedClient:
         # there. A repeated id is asked for again rather than looked for: the callers' ids
         # are unique (the active classes), and finding repeats costs a sort on every pull.
         row_bytes = spec.dim * spec.dtype.itemsize
-
-        def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
-            wanted = ids if positions is None else ids.index_select(0, positions)
-            return list(wanted.split(piece_sizes(wanted.numel(),
-                                                  self.shards[s].piece_bytes // row_bytes)))
-
         parts = sharding.split_by_shard(ids, self.num_shards) if self.num_shards > 1 \
             else None
 
         def pull_into(rows: torch.Tensor) -> torch.Tensor:
+            # Pieces pipeline rows that travel: the shard gathers one while the client takes
+            # the one before. Rows a shard writes straight into the result do not travel, and
+            # each request costs a round trip, so such a pull asks for up to REQUEST_BYTES.
+            direct = self.arena is not None and self.arena.offset_of(rows) is not None
+
+            def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
+                wanted = ids if positions is None else ids.index_select(0, positions)
+                most = REQUEST_BYTES if direct else self.shards[s].piece_bytes
+                return list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
+
             if parts is None:
                 self.shards[0].pull(name, pieces(0, None), (rows, None))
                 return rows
