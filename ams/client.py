@@ -56,6 +56,7 @@ from ams.wire import (
     PIPELINE_WINDOW,
     REQUEST_BYTES,
     SHARD_SERVICE_NAME,
+    SHARED_PIECE_BYTES,
 )
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,8 @@ class RemoteShard:
         reply = self._call("Stats", pb.StatsRequest())
         return {t.spec.name: codec.spec_from_wire(t.spec) for t in reply.tables}
 
+    # Bytes of rows a piece carries: set by each new data connection, larger when it maps the
+    # client's shared buffer (SHARED_PIECE_BYTES) than when rows cross the socket.
     piece_bytes = PIECE_BYTES
 
     def pull(self, table: str, pieces: Sequence[torch.Tensor],
@@ -276,10 +279,23 @@ class RemoteShard:
                 raise Unavailable(f"shard {self.address} serves no data plane")
             self.data_port = reply.data_port
         # the HELLO expects this client's incarnation: another process refuses it (ABORTED)
-        return DataConnection(self.host, self.data_port, token=self.token, tls_ca=self.tls_ca,
+        conn = DataConnection(self.host, self.data_port, token=self.token, tls_ca=self.tls_ca,
                               expect_incarnation=self.incarnation,
                               timeout=max(0.1, deadline - time.monotonic()),
                               arena=self.arena)
+        self.piece_bytes = SHARED_PIECE_BYTES if conn.shared is not None else PIECE_BYTES
+        return conn
+
+    def open_data_connection(self, timeout: float = 5.0) -> None:
+        """Open a data connection and pool it, so that whether it maps the client's shared
+        buffer sizes the pieces of the first call too. Where it cannot be opened now, the
+        first call's retries and typed errors deal with it."""
+        try:
+            conn = self._connection(time.monotonic() + min(timeout, self.timeout))
+        except (AmsError, OSError, ssl.SSLError) as e:
+            log.debug("data_connection_deferred shard=%s error=%s", self.address, e)
+            return
+        self._release(conn)
 
     def _release(self, conn: DataConnection | None) -> None:
         if conn is not None and not conn.lost:
@@ -413,6 +429,12 @@ class ShardedClient:
         client.restore(step)            # then put all of them at one checkpoint's step
     """
 
+    # Pieces pipeline rows that travel: a shard gathers one while the client takes the one
+    # before. Rows a shard writes straight into a result in the shared buffer do not travel,
+    # and each request costs a round trip, so such a pull asks each shard for up to this many
+    # bytes of rows at once (benchmarks/bench_pieces.py).
+    direct_pull_bytes = REQUEST_BYTES
+
     def __init__(self, shards: Sequence[ShardBackend], arena: SharedArena | None = None
                  ) -> None:
         """``arena``: the shared buffer the remote shards' data connections offer (the
@@ -520,14 +542,11 @@ class ShardedClient:
             else None
 
         def pull_into(rows: torch.Tensor) -> torch.Tensor:
-            # Pieces pipeline rows that travel: the shard gathers one while the client takes
-            # the one before. Rows a shard writes straight into the result do not travel, and
-            # each request costs a round trip, so such a pull asks for up to REQUEST_BYTES.
             direct = self.arena is not None and self.arena.offset_of(rows) is not None
 
             def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
                 wanted = ids if positions is None else ids.index_select(0, positions)
-                most = REQUEST_BYTES if direct else self.shards[s].piece_bytes
+                most = self.direct_pull_bytes if direct else self.shards[s].piece_bytes
                 return list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
 
             if parts is None:
@@ -845,4 +864,6 @@ def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = Non
         # first contact: from now on every call expects this process of the shard
         backends[i].incarnation = info["incarnation"] or None
         backends[i].data_port = info["data_port"] or None
+    client._fan_out(lambda i: backends[i].open_data_connection()
+                    if isinstance(backends[i], RemoteShard) else None)
     return client

@@ -30,6 +30,7 @@ from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import IdOutOfRange, InvalidArgument
 from ams.server import create_server
 from ams.store import ShardStore
+from ams.wire import PIECE_BYTES, SHARED_PIECE_BYTES
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
@@ -791,11 +792,14 @@ def test_the_client_moves_large_rows_through_shared_buffers(big, monkeypatch):
     pooled = [conn for shard in client.shards for conn in shard._idle]
     assert pooled and all(conn.shared is client.arena for conn in pooled)
     assert tcp.arena is None
+    # pieces through the buffer are larger than those that cross the socket
+    assert {s.piece_bytes for s in client.shards} == {SHARED_PIECE_BYTES}
+    assert {s.piece_bytes for s in tcp.shards} == {PIECE_BYTES}
     # every push piece went through the client's buffer, and all were of 1 MiB or more: 3
-    # pushes of about 10,500 rows a shard (2 pieces of 1.3 MiB); the pulls' rows were written
+    # pushes of about 10,500 rows a shard (one piece of 2.6 MiB); the pulls' rows were written
     # by the shards straight into the result, which lies in the buffer (the tcp client's
     # does not), and its region is the buffer's only one in use until the result is gone
-    assert through_buffer == {True: 3 * 2 * 2}, through_buffer
+    assert through_buffer == {True: 3 * 2}, through_buffer
     result = client.pull(table, every)
     assert client.arena.offset_of(result) is not None and tcp.arena is None
     assert client.arena.in_use() == BIG_N * BIG_D * 4
@@ -978,6 +982,8 @@ def test_a_pull_whose_result_does_not_fit_the_buffer(big, monkeypatch, free_byte
         return rows_at(self, offset, dtype, num_rows, dim)
 
     with ams.connect(client_addresses(module_client)) as client:
+        for shard in client.shards:  # 3 pieces a shard, 2 on the wire: 6.5 MiB of regions
+            shard.piece_bytes = 2 << 20
         arena = client.arena
         held = arena.allocate(arena.capacity - free_bytes)
         assert held is not None
@@ -989,3 +995,29 @@ def test_a_pull_whose_result_does_not_fit_the_buffer(big, monkeypatch, free_byte
         # 20,000 rows of 256 bytes a shard: 3 pieces of 1.6 MiB each
         assert sum(through_buffer.values()) == (6 if staged else 0), through_buffer
         assert arena.in_use() == arena.capacity - free_bytes
+
+
+def test_a_data_connection_that_cannot_be_opened_at_first_contact_waits_for_the_first_call(
+        cluster):
+    """``ams.connect`` opens each shard's first data connection (which sizes the pieces);
+    where the data port refuses it, nothing is raised then, and the first call asks the
+    shard for its port again and is answered."""
+    from ams.client import RemoteShard
+    from ams.shm import SharedArena
+
+    address, client = cluster
+    arena = SharedArena.create(8 << 20)
+    shard = RemoteShard(address, arena=arena)
+    shard.learn_incarnation()
+    with socket.socket() as probe:  # a port nobody listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        shard.data_port = probe.getsockname()[1]
+    shard.open_data_connection()
+    assert shard._idle == [] and shard.piece_bytes == PIECE_BYTES
+    ids = torch.arange(0, 2 * 100, 2)  # shard 0's
+    out = torch.empty(100, D)
+    shard.pull("fc", [ids], (out, None))
+    assert torch.equal(out, client.pull("fc", ids))
+    assert shard.piece_bytes == SHARED_PIECE_BYTES and len(shard._idle) == 1
+    shard.close()
+    arena.close()
