@@ -1,7 +1,7 @@
 """How large the data plane's pieces should be where rows go through the client's shared
 buffer: pulls into a result there, and pushes, with each size taking turns in one run.
 
-    python benchmarks/bench_pieces.py            # about two minutes on a 2-core host
+    python benchmarks/bench_pieces.py            # about 2.5 minutes on a 2-core host
     python benchmarks/bench_pieces.py --quick    # smoke run
 
 A pull or push to a shard travels as pieces, a few on the wire at once, so that the shard
