@@ -128,6 +128,18 @@ def test_bench_ams_quick_measures_every_backend() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_bench_pieces_quick_times_both_sizes_of_pull_and_push() -> None:
+    """Both ops, each size timed, the larger named as the constants say."""
+    done = run_benchmark("bench_pieces.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = table_rows(done.stdout, "pull") + table_rows(done.stdout, "push")
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("pull", "float32", "10,000", "2"), ("push", "float32", "10,000", "2")]
+    assert "(32 MiB a request)" in rows[0][5] and "(8 MiB pieces)" in rows[1][5]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5].split()[0]) > 0 and float(r[6]) > 0, r
+
+
 def test_bench_heads_refuses_cuda_without_a_gpu() -> None:
     done = run_benchmark("bench_heads.py", "--quick", "--device", "cuda")
     assert done.returncode == 2
