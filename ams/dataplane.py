@@ -574,12 +574,17 @@ class DataConnection:
         if release and region is not None and self.shared is not None:
             self.shared.release(region)
 
-    def _read_answer(self) -> None:
-        """Read and drop the oldest request's answer, whatever it is."""
+    def _next_header(self) -> Header:
+        """The header of the oldest request's answer; ConnectionError when the shard closed
+        the connection instead."""
         header = recv_header(self.reader)
         if header is None:
             raise ConnectionError("the shard closed the data connection")
-        recv_body(self.reader, header)
+        return header
+
+    def _read_answer(self) -> None:
+        """Read and drop the oldest request's answer, whatever it is."""
+        recv_body(self.reader, self._next_header())
         self._answered()
 
     def _expect(self, kind: Kind, rows_out: Callable[[Header], torch.Tensor] | None = None,
@@ -588,9 +593,7 @@ class DataConnection:
         ``rows_out(header)``, then ``consume(answer)`` before the request's shared region is
         given back; an ERROR frame raises its typed error (the connection stays usable),
         anything else ``FrameError`` (it does not)."""
-        header = recv_header(self.reader)
-        if header is None:
-            raise ConnectionError("the shard closed the data connection")
+        header = self._next_header()
         if header.kind == Kind.ERROR:
             meta = recv_body(self.reader, header).meta
             self._answered()

@@ -763,21 +763,28 @@ def test_a_hello_with_a_malformed_offer_is_refused_and_closed(cluster, offer):
     peer.close()
 
 
-def test_the_client_moves_large_rows_through_shared_buffers(big, monkeypatch):
-    """``ams.connect`` on the shards' host maps shared buffers; pulls and pushes through them
-    (pieces of 2 MiB, two on the wire, repeated ids) equal the embedded store's, and so do a
-    client's with ``shared_memory=False``."""
+@pytest.fixture
+def shared_views(monkeypatch) -> list[int]:
+    """The bytes of each view of a shared buffer this process takes from now on
+    (``SharedBuffer.rows``: a push piece's gradients, a staged pull piece's rows)."""
     from ams.shm import SharedBuffer
 
-    address, client, table, reference = big
-    through_buffer = collections.Counter()
+    taken: list[int] = []
     rows_at = SharedBuffer.rows
 
     def counted(self, offset, dtype, num_rows, dim):
-        through_buffer[num_rows * dim * dtype.itemsize >= SHARED_MIN] += 1
+        taken.append(num_rows * dim * dtype.itemsize)
         return rows_at(self, offset, dtype, num_rows, dim)
 
     monkeypatch.setattr(SharedBuffer, "rows", counted)
+    return taken
+
+
+def test_the_client_moves_large_rows_through_shared_buffers(big, shared_views):
+    """``ams.connect`` on the shards' host maps shared buffers; pulls and pushes through them
+    (push pieces of 8 MiB, two on the wire, repeated ids) equal the embedded store's, and so
+    do a client's with ``shared_memory=False``."""
+    address, client, table, reference = big
     tcp = ams.connect(client_addresses(client), shared_memory=False)
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
@@ -799,6 +806,7 @@ def test_the_client_moves_large_rows_through_shared_buffers(big, monkeypatch):
     # pushes of about 10,500 rows a shard (one piece of 2.6 MiB); the pulls' rows were written
     # by the shards straight into the result, which lies in the buffer (the tcp client's
     # does not), and its region is the buffer's only one in use until the result is gone
+    through_buffer = collections.Counter(n >= SHARED_MIN for n in shared_views)
     assert through_buffer == {True: 3 * 2}, through_buffer
     result = client.pull(table, every)
     assert client.arena.offset_of(result) is not None and tcp.arena is None
@@ -966,33 +974,24 @@ def test_a_one_shard_pull_retried_after_a_lost_connection(shard_cluster):
 
 
 @pytest.mark.parametrize("free_bytes,staged", [(8 << 20, True), (0, False)])
-def test_a_pull_whose_result_does_not_fit_the_buffer(big, monkeypatch, free_bytes, staged):
+def test_a_pull_whose_result_does_not_fit_the_buffer(big, shared_views, free_bytes, staged):
     """A result larger than the shared buffer's free room is the process's own memory. Its
     pieces are written to regions of their own where there is room for them, and copied to
     their places from there; where there is none they come in the frames. Either way the
     rows equal the embedded store's, and every region is given back."""
-    from ams.shm import SharedBuffer
-
     _, module_client, table, reference = big
-    through_buffer = collections.Counter()
-    rows_at = SharedBuffer.rows
-
-    def counted(self, offset, dtype, num_rows, dim):
-        through_buffer[num_rows * dim * dtype.itemsize] += 1
-        return rows_at(self, offset, dtype, num_rows, dim)
-
     with ams.connect(client_addresses(module_client)) as client:
         for shard in client.shards:  # 3 pieces a shard, 2 on the wire: 6.5 MiB of regions
             shard.piece_bytes = 2 << 20
         arena = client.arena
         held = arena.allocate(arena.capacity - free_bytes)
         assert held is not None
-        monkeypatch.setattr(SharedBuffer, "rows", counted)
         every = torch.randperm(BIG_N, generator=torch.Generator().manual_seed(6))
         got = client.pull(table, every)
         assert arena.offset_of(got) is None
         assert torch.equal(got, reference.pull(table, every))
         # 20,000 rows of 256 bytes a shard: 3 pieces of 1.6 MiB each
+        through_buffer = collections.Counter(shared_views)
         assert sum(through_buffer.values()) == (6 if staged else 0), through_buffer
         assert arena.in_use() == arena.capacity - free_bytes
 
