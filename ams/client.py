@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import grpc
-import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -43,7 +42,7 @@ from ams.errors import (
 from ams.frames import FrameError
 from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
 from ams.lease import parse_address
-from ams.pieces import PushPieces, piece_sizes
+from ams.pieces import PushPieces, ascending_unique, piece_sizes
 from ams.rpc import error_from_rpc
 from ams.shm import MIN_SHARED_BYTES, SharedArena
 from ams.store import TableSpec
@@ -547,6 +546,8 @@ class ShardedClient:
             def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
                 wanted = ids if positions is None else ids.index_select(0, positions)
                 most = self.direct_pull_bytes if direct else self.shards[s].piece_bytes
+                if wanted.numel() * row_bytes <= most:
+                    return [wanted]
                 return list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
 
             if parts is None:
@@ -584,27 +585,17 @@ class ShardedClient:
             got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads)
             raise InvalidArgument(f"grads: shape {got}, need ({ids.numel()}, {spec.dim})")
         grads = grads.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        # Each shard gets its ids once and ascending (its fast path); ``source[i]`` is the row
-        # of ``values`` that holds the gradient of ``keys[i]`` (None: row i).
-        keys, values, source = ids, grads, None
-        # ids ascending and unique, as a trainer's active classes are, go as they are
-        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            # numpy's introsort: several times torch's sort of int64 on one core
-            source = torch.from_numpy(np.argsort(ids.numpy()))
-            keys = ids.index_select(0, source)
-            if bool((keys[1:] == keys[:-1]).any()):
-                keys, inverse = torch.unique_consecutive(keys, return_inverse=True)
-                values = torch.zeros((keys.numel(), spec.dim), dtype=torch.float32)
-                values.index_add_(0, inverse.index_select(0, torch.argsort(source)), grads)
-                source = None
-        parts = sharding.split_by_shard(keys, self.num_shards)
+        # Each shard gets its ids once and ascending (its fast path), sorted on its own
+        # fan-out thread (``ascending_unique``).
+        parts = sharding.split_by_shard(ids, self.num_shards) if self.num_shards > 1 \
+            else [None]
 
         def work(s: int) -> None:
-            if parts[s].numel():
-                sizes = piece_sizes(parts[s].numel(),
-                                     self.shards[s].piece_bytes // (spec.dim * 4))
-                pieces = PushPieces(keys, values, source, parts[s].split(sizes),
-                                     self._next_sequences(len(sizes)))
+            keys, values, source = ascending_unique(ids, grads, parts[s])
+            if keys.numel():
+                sizes = piece_sizes(keys.numel(), self.shards[s].piece_bytes // (spec.dim * 4))
+                pieces = PushPieces(keys, values, source, torch.arange(keys.numel()).split(sizes),
+                                    self._next_sequences(len(sizes)))
                 self.shards[s].push(name, pieces, float(lr), self.client_id, decay_clock)
 
         self._fan_out(work)

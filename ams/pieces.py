@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ams import rowcopy
@@ -31,6 +32,34 @@ def piece_sizes(rows: int, most: int) -> list[int]:
     count = max(1, -(-rows // max(1, most)))
     base, longer = divmod(rows, count)
     return [base + 1] * longer + [base] * (count - longer)
+
+
+def ascending_unique(ids: torch.Tensor, grads: torch.Tensor, positions: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One shard's part of a push as ``PushPieces`` takes it: (keys, values, source).
+
+    ids: int64 (n,), any order, repeats allowed; grads: float32 (n, dim); positions: int64
+    (m,), the rows of ``ids`` the shard owns (None: all of them). keys: those ids ascending,
+    each once; values: ``grads``, or float32 (len(keys), dim) where repeated ids' gradients
+    are summed; source: int64 (len(keys),), the row of ``values`` holding each key's
+    gradient, or None for row i.
+
+    Ids already ascending and unique, as a trainer's active classes are, pass with no sort;
+    the client runs this once per shard, on the shards' threads, so the shards' sorts
+    overlap."""
+    keys = ids if positions is None else ids.index_select(0, positions)
+    source = positions
+    if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        # numpy's introsort: several times torch's sort of int64 on one core
+        order = torch.from_numpy(np.argsort(keys.numpy()))
+        keys = keys.index_select(0, order)
+        source = order if source is None else source.index_select(0, order)
+        if bool((keys[1:] == keys[:-1]).any()):
+            keys, inverse = torch.unique_consecutive(keys, return_inverse=True)
+            values = torch.zeros((keys.numel(), grads.shape[1]), dtype=torch.float32)
+            values.index_add_(0, inverse, grads.index_select(0, source))
+            return keys, values, None
+    return keys, grads, source
 
 
 class PushPieces(Sequence[PushPiece]):

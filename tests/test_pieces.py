@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ams.pieces import PushPieces, piece_sizes
+from ams.pieces import PushPieces, ascending_unique, piece_sizes
 
 
 @pytest.mark.parametrize("rows, most", [(0, 4), (1, 4), (4, 4), (5, 4), (10_000, 4096),
@@ -42,3 +42,35 @@ def test_one_piece_is_the_given_push():
     (piece,) = PushPieces.one(ids, grads, 7)
     assert torch.equal(piece.ids, ids) and torch.equal(piece.grads, grads)
     assert piece.sequence == 7
+
+
+def _summed(ids: list[int], grads: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each id's gradient, repeats summed in float64: the reference."""
+    total: dict[int, torch.Tensor] = {}
+    for i, key in enumerate(ids):
+        total[key] = total.get(key, torch.zeros(grads.shape[1], dtype=torch.float64)) \
+            + grads[i].double()
+    return total
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled", "repeats"])
+@pytest.mark.parametrize("owned", ["all", "even"])
+def test_a_shards_part_is_its_ids_ascending_once_with_their_summed_gradients(order, owned):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randperm(5000, generator=gen)[:400]
+    if order == "ascending":
+        ids = ids.sort().values
+    elif order == "repeats":
+        ids = torch.cat([ids, ids[:150], ids[:20]])[torch.randperm(570, generator=gen)]
+    grads = torch.randn(ids.numel(), 6, generator=gen)
+    positions = None if owned == "all" else (ids % 2 == 0).nonzero().view(-1)
+    mine = list(range(ids.numel())) if positions is None else positions.tolist()
+    expected = _summed([int(ids[i]) for i in mine], grads[mine])
+
+    keys, values, source = ascending_unique(ids, grads, positions)
+    assert keys.tolist() == sorted(expected)
+    rows = values if source is None else values[source]
+    for key, row in zip(keys.tolist(), rows, strict=True):
+        assert torch.allclose(row.double(), expected[key], atol=1e-6)
+    if order == "ascending" and owned == "all":
+        assert keys is ids and values is grads  # nothing sorted, nothing copied
