@@ -23,6 +23,7 @@ import os
 import select
 import socket
 import ssl
+import struct
 import tempfile
 import threading
 import time
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from ams import frames, rowcopy
@@ -66,17 +68,46 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().numpy()).cast("B")
 
 
+def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking, each receive and send given up after ``seconds`` without
+    progress (``BlockingIOError``). A timed socket (``settimeout``) polls before every
+    receive and send: two system calls more a round trip on each end, and a 1-row pull is
+    little else. Not for TLS sockets, which need ``settimeout``."""
+    micros = max(1, round(seconds * 1e6))  # a zero timeval would mean never
+    timeval = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _body_stalled() -> None:
+    raise TimeoutError(f"no byte for {BODY_TIMEOUT_S:.0f} s")
+
+
 class SocketReader:
     """Reads a socket through a 64 KiB buffer: a small frame, header and body, arrives with
-    one system call; a large body goes from the socket straight into its destination."""
+    one system call; a large body goes from the socket straight into its destination.
+
+    ``stalled``: called when a receive of a socket with a kernel timeout
+    (``set_kernel_timeout``) gives up; it raises ``TimeoutError``, or returns to have the
+    receive tried again."""
 
     SIZE = 64 << 10
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, stalled: Callable[[], None] = _body_stalled
+                 ) -> None:
         self.sock = sock
+        self.stalled = stalled
         self._buffer = memoryview(bytearray(self.SIZE))
         self._start = self._end = 0
         self._poller: select.poll | None = None
+
+    def _recv_into(self, out: memoryview) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(out)
+            except BlockingIOError:
+                self.stalled()
 
     def wait_for_bytes(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until a byte (or the peer's end) can be read, reading
@@ -95,7 +126,7 @@ class SocketReader:
         """Wait for the next byte; False when the peer closed the connection first."""
         if self._start < self._end:
             return True
-        self._start, self._end = 0, self.sock.recv_into(self._buffer)
+        self._start, self._end = 0, self._recv_into(self._buffer)
         return self._end > 0
 
     def read_into(self, out: memoryview) -> None:
@@ -108,13 +139,13 @@ class SocketReader:
         out = out[taken:]
         if out.nbytes >= self.SIZE:
             while out.nbytes:
-                got = self.sock.recv_into(out)
+                got = self._recv_into(out)
                 if got == 0:
                     raise ConnectionError("the peer closed the connection")
                 out = out[got:]
             return
         while out.nbytes:
-            self._start, self._end = 0, self.sock.recv_into(self._buffer)
+            self._start, self._end = 0, self._recv_into(self._buffer)
             if self._end == 0:
                 raise ConnectionError("the peer closed the connection")
             taken = min(self._end, out.nbytes)
@@ -123,15 +154,21 @@ class SocketReader:
             out = out[taken:]
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Send ``buffers`` back to back: one gather-write system call where the socket allows."""
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview],
+                 stalled: Callable[[], None] = _body_stalled) -> None:
+    """Send ``buffers`` back to back: one gather-write system call where the socket allows.
+    ``stalled``: as ``SocketReader``'s, for a send that gives up."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg
         for view in views:
             sock.sendall(view)
         return
     while views:
-        sent = sock.sendmsg(views)
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:
+            stalled()
+            continue
         while sent:
             if sent >= views[0].nbytes:
                 sent -= views[0].nbytes
@@ -143,11 +180,12 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
 
 def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
                ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None, shared: bool = False) -> None:
+               positions: torch.Tensor | None = None, shared: bool = False,
+               stalled: Callable[[], None] = _body_stalled) -> None:
     """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)), ``positions`` (int64 (n,),
     a shared PULL's) and ``rows`` ((m, dim)); ``shared``: the rows are in the shared buffer,
     where the meta's "offset" says (a request's ``rows``: already written there; an answer's:
-    written there, sent for their shape and dtype)."""
+    written there, sent for their shape and dtype); ``stalled``: as ``send_buffers``'."""
     raw_meta = frames.encode_meta(meta) if meta else b""
     num_ids = 0 if ids is None else ids.numel()
     header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared,
@@ -155,7 +193,8 @@ def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
     send_buffers(sock, [header, raw_meta,
                         tensor_bytes(ids) if ids is not None else b"",
                         tensor_bytes(positions) if positions is not None else b"",
-                        tensor_bytes(rows) if rows is not None and not shared else b""])
+                        tensor_bytes(rows) if rows is not None and not shared else b""],
+                 stalled)
 
 
 @dataclass
@@ -188,8 +227,11 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
     reader.read_into(memoryview(meta))
     ids, positions = _NO_IDS, None
     if header.num_ids:
-        ids = torch.empty(header.num_ids * (2 if header.positions else 1), dtype=torch.int64)
-        reader.read_into(tensor_bytes(ids))
+        # numpy's allocation and view: torch's cost several times more per call, and most
+        # requests carry a few ids
+        raw = np.empty(header.num_ids * (2 if header.positions else 1), dtype=np.int64)
+        reader.read_into(memoryview(raw).cast("B"))
+        ids = torch.from_numpy(raw)
         if header.positions:
             ids, positions = ids[:header.num_ids], ids[header.num_ids:]
     elif header.positions:
@@ -287,10 +329,12 @@ class DataPlaneServer:
         sock = conn
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # a timed socket throughout: switching between blocking and timed modes costs
-            # system calls on every request
-            conn.settimeout(BODY_TIMEOUT_S)
-            if self._tls is not None:
+            # one timeout throughout, never switched: switching costs system calls on every
+            # request
+            if self._tls is None:
+                set_kernel_timeout(conn, BODY_TIMEOUT_S)
+            else:
+                conn.settimeout(BODY_TIMEOUT_S)
                 sock = self._tls.wrap_socket(conn, server_side=True)
                 with self._lock:  # the wrapped socket takes over the descriptor
                     self._connections.discard(conn)
@@ -456,7 +500,7 @@ class DataPlaneServer:
             return self.store.pull(table, frame.ids,
                                    shared.rows(offset, spec.dtype, n, spec.dim))
         if n:
-            lo, hi = (int(x) for x in torch.aminmax(frame.positions))
+            lo, hi = rowcopy.bounds(frame.positions)
             if lo < 0 or hi >= region_rows:
                 raise InvalidArgument(f"frame: position {lo if lo < 0 else hi} is outside the "
                                       f"{region_rows} rows at offset {offset}")
@@ -533,6 +577,10 @@ class DataConnection:
                  expect_incarnation: str | None, timeout: float,
                  arena: SharedArena | None = None) -> None:
         self.shared: SharedArena | None = None
+        # The deadline of the call under way, and the kernel timeout of the socket's receives
+        # and sends (a plain socket's: ``set_kernel_timeout``); None: a timed TLS socket.
+        self._deadline = time.monotonic() + timeout
+        self._armed: float | None = None
         # Each request sent and not answered yet: the shared region it writes or reads
         # (None: none), and whether that region is given back once the answer is in.
         self._unanswered: collections.deque[tuple[int | None, bool]] = collections.deque()
@@ -549,10 +597,12 @@ class DataConnection:
                 hello["expect_incarnation"] = expect_incarnation
             if arena is not None and tls_ca is None:
                 hello["shared"] = arena.offer
-            self.sock, self.reader = sock, SocketReader(sock)
+            self.sock, self.reader = sock, SocketReader(sock, self._stalled)
             self._send(Kind.HELLO, hello)
             # a HELLO the shard refuses raises its error here
             granted = self._expect(Kind.WELCOME).meta.get("shared") is True
+            if tls_ca is None:
+                self._arm(max(1e-3, self._deadline - time.monotonic()))
         except BaseException:
             sock.close()
             raise
@@ -567,7 +617,7 @@ class DataConnection:
         shared buffer where ``region`` is given."""
         self._unanswered.append((region, release))
         send_frame(self.sock, kind, meta, ids=ids, rows=rows, positions=positions,
-                   shared=region is not None)
+                   shared=region is not None, stalled=self._stalled)
 
     def _answered(self) -> None:
         region, release = self._unanswered.popleft()
@@ -780,10 +830,32 @@ class DataConnection:
         return self.sock.fileno() == -1
 
     def _set_deadline(self, deadline: float) -> None:
+        """Give up waiting on the shard at ``deadline`` (``TimeoutError``).
+
+        A plain socket's kernel timeout is set again only when it would outlast the deadline
+        or is under half the time left: calls whose deadlines are the client's timeout from
+        their start keep one setting, and a receive that gives up before the deadline is
+        tried again with the time that is left (``_stalled``)."""
+        self._deadline = deadline
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline exceeded")
-        self.sock.settimeout(remaining)
+        if self._armed is None:
+            self.sock.settimeout(remaining)
+        elif not remaining / 2 <= self._armed <= remaining:
+            self._arm(remaining)
+
+    def _arm(self, seconds: float) -> None:
+        set_kernel_timeout(self.sock, seconds)
+        self._armed = seconds
+
+    def _stalled(self) -> None:
+        """A receive or send gave up after the kernel timeout: past the deadline that is
+        ``TimeoutError``, before it the socket waits on with the time that is left."""
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0 or self._armed is None:
+            raise TimeoutError("deadline exceeded")
+        self._arm(remaining)
 
     def close(self) -> None:
         """Close the socket. The shared regions of requests still unanswered may yet be

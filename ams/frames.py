@@ -157,8 +157,12 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     return header
 
 
+# one encoder for every frame: json.dumps with separators builds a new one each call
+_META_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode_meta(meta: dict) -> bytes:
-    return json.dumps(meta, separators=(",", ":")).encode()
+    return _META_ENCODER.encode(meta).encode()
 
 
 def decode_meta(raw: bytes | bytearray | memoryview) -> dict:

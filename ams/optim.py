@@ -213,7 +213,7 @@ class SparseMomentumSGD:
         if positions.dtype != torch.int64 or positions.dim() != 1:
             raise ValueError("positions: need an int64 tensor of shape (m,)")
         if m:
-            lo, hi = (int(x) for x in torch.aminmax(positions))
+            lo, hi = rowcopy.bounds(positions)
             if lo < 0 or hi >= n:
                 raise ValueError(f"positions out of range for {n} rows")
         positions = positions.contiguous()

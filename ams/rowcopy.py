@@ -6,6 +6,7 @@ prefetch thread pulls, shard handler threads, client and shard on one box) each 
 region waits for a time slice, and a copy that numpy does in well under a millisecond takes
 torch many times longer (benchmarks/RESULTS.md).
 Rows are viewed as bytes, so every row dtype (bfloat16 included, which numpy lacks) works.
+The range check of an index (``bounds``) is numpy's too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def _as_records(rows: torch.Tensor) -> np.ndarray:
     numpy moves a record with one memcpy, where a uint8 row is a loop over its bytes."""
     raw = _as_bytes(rows)
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
+
+
+def bounds(index: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty int64 (m,) CPU tensor. numpy's reductions, two passes over
+    the index: torch's one-pass aminmax costs several times as much per call, and requests of
+    a few rows are most of a shard's calls."""
+    values = index.numpy()
+    return int(values.min()), int(values.max())
 
 
 def gather(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None

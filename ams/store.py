@@ -396,7 +396,7 @@ class ShardStore:
                 f"{self.max_rows_per_request}; split the request")
         if ids.numel() == 0:
             return ids
-        lo, hi = (int(x) for x in torch.aminmax(ids))
+        lo, hi = rowcopy.bounds(ids)
         num_rows = table.spec.num_rows
         if lo < 0 or hi >= num_rows:
             bad = lo if lo < 0 else hi

@@ -45,3 +45,10 @@ def test_copy_equals_torch_copy_and_refuses_what_it_cannot_write(dtype):
         rowcopy.copy(torch.zeros(5, 9, dtype=dtype).t(), rows)
     with pytest.raises(ValueError, match=r"\(9, 5\)"):
         rowcopy.copy(torch.zeros(9, 4, dtype=dtype), rows)
+
+
+def test_bounds_are_the_smallest_and_largest_index():
+    gen = torch.Generator().manual_seed(1)
+    index = torch.randint(-50, 10**12, (1000,), generator=gen)
+    for view in (index, index[::7], index[:1]):
+        assert rowcopy.bounds(view) == (min(view.tolist()), max(view.tolist()))

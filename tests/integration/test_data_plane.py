@@ -1020,3 +1020,70 @@ def test_a_data_connection_that_cannot_be_opened_at_first_contact_waits_for_the_
     assert shard.piece_bytes == SHARED_PIECE_BYTES and len(shard._idle) == 1
     shard.close()
     arena.close()
+
+
+@pytest.fixture
+def stopped_for(shard_cluster):
+    """(address, stop): one shard process with table "fc"; ``stop(seconds)`` freezes it
+    (SIGSTOP: its sockets still take bytes, it answers nothing) for that long."""
+    import signal
+
+    proc = shard_cluster(1)[0]
+    client = ams.connect([proc.address])
+    client.create_table("fc", num_rows=N, dim=D, seed=4)
+    client.close()
+    timers: list[threading.Timer] = []
+
+    def stop(seconds: float) -> None:
+        proc.proc.send_signal(signal.SIGSTOP)
+        timers.append(threading.Timer(seconds, proc.proc.send_signal, (signal.SIGCONT,)))
+        timers[-1].start()
+
+    yield proc.address, stop
+    for timer in timers:
+        timer.cancel()
+    proc.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_pull_waits_for_a_slow_shard_until_its_deadline(stopped_for):
+    """The connection's socket gives up a receive after the timeout it was opened with
+    (about 1 s); a call whose deadline is later waits on for the rest of it."""
+    from ams.dataplane import DataConnection
+
+    address, stop = stopped_for
+    with ams.connect([address]) as client:
+        spec = client.spec("fc")
+    reference = ShardStore()
+    reference.create_table(spec)
+    conn = DataConnection("127.0.0.1", data_port(address), token=None, tls_ca=None,
+                          expect_incarnation=None, timeout=1.0)
+    ids, out = torch.tensor([5, 0, 9]), torch.empty(3, D)
+    stop(1.5)
+    started = time.monotonic()
+    conn.pull("fc", [ids], 2, started + 1.8, (out, None))
+    assert time.monotonic() - started >= 1.4
+    assert torch.equal(out, reference.pull("fc", ids))
+    conn.close()
+
+
+def test_a_call_past_its_deadline_is_deadline_exceeded(stopped_for):
+    from ams.dataplane import DataConnection
+
+    address, stop = stopped_for
+    conn = DataConnection("127.0.0.1", data_port(address), token=None, tls_ca=None,
+                          expect_incarnation=None, timeout=10)
+    stop(1.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.pull("fc", [torch.tensor([1])], 2, started + 0.8, (torch.empty(1, D), None))
+    assert 0.7 <= time.monotonic() - started < 3.0
+    conn.close()
+
+    with ams.connect([address], timeout=1.0) as client:
+        client.pull("fc", torch.tensor([1]))  # its data connection is open and pooled
+        stop(4.0)
+        started = time.monotonic()
+        with pytest.raises(ams.errors.AmsError) as raised:
+            client.pull("fc", torch.tensor([1]))
+        assert raised.value.code == "DEADLINE_EXCEEDED"
+        assert 0.9 <= time.monotonic() - started < 3.0
