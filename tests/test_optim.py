@@ -182,6 +182,27 @@ def test_a_refused_step_changes_nothing(update_path, dtype):
     assert torch.equal(state.view(torch.uint8), state_before.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows_dtype,state_dtype", [(torch.float32, torch.float32),
+                                                    (torch.float16, torch.float16),
+                                                    (torch.bfloat16, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16)])
+def test_step_writes_what_compute_returns_bit_for_bit(update_path, rows_dtype, state_dtype):
+    """What the in-place update writes into the table is what ``compute`` returns, for widths
+    with and without a vector tail."""
+    g = torch.Generator().manual_seed(5)
+    for dim in (128, 131):
+        rows = torch.randn(400, dim, generator=g).to(rows_dtype)
+        state = (torch.randn(400, dim, generator=g) * 0.1).to(state_dtype)
+        positions = torch.randperm(400, generator=g)[:150].sort().values
+        grads = torch.randn(150, dim, generator=g)
+        catch_up = torch.rand(150, generator=g, dtype=torch.float64)
+        opt = SparseMomentumSGD(0.9, 5e-4)
+        update = opt.compute(rows, state, positions, grads, 0.3, catch_up)
+        assert opt.step(rows, state, positions, grads, 0.3, catch_up) is None
+        assert torch.equal(rows[positions].view(torch.uint8), update.rows.view(torch.uint8))
+        assert torch.equal(state[positions].view(torch.uint8), update.state.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rounding_to_the_stored_dtype_is_torchs_bit_for_bit(update_path, dtype):
     """With zero momentum state, the new state is the gradient rounded to the state dtype:
