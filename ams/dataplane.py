@@ -694,7 +694,7 @@ class DataConnection:
             check(i, header)
             if positions is not None:
                 return torch.empty((header.num_rows, header.dim), dtype=header.dtype)
-            return out[starts[i]:starts[i + 1]]
+            return out if len(pieces) == 1 else out[starts[i]:starts[i + 1]]
 
         def send(i: int) -> None:
             meta: dict = {"table": table}

@@ -32,6 +32,9 @@ def bounds(index: torch.Tensor) -> tuple[int, int]:
     the index: torch's one-pass aminmax costs several times as much per call, and requests of
     a few rows are most of a shard's calls."""
     values = index.numpy()
+    if values.size <= 16:  # Python's min and max of a few ints cost less than two reductions
+        few = values.tolist()
+        return min(few), max(few)
     return int(values.min()), int(values.max())
 
 

@@ -50,5 +50,5 @@ def test_copy_equals_torch_copy_and_refuses_what_it_cannot_write(dtype):
 def test_bounds_are_the_smallest_and_largest_index():
     gen = torch.Generator().manual_seed(1)
     index = torch.randint(-50, 10**12, (1000,), generator=gen)
-    for view in (index, index[::7], index[:1]):
+    for view in (index, index[::7], index[:10], index[:1]):
         assert rowcopy.bounds(view) == (min(view.tolist()), max(view.tolist()))
