@@ -594,8 +594,7 @@ class ShardedClient:
             keys, values, source = ascending_unique(ids, grads, parts[s])
             if keys.numel():
                 sizes = piece_sizes(keys.numel(), self.shards[s].piece_bytes // (spec.dim * 4))
-                pieces = PushPieces(keys, values, source, torch.arange(keys.numel()).split(sizes),
-                                    self._next_sequences(len(sizes)))
+                pieces = PushPieces(keys, values, source, sizes, self._next_sequences(len(sizes)))
                 self.shards[s].push(name, pieces, float(lr), self.client_id, decay_clock)
 
         self._fan_out(work)

@@ -1,8 +1,10 @@
 """A push cut into pieces: the requests one shard's part of a push travels in.
 
-Pure torch. Each piece's gradients are gathered when it is sent, straight into the buffer that
-carries them when the caller has one (a region of the client's shared buffer): one copy per piece on
-the client, none of them into a temporary first.
+No sockets, so it is tested alone. A piece is a run of consecutive keys. Its gradients are
+gathered when it is sent, straight into the buffer that carries them when the caller has one
+(a region of the client's shared buffer): one copy per piece on the client, none of them into
+a temporary first, and none at all for a piece sent from the caller's own gradients as they
+lie.
 """
 
 from __future__ import annotations
@@ -46,20 +48,26 @@ def ascending_unique(ids: torch.Tensor, grads: torch.Tensor, positions: torch.Te
 
     Ids already ascending and unique, as a trainer's active classes are, pass with no sort;
     the client runs this once per shard, on the shards' threads, so the shards' sorts
-    overlap."""
-    keys = ids if positions is None else ids.index_select(0, positions)
-    source = positions
-    if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
-        # numpy's introsort: several times torch's sort of int64 on one core
-        order = torch.from_numpy(np.argsort(keys.numpy()))
-        keys = keys.index_select(0, order)
-        source = order if source is None else source.index_select(0, order)
-        if bool((keys[1:] == keys[:-1]).any()):
-            keys, inverse = torch.unique_consecutive(keys, return_inverse=True)
-            values = torch.zeros((keys.numel(), grads.shape[1]), dtype=torch.float32)
-            values.index_add_(0, inverse, grads.index_select(0, source))
-            return keys, values, None
-    return keys, grads, source
+    overlap. The ids are numpy's to index, compare and sort: torch's kernels for them run
+    on an intra-op thread pool that the fan-out threads, each with its own, oversubscribe."""
+    keys = ids.numpy()
+    source = None if positions is None else positions.numpy()
+    if source is not None:
+        keys = keys[source]
+    if keys.size > 1 and not (keys[1:] > keys[:-1]).all():
+        order = np.argsort(keys)  # introsort: several times torch's sort of int64 on one core
+        keys = keys[order]
+        source = order if source is None else source[order]
+        first = np.empty(keys.size, dtype=bool)
+        first[0], first[1:] = True, keys[1:] != keys[:-1]
+        if not first.all():  # repeats: their gradients summed, in one row per id
+            inverse = torch.from_numpy(np.cumsum(first) - 1)
+            values = torch.zeros((int(inverse[-1]) + 1, grads.shape[1]), dtype=torch.float32)
+            values.index_add_(0, inverse, grads.index_select(0, torch.from_numpy(source)))
+            return torch.from_numpy(keys[first]), values, None
+    if positions is None and source is None:
+        return ids, grads, None
+    return torch.from_numpy(keys), grads, torch.from_numpy(source)
 
 
 class PushPieces(Sequence[PushPiece]):
@@ -69,37 +77,48 @@ class PushPieces(Sequence[PushPiece]):
 
     keys: int64 ids, ascending and unique; values: float32 (., dim) gradients; source: int64
     (len(keys),), the row of ``values`` that holds each key's gradient, or None for row i;
-    chunks: positions into ``keys``, one tensor per piece; first_sequence: the first piece's
-    sequence (the others follow it)."""
+    sizes: the pieces' lengths, in order, covering ``keys``; first_sequence: the first
+    piece's sequence (the others follow it)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, source: torch.Tensor | None,
-                 chunks: Sequence[torch.Tensor], first_sequence: int) -> None:
+                 sizes: Sequence[int], first_sequence: int) -> None:
         self.keys, self.values, self.source = keys, values, source
-        self.chunks, self.first_sequence = chunks, first_sequence
+        self.starts = [0]
+        for size in sizes:
+            self.starts.append(self.starts[-1] + size)
+        self.first_sequence = first_sequence
 
     @classmethod
     def one(cls, ids: torch.Tensor, grads: torch.Tensor, sequence: int) -> PushPieces:
         """A single piece: ids int64 (n,) ascending and unique, grads float32 (n, dim)."""
-        return cls(ids, grads, None, [torch.arange(ids.numel())], sequence)
+        return cls(ids, grads, None, [ids.numel()], sequence)
 
     @property
     def dim(self) -> int:
         return self.values.shape[1]
 
     def __len__(self) -> int:
-        return len(self.chunks)
+        return len(self.starts) - 1
 
     def rows_of(self, i: int) -> int:
         """How many rows piece ``i`` carries."""
-        return self.chunks[i].numel()
+        return self.starts[i + 1] - self.starts[i]
 
     def __getitem__(self, i: int) -> PushPiece:  # type: ignore[override]
         return self.gather(i)
 
     def gather(self, i: int, out: torch.Tensor | None = None) -> PushPiece:
         """Piece ``i``, its gradients written into ``out`` when given (contiguous float32
-        (``rows_of(i)``, ``dim``)), else into a new tensor."""
-        chunk = self.chunks[i]
-        rows = chunk if self.source is None else self.source.index_select(0, chunk)
-        return PushPiece(self.keys.index_select(0, chunk),
-                         rowcopy.gather(self.values, rows, out=out), self.first_sequence + i)
+        (``rows_of(i)``, ``dim``)), else a new tensor, or a view of ``values`` where its rows
+        lie together there."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"piece {i} of {len(self)}")
+        start, end = self.starts[i], self.starts[i + 1]
+        if self.source is not None:
+            grads = rowcopy.gather(self.values, self.source[start:end], out=out)
+        elif out is not None:
+            rowcopy.copy(out, self.values[start:end])
+            grads = out
+        else:
+            grads = self.values[start:end]
+        return PushPiece(self.keys[start:end], grads, self.first_sequence + i)

@@ -24,8 +24,9 @@ def test_pieces_carry_each_keys_gradient_whether_gathered_into_a_buffer_or_not(p
     keys = torch.randperm(1000, generator=gen)[:300].sort().values
     values = torch.randn(300, 8, generator=gen)
     source = torch.randperm(300, generator=gen) if permuted else None
-    chunks = torch.arange(300).split(piece_sizes(300, 128))
-    pieces = PushPieces(keys, values, source, chunks, first_sequence=41)
+    sizes = piece_sizes(300, 128)
+    chunks = torch.arange(300).split(sizes)
+    pieces = PushPieces(keys, values, source, sizes, first_sequence=41)
     for i, chunk in enumerate(chunks):
         expected_rows = values[source[chunk]] if permuted else values[chunk]
         buffer = torch.full((pieces.rows_of(i) + 2, pieces.dim), float("nan"))
@@ -35,6 +36,7 @@ def test_pieces_carry_each_keys_gradient_whether_gathered_into_a_buffer_or_not(p
             assert got.sequence == 41 + i
         assert buffer[0].isnan().all() and buffer[-1].isnan().all()  # nothing outside ``out``
     assert [len(pieces), pieces.rows_of(0)] == [3, 100]
+    assert [piece.sequence for piece in pieces] == [41, 42, 43]  # iteration ends after the last
 
 
 def test_one_piece_is_the_given_push():
