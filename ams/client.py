@@ -544,7 +544,10 @@ class ShardedClient:
             direct = self.arena is not None and self.arena.offset_of(rows) is not None
 
             def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
-                wanted = ids if positions is None else ids.index_select(0, positions)
+                # numpy's indexing: this runs on the fan-out threads, whose torch kernels would
+                # share torch's intra-op pool
+                wanted = ids if positions is None \
+                    else torch.from_numpy(ids.numpy()[positions.numpy()])
                 most = self.direct_pull_bytes if direct else self.shards[s].piece_bytes
                 if wanted.numel() * row_bytes <= most:
                     return [wanted]
