@@ -56,10 +56,15 @@ def ascending_unique(ids: torch.Tensor, grads: torch.Tensor, positions: torch.Te
         keys = keys[source]
     if keys.size > 1 and not (keys[1:] > keys[:-1]).all():
         order = np.argsort(keys)  # introsort: several times torch's sort of int64 on one core
-        keys = keys[order]
-        source = order if source is None else source[order]
+        ascending = keys[order]
         first = np.empty(keys.size, dtype=bool)
-        first[0], first[1:] = True, keys[1:] != keys[:-1]
+        first[0], first[1:] = True, ascending[1:] != ascending[:-1]
+        if not first.all():
+            # repeats: sorted again, stably, so that each id's gradients are summed in request
+            # order, the same sums however the ids are split among shards
+            order = np.argsort(keys, kind="stable")
+        keys = ascending
+        source = order if source is None else source[order]
         if not first.all():  # repeats: their gradients summed, in one row per id
             inverse = torch.from_numpy(np.cumsum(first) - 1)
             values = torch.zeros((int(inverse[-1]) + 1, grads.shape[1]), dtype=torch.float32)

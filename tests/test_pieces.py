@@ -76,3 +76,24 @@ def test_a_shards_part_is_its_ids_ascending_once_with_their_summed_gradients(ord
         assert torch.allclose(row.double(), expected[key], atol=1e-6)
     if order == "ascending" and owned == "all":
         assert keys is ids and values is grads  # nothing sorted, nothing copied
+
+
+def test_a_repeated_ids_gradients_are_summed_in_request_order():
+    """float32 addition is not associative: a repeated id's sum must not depend on the sort's
+    order among equal keys, or on which other ids share its shard. Against sums taken one
+    value at a time in request order."""
+    n = 64
+    ids = torch.tensor([7, 3] * (n // 2))
+    g = torch.Generator().manual_seed(2)
+    # magnitudes from 1e-4 to 1e4: another order of the additions rounds differently
+    grads = (torch.randn(n, 3, generator=g) * torch.logspace(-4, 4, n)[:, None]).float()
+    for positions in (None, torch.arange(n), torch.arange(0, n, 2)):
+        rows = torch.arange(n) if positions is None else positions
+        want: dict[int, torch.Tensor] = {}
+        for i in rows.tolist():
+            key = int(ids[i])
+            want[key] = want[key] + grads[i] if key in want else grads[i].clone()
+        keys, values, source = ascending_unique(ids, grads, positions)
+        assert source is None and keys.tolist() == sorted(want)
+        for key, row in zip(keys.tolist(), values, strict=True):
+            assert torch.equal(row, want[key]), key
