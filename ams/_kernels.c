@@ -183,16 +183,56 @@ static inline __attribute__((always_inline)) int update_row(
     return (bad_row != 0) | ((bad_state != 0) << 1);
 }
 
+/* update_row with its (row, state) dtype pair picked at run time: float32 and bfloat16 only. */
+static inline __attribute__((always_inline)) int update_row_any(
+        int rd, int sd, int with_state, const void *row_in, const void *st_in, const float *g,
+        float c, int64_t dim, float momentum, float weight_decay, float lr, void *row_out,
+        void *st_out) {
 #define UPDATE_ROW(RD, SD, WS)                                                                 \
     update_row(RD, SD, WS, row_in, st_in, g, c, dim, momentum, weight_decay, lr, row_out, st_out)
+    if (!with_state)
+        return rd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 0)
+                                : UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 0);
+    if (rd == DT_FLOAT32)
+        return sd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 1)
+                                : UPDATE_ROW(DT_FLOAT32, DT_BFLOAT16, 1);
+    return sd == DT_FLOAT32 ? UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 1)
+                            : UPDATE_ROW(DT_BFLOAT16, DT_BFLOAT16, 1);
+#undef UPDATE_ROW
+}
+
+/* The old row and state kept for a refused step: written past the cache (non-temporal
+ * stores), since they are read again only when a push is refused. Through the cache, each
+ * saved line is first read from memory and then evicts a table line that a later row of the
+ * push may need. Falls back to memcpy where the destination or size is not 32-byte aligned. */
+static int have_avx;
+
+#ifdef HAVE_F16C_CODE
+__attribute__((target("avx"))) static void save_row_avx(char *dst, const char *src,
+                                                        size_t nbytes) {
+    for (size_t b = 0; b < nbytes; b += 32)
+        _mm256_stream_si256((__m256i *)(dst + b), _mm256_loadu_si256((const __m256i *)(src + b)));
+}
+#endif
+
+static inline void save_row(char *dst, const char *src, size_t nbytes) {
+#ifdef HAVE_F16C_CODE
+    if (have_avx && ((uintptr_t)dst % 32) == 0 && nbytes % 32 == 0) {
+        save_row_avx(dst, src, nbytes);
+        return;
+    }
+#endif
+    memcpy(dst, src, nbytes);
+}
 
 /* One pushed row: the table's row and state (table_row, table_st) and the out buffers' (out_row,
  * out_st; see momentum_sgd), and a scratch of 4 * dim floats. Returns update_row's bits.
  *
- * In place, the row and its state are first copied to the out buffers (to restore them from
- * if the step is refused) and the update reads that copy: the table is then only written,
- * never read and written through one pointer, which would keep the compiler from vectorizing.
- * float16 goes through float32 copies in the scratch, converted a row at a time. */
+ * In place, the row and its state are first saved to the out buffers (to restore them from if
+ * the step is refused), then updated in the table where they lie: in and out are one pointer,
+ * which the vectorizer takes as an element-wise loop (two pointers that might overlap would
+ * make it fall back to one value at a time). float16 goes through float32 copies in the
+ * scratch, converted a row at a time. */
 static inline __attribute__((always_inline)) int update_one(
         int in_place, int rows_dtype, int state_dtype, int with_state, char *table_row,
         char *table_st, char *out_row, char *out_st, size_t row_bytes, size_t state_bytes,
@@ -200,33 +240,27 @@ static inline __attribute__((always_inline)) int update_one(
         float *scratch) {
     const void *row_in = table_row, *st_in = table_st;
     void *row_out = out_row, *st_out = out_st;
+    int rd = rows_dtype, sd = with_state ? state_dtype : DT_FLOAT32;
     if (in_place) {
-        memcpy(out_row, table_row, row_bytes);
-        if (with_state) memcpy(out_st, table_st, state_bytes);
-        row_in = out_row, st_in = out_st, row_out = table_row, st_out = table_st;
+        save_row(out_row, table_row, row_bytes);
+        if (with_state) save_row(out_st, table_st, state_bytes);
+        if (rd != DT_FLOAT16 && sd != DT_FLOAT16)
+            return update_row_any(rd, sd, with_state, table_row, table_st, g, c, dim, momentum,
+                                  weight_decay, lr, table_row, table_st);
+        row_out = table_row, st_out = table_st;
     }
     void *half_row = NULL, *half_st = NULL;
-    int rd = rows_dtype, sd = state_dtype;
     if (rd == DT_FLOAT16) {
         half_row_to_float(scratch, row_in, dim);
         half_row = row_out, row_in = scratch, row_out = scratch + dim, rd = DT_FLOAT32;
     }
-    if (with_state && sd == DT_FLOAT16) {
+    if (sd == DT_FLOAT16) {
         half_row_to_float(scratch + 2 * dim, st_in, dim);
         half_st = st_out, st_in = scratch + 2 * dim, st_out = scratch + 3 * dim;
         sd = DT_FLOAT32;
     }
-    int bad;
-    if (!with_state) {
-        bad = rd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 0)
-                               : UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 0);
-    } else if (rd == DT_FLOAT32) {
-        bad = sd == DT_FLOAT32 ? UPDATE_ROW(DT_FLOAT32, DT_FLOAT32, 1)
-                               : UPDATE_ROW(DT_FLOAT32, DT_BFLOAT16, 1);
-    } else {
-        bad = sd == DT_FLOAT32 ? UPDATE_ROW(DT_BFLOAT16, DT_FLOAT32, 1)
-                               : UPDATE_ROW(DT_BFLOAT16, DT_BFLOAT16, 1);
-    }
+    int bad = update_row_any(rd, sd, with_state, row_in, st_in, g, c, dim, momentum,
+                             weight_decay, lr, row_out, st_out);
     /* a float32 value that float16 cannot hold becomes inf only here */
     if (half_row) bad = (bad & ~1) | (int)float_row_to_half(half_row, row_out, dim);
     if (half_st) bad = (bad & ~2) | (int)float_row_to_half(half_st, st_out, dim) << 1;
@@ -265,6 +299,9 @@ static void momentum_sgd(int in_place, char *rows, int rows_dtype, char *state,
         if ((bad & 1) && first_bad[0] < 0) first_bad[0] = i;
         if ((bad & 2) && first_bad[1] < 0) first_bad[1] = i;
     }
+#ifdef HAVE_F16C_CODE
+    if (in_place && have_avx) _mm_sfence(); /* the saved rows reach memory before any read */
+#endif
 }
 
 static PyObject *py_momentum_sgd(PyObject *self, PyObject *args) {
@@ -294,6 +331,15 @@ static PyObject *py_momentum_sgd(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_RawFree(scratch);
     return Py_BuildValue("LL", (long long)first_bad[0], (long long)first_bad[1]);
+}
+
+static int cpu_has_avx(void) {
+#ifdef HAVE_F16C_CODE
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx");
+#else
+    return 0;
+#endif
 }
 
 static int cpu_has_f16c(void) {
@@ -336,5 +382,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     have_f16c = cpu_has_f16c();
+    have_avx = cpu_has_avx();
     return PyModule_Create(&module);
 }
