@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +46,7 @@ class Kind(IntEnum):
 
 
 REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
+_KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: ``Kind(code)`` costs more
 
 
 # A header's flags. SHARED: the rows are not in the body but in the connection's shared
@@ -61,12 +62,12 @@ KNOWN_FLAGS = SHARED_FLAG | POSITIONS_FLAG
 SHARED_KINDS = frozenset({Kind.PULL, Kind.PUSH, Kind.ROWS})
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     """A parsed, checked frame header; the body that follows holds ``meta_bytes`` of JSON,
     ``num_ids`` int64 ids (and as many int64 positions where ``positions``) and ``num_rows``
     rows of ``dim`` values of ``dtype``, unless ``shared``: then the rows are in the
-    connection's shared buffer, not in the body."""
+    connection's shared buffer, not in the body. A tuple: both ends build one per frame, and
+    a frozen dataclass costs several times as much to build."""
 
     kind: Kind
     dtype: torch.dtype | None
@@ -126,10 +127,9 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
                          "xcls shard's data port?)")
     if version != VERSION:
         raise FrameError(f"frame: version {version}; this shard speaks version {VERSION}")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise FrameError(f"frame: unknown kind {kind}") from None
+    if kind not in _KINDS:
+        raise FrameError(f"frame: unknown kind {kind}")
+    kind = _KINDS[kind]
     if flags & ~KNOWN_FLAGS:
         raise FrameError(f"frame: flags {flags:#x}; version {VERSION} defines only "
                          f"{SHARED_FLAG:#x} (shared rows) and {POSITIONS_FLAG:#x} (positions)")

@@ -15,9 +15,18 @@ import numpy as np
 import torch
 
 
+def _as_array(rows: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor as a numpy array over the same memory, bfloat16 (which numpy lacks)
+    as int16: the same bytes, and rows move as bytes here."""
+    rows = rows.contiguous()
+    if rows.dtype == torch.bfloat16:
+        rows = rows.view(torch.int16)
+    return rows.numpy()
+
+
 def _as_bytes(rows: torch.Tensor) -> np.ndarray:
     """(n, dim) contiguous tensor -> (n, dim * itemsize) uint8 array over the same memory."""
-    return rows.contiguous().view(torch.uint8).numpy()
+    return _as_array(rows).view(np.uint8)
 
 
 def _as_records(rows: torch.Tensor) -> np.ndarray:
@@ -42,17 +51,17 @@ def gather(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = N
            ) -> torch.Tensor:
     """``rows[index]``: rows (n, dim); index: int64 (m,) in [0, n) -> (m, dim), a new tensor,
     or ``out`` (contiguous (m, dim) of ``rows``' dtype) written in place and returned."""
-    if out is not None and not out.is_contiguous():
-        raise ValueError("rowcopy.gather needs a contiguous destination")
+    if out is not None and (not out.is_contiguous() or out.dtype != rows.dtype):
+        raise ValueError(f"rowcopy.gather needs a contiguous destination of {rows.dtype}")
     if index.numel() == 0:  # numpy gives empty results zero strides, which torch cannot view
         return out if out is not None else rows.new_empty((0, rows.shape[1]))
     if out is not None:
         # "clip" writes straight into out (the indices are in range); numpy's default,
         # "raise", takes the whole result into a buffer first
-        np.take(_as_bytes(rows), index.numpy(), axis=0, out=_as_bytes(out), mode="clip")
+        _as_array(rows).take(index.numpy(), axis=0, out=_as_array(out), mode="clip")
         return out
-    taken = np.take(_as_bytes(rows), index.numpy(), axis=0)
-    return torch.from_numpy(taken).view(rows.dtype)
+    taken = torch.from_numpy(_as_array(rows).take(index.numpy(), axis=0))
+    return taken.view(torch.bfloat16) if rows.dtype == torch.bfloat16 else taken
 
 
 def scatter(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

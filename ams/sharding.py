@@ -10,18 +10,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# numpy's integer division and remainder: every request a shard serves takes both, most name
+# a few ids, and a torch call costs several times a numpy one at that size
+
 
 def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """Owning shard of each id. ids: int64 (n,) >= 0 -> int64 (n,) in [0, num_shards)."""
-    return torch.remainder(ids, num_shards)
+    """Owning shard of each id. ids: int64 (n,) >= 0 (CPU) -> int64 (n,) in
+    [0, num_shards)."""
+    return torch.from_numpy(np.remainder(ids.numpy(), num_shards))
 
 
 def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """Position of each (owned) id in its shard's dense row tensor. int64 (n,) -> int64 (n,)
-    (``ids`` itself with one shard)."""
+    """Position of each (owned) id in its shard's dense row tensor. int64 (n,) (CPU) -> int64
+    (n,) (``ids`` itself with one shard)."""
     if num_shards == 1:
         return ids
-    return torch.div(ids, num_shards, rounding_mode="floor")
+    return torch.from_numpy(np.floor_divide(ids.numpy(), num_shards))
 
 
 def owned_count(num_rows: int, shard_id: int, num_shards: int) -> int:

@@ -404,9 +404,9 @@ class ShardStore:
                 f"{field_name}: id {bad} is outside table {shorten(table.spec.name)} "
                 f"(num_rows={num_rows}, valid ids 0..{num_rows - 1})")
         if self.num_shards > 1:
-            foreign = sharding.shard_of(ids, self.num_shards) != self.shard_id
-            if bool(foreign.any()):
-                bad = int(ids[foreign][0])
+            foreign = sharding.shard_of(ids, self.num_shards).numpy() != self.shard_id
+            if foreign.any():
+                bad = int(ids.numpy()[foreign][0])
                 raise IdOutOfRange(
                     f"{field_name}: id {bad} belongs to shard {bad % self.num_shards}, "
                     f"this is shard {self.shard_id} of {self.num_shards}")
@@ -508,7 +508,7 @@ class ShardStore:
                 table.dedupe.add(client_id, sequence)
             if table.touched is None:  # 1 byte per row, only for tables that take pushes
                 table.touched = torch.zeros(table.owned, dtype=torch.bool)
-            table.touched[unique] = True
+            table.touched.numpy()[unique.numpy()] = True  # numpy: torch's index_put costs more
         return True
 
     def take_touched(self, name: str, max_ids: int | None = None) -> torch.Tensor:
@@ -809,7 +809,8 @@ def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
     of a push's positions (n,) and grads (n, dim). Clients send each id once, in ascending
     order (``ShardedClient.push``); such a push passes through without a sort or a copy."""
     grads = grads.to(torch.float32)
-    if positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()):
+    values = positions.numpy()
+    if values.size < 2 or (values[1:] > values[:-1]).all():
         return positions, grads
     unique, inverse = torch.unique(positions, return_inverse=True)
     summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=torch.float32)

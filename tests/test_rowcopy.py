@@ -31,6 +31,8 @@ def test_empty_index_and_strided_destinations():
     strided = torch.zeros(3, 6)[:, ::2]
     with pytest.raises(ValueError, match="contiguous destination"):
         rowcopy.gather(rows, torch.tensor([0, 1, 2]), out=strided)
+    with pytest.raises(ValueError, match="destination of torch.float32"):  # no silent cast
+        rowcopy.gather(rows, torch.tensor([0, 1, 2]), out=torch.zeros(3, 3, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous destination"):
         rowcopy.scatter(strided, torch.tensor([0]), rows[:1])
 
