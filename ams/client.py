@@ -395,6 +395,8 @@ def check_ids(ids: torch.Tensor) -> torch.Tensor:
             or ids.is_complex() or ids.dtype == torch.bool:
         got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise InvalidArgument(f"ids: need an integer tensor of shape (n,), got {got}")
+    if ids.dtype == torch.int64 and ids.is_cpu:  # most calls: ``to`` would cost more than these
+        return ids
     return ids.to(device="cpu", dtype=torch.int64)
 
 

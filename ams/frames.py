@@ -169,9 +169,9 @@ def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
     """The JSON object of a frame's meta; ``FrameError`` for anything else."""
     if not raw:
         return {}
-    try:
-        meta = parse_json(bytes(raw))
-    except ValueError as e:
+    try:  # UTF-8 as the format says (json's own detection of other encodings costs more)
+        meta = parse_json((raw.tobytes() if isinstance(raw, memoryview) else raw).decode())
+    except ValueError as e:  # invalid UTF-8 included
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):
         raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")

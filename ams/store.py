@@ -403,14 +403,17 @@ class ShardStore:
             raise IdOutOfRange(
                 f"{field_name}: id {bad} is outside table {shorten(table.spec.name)} "
                 f"(num_rows={num_rows}, valid ids 0..{num_rows - 1})")
+        local = sharding.local_index(ids, self.num_shards)
         if self.num_shards > 1:
-            foreign = sharding.shard_of(ids, self.num_shards).numpy() != self.shard_id
+            # an id's shard is what its local index leaves over: one integer division, not two
+            values = ids.numpy()
+            foreign = values - local.numpy() * self.num_shards != self.shard_id
             if foreign.any():
-                bad = int(ids.numpy()[foreign][0])
+                bad = int(values[foreign][0])
                 raise IdOutOfRange(
                     f"{field_name}: id {bad} belongs to shard {bad % self.num_shards}, "
                     f"this is shard {self.shard_id} of {self.num_shards}")
-        return sharding.local_index(ids, self.num_shards)
+        return local
 
     def _check_grads(self, table: ShardTable, grads: torch.Tensor, n: int) -> None:
         dim = table.spec.dim
