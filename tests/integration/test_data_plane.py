@@ -19,6 +19,7 @@ import struct
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -1038,8 +1039,16 @@ def stopped_for(shard_cluster):
     client.close()
     timers: list[threading.Timer] = []
 
+    def state() -> str:
+        return Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
     def stop(seconds: float) -> None:
+        for timer in timers:  # an earlier stop's resume may not land inside this one
+            timer.join()
         proc.proc.send_signal(signal.SIGSTOP)
+        give_up = time.monotonic() + 5
+        while state() != "T" and time.monotonic() < give_up:  # the signal has landed
+            time.sleep(0.001)
         timers.append(threading.Timer(seconds, proc.proc.send_signal, (signal.SIGCONT,)))
         timers[-1].start()
 
