@@ -178,15 +178,16 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview],
                 sent = 0
 
 
-def send_frame(sock: socket.socket, kind: Kind, meta: dict | None = None, *,
+def send_frame(sock: socket.socket, kind: Kind, meta: dict | bytes | None = None, *,
                ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                positions: torch.Tensor | None = None, shared: bool = False,
                stalled: Callable[[], None] = _body_stalled) -> None:
-    """One frame: ``meta`` (JSON object), ``ids`` (int64 (n,)), ``positions`` (int64 (n,),
-    a shared PULL's) and ``rows`` ((m, dim)); ``shared``: the rows are in the shared buffer,
-    where the meta's "offset" says (a request's ``rows``: already written there; an answer's:
-    written there, sent for their shape and dtype); ``stalled``: as ``send_buffers``'."""
-    raw_meta = frames.encode_meta(meta) if meta else b""
+    """One frame: ``meta`` (JSON object, or its encoding), ``ids`` (int64 (n,)),
+    ``positions`` (int64 (n,), a shared PULL's) and ``rows`` ((m, dim)); ``shared``: the rows
+    are in the shared buffer, where the meta's "offset" says (a request's ``rows``: already
+    written there; an answer's: written there, sent for their shape and dtype); ``stalled``:
+    as ``send_buffers``'."""
+    raw_meta = meta if isinstance(meta, bytes) else frames.encode_meta(meta) if meta else b""
     num_ids = 0 if ids is None else ids.numel()
     header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared,
                                 positions=positions is not None)
@@ -609,7 +610,8 @@ class DataConnection:
         if granted:
             self.shared = arena
 
-    def _send(self, kind: Kind, meta: dict | None = None, *, ids: torch.Tensor | None = None,
+    def _send(self, kind: Kind, meta: dict | bytes | None = None, *,
+              ids: torch.Tensor | None = None,
               rows: torch.Tensor | None = None, positions: torch.Tensor | None = None,
               region: int | None = None, release: bool = False) -> None:
         """``send_frame``, the request remembered until its answer is read: ``region``, the
@@ -703,7 +705,7 @@ class DataConnection:
                 region = shared.allocate(nbytes) if shared is not None \
                     and nbytes >= MIN_SHARED_BYTES else None
                 if region is None:
-                    self._send(Kind.PULL, meta, ids=pieces[i])
+                    self._send(Kind.PULL, frames.table_meta(table), ids=pieces[i])
                     return
                 staged[i] = meta["offset"] = region
                 meta["bytes"] = nbytes

@@ -8,6 +8,7 @@ sockets), so that both ends and the tests share it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -165,16 +166,38 @@ def encode_meta(meta: dict) -> bytes:
     return _META_ENCODER.encode(meta).encode()
 
 
+@functools.lru_cache(maxsize=256)
+def table_meta(table: str) -> bytes:
+    """The encoded meta of a request that names only its table (a pull's), built once."""
+    return encode_meta({"table": table})
+
+
+# Metas decoded lately, by their bytes: most requests repeat one of a few metas (a pull's is
+# its table's name alone), and a lookup costs a fraction of a parse. Flat objects only, so
+# that the copy handed out shares nothing mutable.
+_RECENT_METAS: dict[bytes, dict] = {}
+_RECENT_METAS_MAX = 256
+_RECENT_META_BYTES = 128
+
+
 def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
-    """The JSON object of a frame's meta; ``FrameError`` for anything else."""
+    """The JSON object of a frame's meta (a new dict); ``FrameError`` for anything else."""
     if not raw:
         return {}
+    key = bytes(raw) if len(raw) <= _RECENT_META_BYTES else None
+    known = _RECENT_METAS.get(key) if key is not None else None
+    if known is not None:
+        return dict(known)
     try:  # UTF-8 as the format says (json's own detection of other encodings costs more)
         meta = parse_json((raw.tobytes() if isinstance(raw, memoryview) else raw).decode())
     except ValueError as e:  # invalid UTF-8 included
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):
         raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")
+    if key is not None and not any(isinstance(v, (dict, list)) for v in meta.values()):
+        if len(_RECENT_METAS) >= _RECENT_METAS_MAX:
+            _RECENT_METAS.clear()
+        _RECENT_METAS[key] = dict(meta)
     return meta
 
 
