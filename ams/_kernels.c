@@ -201,10 +201,12 @@ static inline __attribute__((always_inline)) int update_row_any(
 #undef UPDATE_ROW
 }
 
-/* The old row and state kept for a refused step: written past the cache (non-temporal
- * stores), since they are read again only when a push is refused. Through the cache, each
- * saved line is first read from memory and then evicts a table line that a later row of the
- * push may need. Falls back to memcpy where the destination or size is not 32-byte aligned. */
+/* The old row and state kept for a refused step. float32 ones are written past the cache
+ * (non-temporal stores), since they are read again only when a push is refused: through the
+ * cache, each saved line is first read from memory and then evicts a table line that a later
+ * row of the push may need. 2-byte rows, whose update spends more on converting, gained
+ * nothing from it (benchmarks/RESULTS.md) and are copied; so is any row whose destination or
+ * size is not 32-byte aligned. */
 static int have_avx;
 
 #ifdef HAVE_F16C_CODE
@@ -215,9 +217,10 @@ __attribute__((target("avx"))) static void save_row_avx(char *dst, const char *s
 }
 #endif
 
-static inline void save_row(char *dst, const char *src, size_t nbytes) {
+static inline void save_row(int dtype, char *dst, const char *src, size_t nbytes) {
+    (void)dtype; /* only x86 streams */
 #ifdef HAVE_F16C_CODE
-    if (have_avx && ((uintptr_t)dst % 32) == 0 && nbytes % 32 == 0) {
+    if (dtype == DT_FLOAT32 && have_avx && ((uintptr_t)dst % 32) == 0 && nbytes % 32 == 0) {
         save_row_avx(dst, src, nbytes);
         return;
     }
@@ -242,8 +245,8 @@ static inline __attribute__((always_inline)) int update_one(
     void *row_out = out_row, *st_out = out_st;
     int rd = rows_dtype, sd = with_state ? state_dtype : DT_FLOAT32;
     if (in_place) {
-        save_row(out_row, table_row, row_bytes);
-        if (with_state) save_row(out_st, table_st, state_bytes);
+        save_row(rows_dtype, out_row, table_row, row_bytes);
+        if (with_state) save_row(state_dtype, out_st, table_st, state_bytes);
         if (rd != DT_FLOAT16 && sd != DT_FLOAT16)
             return update_row_any(rd, sd, with_state, table_row, table_st, g, c, dim, momentum,
                                   weight_decay, lr, table_row, table_st);
