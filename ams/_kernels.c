@@ -204,9 +204,9 @@ static inline __attribute__((always_inline)) int update_row_any(
 /* The old row and state kept for a refused step. float32 ones are written past the cache
  * (non-temporal stores), since they are read again only when a push is refused: through the
  * cache, each saved line is first read from memory and then evicts a table line that a later
- * row of the push may need. 2-byte rows, whose update spends more on converting, gained
- * nothing from it (benchmarks/RESULTS.md) and are copied; so is any row whose destination or
- * size is not 32-byte aligned. */
+ * row of the push may need. 2-byte rows, whose update spends more on converting, measured no
+ * faster for it and are copied; so is any row whose destination or size is not 32-byte
+ * aligned. */
 static int have_avx;
 
 #ifdef HAVE_F16C_CODE
