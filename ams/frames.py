@@ -184,12 +184,13 @@ def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
     """The JSON object of a frame's meta (a new dict); ``FrameError`` for anything else."""
     if not raw:
         return {}
-    key = bytes(raw) if len(raw) <= _RECENT_META_BYTES else None
+    data = bytes(raw)
+    key = data if len(data) <= _RECENT_META_BYTES else None
     known = _RECENT_METAS.get(key) if key is not None else None
     if known is not None:
         return dict(known)
     try:  # UTF-8 as the format says (json's own detection of other encodings costs more)
-        meta = parse_json((raw.tobytes() if isinstance(raw, memoryview) else raw).decode())
+        meta = parse_json(data.decode())
     except ValueError as e:  # invalid UTF-8 included
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):

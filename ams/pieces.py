@@ -59,13 +59,14 @@ def ascending_unique(ids: torch.Tensor, grads: torch.Tensor, positions: torch.Te
         ascending = keys[order]
         first = np.empty(keys.size, dtype=bool)
         first[0], first[1:] = True, ascending[1:] != ascending[:-1]
-        if not first.all():
-            # repeats: sorted again, stably, so that each id's gradients are summed in request
-            # order, the same sums however the ids are split among shards
+        repeats = not first.all()
+        if repeats:
+            # sorted again, stably, so that each id's gradients are summed in request order,
+            # the same sums however the ids are split among shards
             order = np.argsort(keys, kind="stable")
         keys = ascending
         source = order if source is None else source[order]
-        if not first.all():  # repeats: their gradients summed, in one row per id
+        if repeats:  # their gradients summed, in one row per id
             inverse = torch.from_numpy(np.cumsum(first) - 1)
             values = torch.zeros((int(inverse[-1]) + 1, grads.shape[1]), dtype=torch.float32)
             values.index_add_(0, inverse, grads.index_select(0, torch.from_numpy(source)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# numpy's integer division and remainder: every request a shard serves takes both, most name
-# a few ids, and a torch call costs several times a numpy one at that size
+# numpy's integer division and remainder below: a shard divides the ids of every request it
+# serves, most name a few ids, and a torch call costs several times a numpy one at that size
 
 
 def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:

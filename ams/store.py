@@ -40,6 +40,7 @@ from ams.optim import (
     catch_up_factors,
     step_decay,
 )
+from ams.pieces import ascending_unique
 from ams.rowinit import MAX_ABS_NORMAL, initial_rows
 from ams.slots import RowSlots
 from ams.storage import (
@@ -808,17 +809,12 @@ def _nonnegative(name: str, value: object, high: float = _FLOAT_MAX) -> float:
 
 def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unique positions int64 (m,) ascending, float32 (m, dim) gradients summed per position)
-    of a push's positions (n,) and grads (n, dim). Clients send each id once, in ascending
-    order (``ShardedClient.push``); such a push passes through without a sort or a copy."""
-    grads = grads.to(torch.float32)
-    values = positions.numpy()
-    if values.size < 2 or (values[1:] > values[:-1]).all():
-        return positions, grads
-    unique, inverse = torch.unique(positions, return_inverse=True)
-    summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=torch.float32)
-    summed.index_add_(0, inverse, grads)
-    return unique, summed
+    """(unique positions int64 (m,) ascending, float32 (m, dim) gradients summed per position,
+    in request order) of a push's positions (n,) and grads (n, dim), as the client sorts its
+    pushes (``ascending_unique``). Clients send each id once, in ascending order; such a push
+    passes through without a sort or a copy."""
+    keys, values, source = ascending_unique(positions, grads.to(torch.float32), None)
+    return keys, values if source is None else rowcopy.gather(values, source)
 
 
 def _with_decay_owed(table: ShardTable, rows: torch.Tensor, at: torch.Tensor
