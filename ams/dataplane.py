@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # A client that sent a header has this long to send the body (a stalled peer frees its thread).
 BODY_TIMEOUT_S = 60.0
+# How long a closing server waits for its connections' threads once it cut them: a request
+# computing then still finishes in the store
+THREADS_EXIT_S = 30.0
 IDLE_TIMEOUT_S = 3600.0
 # The ids of a frame that has none (most answers): one tensor for all of them, nothing writes it.
 _NO_IDS = torch.empty(0, dtype=torch.int64)
@@ -274,6 +277,7 @@ class DataPlaneServer:
         self._busy: set[socket.socket] = set()  # those between a request's first byte and answer
         # at close: connections whose next request's first bytes had arrived, not yet read
         self._finishing: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # one per connection, until it ends
         self._lock = threading.Lock()
         self._closed = False
         self._accepting = threading.Thread(target=self._accept_loop, name="dataplane-accept",
@@ -282,14 +286,18 @@ class DataPlaneServer:
 
     def close(self, grace: float = 30.0) -> None:
         """Stop accepting and stop idle connections; a connection answering a request
-        finishes it (up to ``grace`` seconds), then closes."""
+        finishes it (up to ``grace`` seconds), then closes. Past ``grace`` the connections are
+        cut, and a request still computing loses its answer. Returns once every connection's
+        thread has ended (at most ``THREADS_EXIT_S`` after the cut): one still inside the
+        store when the interpreter finalizes aborts the process (torch and the kernels run
+        without the GIL, and a thread that takes it back then is unwound through C++)."""
         with self._lock:
             self._closed = True
             waiting = self._connections - self._busy
             # A request whose bytes wait in the socket has begun, even if its thread has not
             # been scheduled to read them yet: it is finished like a busy one.
             self._finishing = with_bytes_waiting(waiting)
-            _stop_reading(waiting - self._finishing)
+            _shut(waiting - self._finishing, socket.SHUT_RD)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
         except OSError:
@@ -301,9 +309,17 @@ class DataPlaneServer:
                 if not self._busy and not self._finishing & self._connections:
                     break
             time.sleep(0.02)
-        with self._lock:
-            _stop_reading(self._connections)
         self._accepting.join(timeout=5)
+        with self._lock:
+            # both ways: a thread blocked sending to a peer that stopped reading fails now
+            _shut(self._connections, socket.SHUT_RDWR)
+            threads = list(self._threads)
+        deadline = time.monotonic() + THREADS_EXIT_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = sum(t.is_alive() for t in threads)
+        if left:
+            log.warning("dataplane_threads_left count=%d waited_s=%.0f", left, THREADS_EXIT_S)
 
     def _accept_loop(self) -> None:
         while True:
@@ -318,13 +334,15 @@ class DataPlaneServer:
                 crowded = len(self._connections) >= MAX_CONNECTIONS
                 if not crowded:
                     self._connections.add(conn)
+                    thread = threading.Thread(target=self._serve_connection, args=(conn,),
+                                              name="dataplane-conn", daemon=True)
+                    self._threads.add(thread)
             if crowded:
                 conn.close()
                 log.warning("dataplane_refused reason=too_many_connections limit=%d",
                             MAX_CONNECTIONS)
                 continue
-            threading.Thread(target=self._serve_connection, args=(conn,),
-                             name="dataplane-conn", daemon=True).start()
+            thread.start()
 
     def _serve_connection(self, conn: socket.socket) -> None:
         sock = conn
@@ -352,6 +370,7 @@ class DataPlaneServer:
                 self._connections.discard(conn)
                 self._connections.discard(sock)
                 self._busy.discard(sock)
+                self._threads.discard(threading.current_thread())
             sock.close()
 
     def _serve_requests(self, sock: socket.socket) -> None:
@@ -539,11 +558,12 @@ def with_bytes_waiting(connections: set[socket.socket]) -> set[socket.socket]:
     return {by_fd[fd] for fd, _ in poller.poll(0)}
 
 
-def _stop_reading(connections: set[socket.socket]) -> None:
-    """Wake each connection's thread out of its wait for a request: it sees the end."""
+def _shut(connections: set[socket.socket], how: int) -> None:
+    """Shut each connection down (``socket.SHUT_RD``: its thread waiting for a request sees
+    the end)."""
     for conn in connections:
         try:
-            conn.shutdown(socket.SHUT_RD)
+            conn.shutdown(how)
         except OSError:
             pass
 

@@ -583,6 +583,53 @@ def test_stop_finishes_the_request_under_way_and_closes_idle_connections(order):
         running.stop(0)
 
 
+class HeldStore(ShardStore):
+    """A store whose pushes wait for ``release`` once they began (``entered``): a request
+    still computing when its server stops."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def push(self, *args, **kwargs):
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().push(*args, **kwargs)
+
+
+def test_stop_without_grace_returns_once_the_request_in_the_store_ended():
+    """Past its grace a stop cuts the connections, but returns only when the threads serving
+    them have left the store: a thread still inside it when the process exits would abort
+    the process (torch gives the GIL up there, and taking it back while the interpreter
+    finalizes unwinds the thread through C++), so a stopped shard exited with SIGABRT."""
+    store = HeldStore()
+    running = create_server(store)
+    address = f"127.0.0.1:{running.port}"
+    try:
+        store.create_table(ams.TableSpec("fc", num_rows=10, dim=4, momentum=0.0,
+                                         weight_decay=0.0))
+        start = store.pull("fc", torch.arange(10)).double()
+        busy = Peer(address)
+        busy.hello()
+        busy.send(frame(PUSH, {**PUSH_META, "lr": 0.5}, [3], grads(1, 4, value=0.25)))
+        assert store.entered.wait(10)
+        stopper = threading.Thread(target=running.stop, args=(0,))
+        stopper.start()
+        time.sleep(0.3)
+        assert stopper.is_alive()  # the push is still in the store
+        store.release.set()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        assert busy.is_closed()
+        expected = start.clone()
+        expected[3] -= 0.5 * 0.25  # whole: the stop waited for the update's end
+        torch.testing.assert_close(store.pull("fc", torch.arange(10)).double(), expected,
+                                   rtol=0, atol=1e-7)
+    finally:
+        store.release.set()
+        running.stop(0)
+
+
 def test_stop_closes_idle_tls_connections(tmp_path):
     """A TLS connection's socket is the wrapped one: stop reaches it and closes it."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
