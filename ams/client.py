@@ -227,7 +227,6 @@ class RemoteShard:
         when the connection is lost or the shard is not serving yet; the shard's refusals
         raise their typed errors."""
         deadline = time.monotonic() + self.timeout
-        where = f"shard {self.address} {method}"
         for attempt in range(self.retries + 1):
             conn = None
             try:
@@ -235,17 +234,17 @@ class RemoteShard:
                 result = work(conn, deadline)
             except FrameError as e:  # a reply this client cannot read: the stream is lost
                 self._discard(conn)
-                raise InvalidArgument(f"{where}: {e}") from None
+                raise InvalidArgument(f"shard {self.address} {method}: {e}") from None
             except AmsError as e:  # the shard's answer; the connection is still in step
                 self._release(conn)
                 if e.code != "UNAVAILABLE" or attempt == self.retries:
-                    raise error_from_code(e.code, f"{where}: {e}") from None
+                    raise error_from_code(e.code, f"shard {self.address} {method}: {e}") from None
                 failure: AmsError = e
             except (OSError, ssl.SSLError) as e:  # TimeoutError included
                 self._discard(conn)
                 failure = error_from_code(
                     "DEADLINE_EXCEEDED" if isinstance(e, TimeoutError) else "UNAVAILABLE",
-                    f"{where}: {e or type(e).__name__}")
+                    f"shard {self.address} {method}: {e or type(e).__name__}")
                 if attempt == self.retries or time.monotonic() >= deadline:
                     raise failure from None
                 self.data_port = None  # ask again: a restarted shard has another port
@@ -391,12 +390,15 @@ class RemoteShard:
 def check_ids(ids: torch.Tensor) -> torch.Tensor:
     """``ids`` as the int64 CPU tensor of shape (n,) every client call takes; InvalidArgument
     when it is not an integer tensor of shape (n,)."""
+    # most calls first, in the fewest questions to torch: each costs more than it seems on a
+    # 1-row pull, whose caches the rest of the program has just cooled
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 1 \
+            and ids.is_cpu:
+        return ids
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() \
             or ids.is_complex() or ids.dtype == torch.bool:
         got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
         raise InvalidArgument(f"ids: need an integer tensor of shape (n,), got {got}")
-    if ids.dtype == torch.int64 and ids.is_cpu:  # most calls: ``to`` would cost more than these
-        return ids
     return ids.to(device="cpu", dtype=torch.int64)
 
 
@@ -534,46 +536,49 @@ class ShardedClient:
         table's dtype (CPU)."""
         ids = check_ids(ids)
         spec = self.spec(name)
-        # Each row moves once: each shard writes its rows to their places in the result (in
-        # the shared buffer, which the result then is), or they are received or scattered
-        # there. A repeated id is asked for again rather than looked for: the callers' ids
-        # are unique (the active classes), and finding repeats costs a sort on every pull.
-        row_bytes = spec.dim * spec.dtype.itemsize
         parts = sharding.split_by_shard(ids, self.num_shards) if self.num_shards > 1 \
             else None
-
-        def pull_into(rows: torch.Tensor) -> torch.Tensor:
-            direct = self.arena is not None and self.arena.offset_of(rows) is not None
-
-            def pieces(s: int, positions: torch.Tensor | None) -> list[torch.Tensor]:
-                # numpy's indexing: this runs on the fan-out threads, whose torch kernels would
-                # share torch's intra-op pool
-                wanted = ids if positions is None \
-                    else torch.from_numpy(ids.numpy()[positions.numpy()])
-                most = self.direct_pull_bytes if direct else self.shards[s].piece_bytes
-                if wanted.numel() * row_bytes <= most:
-                    return [wanted]
-                return list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
-
-            if parts is None:
-                self.shards[0].pull(name, pieces(0, None), (rows, None))
-                return rows
-
-            def work(s: int) -> None:
-                if parts[s].numel():
-                    self.shards[s].pull(name, pieces(s, parts[s]), (rows, parts[s]))
-
-            self._fan_out(work)
-            return rows
-
-        rows = pull_into(self._new_rows(ids.numel(), spec))
-        if self.arena is not None and self.arena.abandoned(rows):
+        rows = self._new_rows(ids.numel(), spec)
+        direct = self.arena is not None and self.arena.offset_of(rows) is not None
+        self._pull_into(name, ids, parts, spec, rows, direct)
+        if direct and self.arena.abandoned(rows):
             # a connection was lost and the pull retried on another: the lost one's shard may
             # still write this region after the caller has the rows, so they are pulled again
             # into this process's own memory (the region is never reused)
             log.warning("pull_repeated_off_shared_buffer table=%s rows=%d", name, ids.numel())
-            rows = pull_into(torch.empty((ids.numel(), spec.dim), dtype=spec.dtype))
+            rows = torch.empty((ids.numel(), spec.dim), dtype=spec.dtype)
+            self._pull_into(name, ids, parts, spec, rows, False)
         return rows
+
+    def _pull_into(self, name: str, ids: torch.Tensor, parts: list[torch.Tensor] | None,
+                   spec: TableSpec, rows: torch.Tensor, direct: bool) -> None:
+        """``pull``'s rows of ``ids`` into ``rows`` (its result); ``parts``: each shard's
+        positions in ``ids`` (None: one shard); ``direct``: ``rows`` lie in the shared buffer.
+
+        Each row moves once: each shard writes its rows to their places in the result (in the
+        shared buffer, which the result then is), or they are received or scattered there. A
+        repeated id is asked for again rather than looked for: the callers' ids are unique
+        (the active classes), and finding repeats costs a sort on every pull."""
+        row_bytes = spec.dim * spec.dtype.itemsize
+
+        def pieces(s: int, wanted: torch.Tensor) -> list[torch.Tensor]:
+            most = self.direct_pull_bytes if direct else self.shards[s].piece_bytes
+            if wanted.numel() * row_bytes <= most:
+                return [wanted]
+            return list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
+
+        if parts is None:
+            self.shards[0].pull(name, pieces(0, ids), (rows, None))
+            return
+
+        def work(s: int) -> None:
+            if parts[s].numel():
+                # numpy's indexing: this runs on the fan-out threads, whose torch kernels
+                # would share torch's intra-op pool
+                wanted = torch.from_numpy(ids.numpy()[parts[s].numpy()])
+                self.shards[s].pull(name, pieces(s, wanted), (rows, parts[s]))
+
+        self._fan_out(work)
 
     @_fenced
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,

@@ -719,7 +719,6 @@ class DataConnection:
             return out if len(pieces) == 1 else out[starts[i]:starts[i + 1]]
 
         def send(i: int) -> None:
-            meta: dict = {"table": table}
             if base is None:
                 nbytes = (starts[i + 1] - starts[i]) * row_bytes
                 region = shared.allocate(nbytes) if shared is not None \
@@ -727,16 +726,18 @@ class DataConnection:
                 if region is None:
                     self._send(Kind.PULL, frames.table_meta(table), ids=pieces[i])
                     return
-                staged[i] = meta["offset"] = region
-                meta["bytes"] = nbytes
-                self._send(Kind.PULL, meta, ids=pieces[i], region=region, release=True)
+                staged[i] = region
+                self._send(Kind.PULL, {"table": table, "offset": region, "bytes": nbytes},
+                           ids=pieces[i], region=region, release=True)
             elif positions is None:
-                meta["offset"] = base + starts[i] * row_bytes
-                meta["bytes"] = (starts[i + 1] - starts[i]) * row_bytes
-                self._send(Kind.PULL, meta, ids=pieces[i], region=meta["offset"])
+                offset = base + starts[i] * row_bytes
+                self._send(Kind.PULL, {"table": table, "offset": offset,
+                                       "bytes": (starts[i + 1] - starts[i]) * row_bytes},
+                           ids=pieces[i], region=offset)
             else:
-                meta["offset"], meta["bytes"] = base, out.shape[0] * row_bytes
-                self._send(Kind.PULL, meta, ids=pieces[i], region=base,
+                self._send(Kind.PULL, {"table": table, "offset": base,
+                                       "bytes": out.shape[0] * row_bytes},
+                           ids=pieces[i], region=base,
                            positions=positions[starts[i]:starts[i + 1]])
 
         def take(i: int, answer: Frame) -> None:

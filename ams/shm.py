@@ -246,8 +246,10 @@ class SharedArena:
     def abandoned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` starts a region that was abandoned (``result``'s tensors do)."""
         offset = self.offset_of(tensor)
+        if offset is None:
+            return False
         with self._lock:
-            return offset is not None and offset in self._abandoned
+            return offset in self._abandoned
 
     def rows(self, offset: int, dtype: torch.dtype, num_rows: int, dim: int) -> torch.Tensor:
         """``SharedBuffer.rows``: a view of the caller's region, alive only while it is."""
