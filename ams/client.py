@@ -227,6 +227,7 @@ class RemoteShard:
         when the connection is lost or the shard is not serving yet; the shard's refusals
         raise their typed errors."""
         deadline = time.monotonic() + self.timeout
+        where = f"shard {self.address} {method}"
         for attempt in range(self.retries + 1):
             conn = None
             try:
@@ -234,17 +235,17 @@ class RemoteShard:
                 result = work(conn, deadline)
             except FrameError as e:  # a reply this client cannot read: the stream is lost
                 self._discard(conn)
-                raise InvalidArgument(f"shard {self.address} {method}: {e}") from None
+                raise InvalidArgument(f"{where}: {e}") from None
             except AmsError as e:  # the shard's answer; the connection is still in step
                 self._release(conn)
                 if e.code != "UNAVAILABLE" or attempt == self.retries:
-                    raise error_from_code(e.code, f"shard {self.address} {method}: {e}") from None
+                    raise error_from_code(e.code, f"{where}: {e}") from None
                 failure: AmsError = e
             except (OSError, ssl.SSLError) as e:  # TimeoutError included
                 self._discard(conn)
                 failure = error_from_code(
                     "DEADLINE_EXCEEDED" if isinstance(e, TimeoutError) else "UNAVAILABLE",
-                    f"shard {self.address} {method}: {e or type(e).__name__}")
+                    f"{where}: {e or type(e).__name__}")
                 if attempt == self.retries or time.monotonic() >= deadline:
                     raise failure from None
                 self.data_port = None  # ask again: a restarted shard has another port
