@@ -28,7 +28,7 @@ COPY workers ./workers
 COPY bridge ./bridge
 COPY xcls ./xcls
 # A C compiler only while installing: it builds the shard's compiled row update
-# (ams/_kernels.c); without one the install goes on and the shards update rows in torch.
+# (ams/shard/_kernels.c); without one the install goes on and the shards update rows in torch.
 RUN if command -v apt-get >/dev/null && ! command -v gcc >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         && pip install --no-deps . \

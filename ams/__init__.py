@@ -4,9 +4,9 @@
     client = ams.connect(["127.0.0.1:7001", "127.0.0.1:7002"])   # gRPC shards
     client = ams.connect(local_shards=2)                           # the same API, in process
 
-The client (and with it grpc) and the store (and with it torch) are imported on first use, so
-the pure modules (``ams.store``, ``ams.optim``, ``ams.sharding``, ``ams.graph``) load without
-grpc, and ``ams.errors`` loads without torch (the command line checks its flags before torch).
+The client (and with it grpc) and the store (and with it torch) are imported on first use, so the
+pure modules (``ams.shard``, ``ams.sharding``, ``ams.graph``) load without grpc, and ``ams.errors``
+loads without torch (the command line checks its flags before torch).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from ams.errors import AmsError
 
 if TYPE_CHECKING:
-    from ams.client import ShardedClient, connect
-    from ams.store import ShardStore, TableSpec
+    from ams.client.sharded import ShardedClient, connect
+    from ams.shard.store import ShardStore, TableSpec
 
 __all__ = ["AmsError", "ShardStore", "ShardedClient", "TableSpec", "connect"]
 
 # The public names imported on first use, and the module each lives in.
-_LAZY = {"connect": "ams.client", "ShardedClient": "ams.client",
-         "ShardStore": "ams.store", "TableSpec": "ams.store"}
+_LAZY = {"connect": "ams.client.sharded", "ShardedClient": "ams.client.sharded",
+         "ShardStore": "ams.shard.store", "TableSpec": "ams.shard.store"}
 
 
 def __getattr__(name: str) -> Any:

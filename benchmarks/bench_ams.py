@@ -9,8 +9,8 @@ so drift on a shared machine hits them alike; the table shows medians over repea
 * in-proc: ``ams.connect(local_shards=S)``, the embedded store;
 * xcls: ``ams.connect([...])`` against S real ``xcls serve shard`` processes on 127.0.0.1 (gRPC
   control plane, frames on each shard's data port); on one host rows of 1 MiB or more bypass
-  the socket through the client's shared buffer (``ams.shm``), each shard writing its rows of
-  a pull straight into the result;
+  the socket through the client's shared buffer (``ams.dataplane.shm``), each shard writing
+  its rows of a pull straight into the result;
 * xcls tcp: the same shards with ``shared_memory=False``, the rows in the frames: what a
   client on another host gets;
 * redis: S ``redis-server`` processes (no persistence), one key per row holding the row's bytes,
@@ -58,9 +58,10 @@ import redis
 import torch
 
 import ams
-from ams import rowcopy, sharding
+from ams import sharding
 from ams.alloc import keep_large_buffers
-from ams.wire import GRPC_OPTIONS
+from ams.shard import rowcopy
+from ams.wire.limits import GRPC_OPTIONS
 from xcls.shards import shard_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -504,7 +505,7 @@ TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | xcls tcp | redis
 
 _MEMORY_PROBE = r"""
 import sys, torch
-from ams.store import ShardStore, TableSpec
+from ams.shard.store import ShardStore, TableSpec
 
 def rss():
     for line in open('/proc/self/status'):

@@ -78,7 +78,7 @@ from bench_heads import (
 from torch.nn.parallel import DistributedDataParallel
 
 import ams
-from ams.client import ShardedClient
+from ams.client.sharded import ShardedClient
 from workers.backbones import build_backbone
 from workers.collective import CollectiveHead, CollectiveShards
 from workers.distributed import process_group, worker_device

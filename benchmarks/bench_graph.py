@@ -8,7 +8,7 @@ best float64 score (less 1e-6), so exact ties at the cut are not counted as miss
 "cpu s" is process CPU time (all threads): a check on wall times taken on a busy machine.
 "xcls +MB" / "ivf +MB" is how far the build raised the process's peak resident memory above
 what it held before (input rows included in the baseline). The exact build's N x k result is
-part of its figure; the IVF build hands its lists on block by block, as ams.graph_build
+part of its figure; the IVF build hands its lists on block by block, as ams.graph.build
 writes them to the shards, so its figure is the index and a block.
 
     python benchmarks/bench_graph.py --sizes 100000 --dim 128 --k 32 --threads 2 --device cpu
@@ -194,7 +194,7 @@ def timed(device: str, build: Callable[..., np.ndarray], /, *args: object, **kwa
 
 def ivf_lists(rows: np.ndarray, k: int, queries: np.ndarray, nlist: int, nprobe: int,
               seed: int, device: str, block: int = 65536) -> np.ndarray:
-    """IVF lists of every row, computed block by block as ams.graph_build does (memory: the
+    """IVF lists of every row, computed block by block as ams.graph.build does (memory: the
     index and a block, the lists written out and dropped); returns those of ``queries``."""
     x, n = torch.from_numpy(rows), len(rows)
     index = IvfIndex(rows.shape[1], nlist, nprobe, device=device)
@@ -227,7 +227,7 @@ def faiss_ivf_flat(rows: np.ndarray, k: int, nlist: int, nprobe: int, seed: int)
 
 def bench_ivf(args: argparse.Namespace) -> None:
     """One row per N: the float16 IVF build (ams.graph.IvfIndex, streamed as
-    ams.graph_build streams shards), faiss IndexIVFFlat with the same lists, and the exact
+    ams.graph.build streams shards), faiss IndexIVFFlat with the same lists, and the exact
     build where N <= --exact-max."""
     header = f"{'N':>9} | {'nlist':>6} | {'nprobe':>6} | {'ivf s':>8} | {'ivf cpu s':>9} | " \
              f"{'recall ivf':>10} | {'ivf +MB':>7} | {'flat s':>8} | {'recall flat':>11} | " \

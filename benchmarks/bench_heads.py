@@ -26,7 +26,7 @@ Heads run round-robin, one step each in turn, on the same label sequence, so dri
 machine hits them alike; each figure is the median over the measured steps after ``--warmup``.
 
 The knn head needs a neighbor graph. An exact build costs O(N^2 d):
-``ams.graph_build.build_graph`` runs for N <= ``--exact-graph-max`` and its time is reported;
+``ams.graph.build.build_graph`` runs for N <= ``--exact-graph-max`` and its time is reported;
 above that the shards get a stand-in graph of the same shape (each class, then k-1 uniform
 random classes), and the exact build's time is extrapolated as N^2 from the largest exact build
 of the run. The stand-in does not change a step's cost: lookup, selection, pull and push see
@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 
 import ams
-from ams.client import ShardedClient
-from ams.graph_build import build_graph
+from ams.client.sharded import ShardedClient
+from ams.graph.build import build_graph
 from workers.backbones import build_backbone
 from workers.distributed import worker_device
 from workers.heads import ClassifierHead, build_head

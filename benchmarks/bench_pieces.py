@@ -6,7 +6,7 @@ buffer: pulls into a result there, and pushes, with each size taking turns in on
 
 A pull or push to a shard travels as pieces, a few on the wire at once, so that the shard
 works on one while the client sends or takes the next. Over a socket that pipelining hides
-the copies; through the shared buffer (``ams/shm.py``) no row crosses the socket, and each
+the copies; through the shared buffer (``ams/dataplane/shm.py``) no row crosses the socket, and each
 piece costs a round trip. This measures both choices against 2 MiB pieces (``PIECE_BYTES``,
 what rows crossing the socket use): a pull into a result in the shared buffer asking each
 shard for up to ``ShardedClient.direct_pull_bytes`` at once, and pushes in pieces of
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import ams
-from ams.wire import PIECE_BYTES, SHARED_PIECE_BYTES
+from ams.wire.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 from xcls.shards import shard_processes
 
 

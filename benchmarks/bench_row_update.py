@@ -1,4 +1,4 @@
-"""The shard's row update, compiled (ams/_kernels.c) against torch and numpy: an in-process
+"""The shard's row update, compiled (ams/shard/_kernels.c) against torch and numpy: an in-process
 ``ShardStore.push`` side by side in one run.
 
     python benchmarks/bench_row_update.py            # about half a minute on a 2-core host
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-import ams.optim
+import ams.shard.optim
 from ams import alloc
-from ams.optim import update_path
-from ams.store import ShardStore, TableSpec
+from ams.shard.optim import update_path
+from ams.shard.store import ShardStore, TableSpec
 
 # (rows dtype, state dtype)
 CONFIGS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "float32")]
@@ -41,8 +41,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batch, args.calls = 20_000, 1_000, 4
-    if ams.optim._kernels is None:
-        parser.error("ams._kernels is not built: install xcls with a C compiler "
+    if ams.shard.optim._kernels is None:
+        parser.error("ams.shard._kernels is not built: install xcls with a C compiler "
                      "(bash scripts/setup.sh)")
     torch.set_num_threads(1)
     alloc.keep_large_buffers()  # as a shard server does

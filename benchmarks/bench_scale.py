@@ -31,7 +31,7 @@ default), ``--shards`` shard processes on loopback:
     the write faults that make the pages a step pushes to dirty, at their cost on this
     host's file system (``page_dirty_cost``, also measured after the steps), and where the
     host's CPUs were while the steps ran (busy, waiting for the disk, idle). An mmap table
-    is stepped embedded with the read-ahead of its rows' pages (``ams.storage.prefetch_rows``)
+    is stepped embedded with the read-ahead of its rows' pages (``ams.shard.storage.prefetch_rows``)
     on and off in turns (on, off, off, on): the baseline of what the read-ahead gains.
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
@@ -65,10 +65,10 @@ from bench_heads import install_standin_graph
 
 import ams
 from ams.alloc import libc_function
-from ams.client import ShardedClient
-from ams.plan import Job, load_rates, shard_memory
-from ams.storage import advise_will_need, resident_pages
-from ams.store import ShardStore
+from ams.client.sharded import ShardedClient
+from ams.cluster.plan import Job, load_rates, shard_memory
+from ams.shard.storage import advise_will_need, resident_pages
+from ams.shard.store import ShardStore
 from workers.backbones import build_backbone
 from workers.heads import build_head
 from workers.losses import CombinedMarginLoss
@@ -412,7 +412,7 @@ def shard_rss(shards: list) -> list[tuple[int, int]]:
 
 def age_slots(storage_dir: Path, args: argparse.Namespace) -> None:
     """Bring the slot maps of the mmap table the shard processes closed in ``storage_dir``
-    to the steady state of uniformly random pushes (``ams.slots``): ``args.age_sweeps``
+    to the steady state of uniformly random pushes (``ams.shard.slots``): ``args.age_sweeps``
     sweeps of each shard's free-slot cursor over its files, taken as the pushes of
     uniformly drawn rows would take them (``RowSlots.relocate``, 2 s x owned slots a sweep
     at steady state), but moving slots only: the stand-in rows' values do not matter to a
@@ -502,7 +502,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
 def read_ahead_in_turns(client: ShardedClient, n: int, args: argparse.Namespace,
                         warmup_s: float) -> tuple[StepTimes, StepTimes]:
     """(with, without) the read-ahead of an mmap table's row pages
-    (``ams.storage.prefetch_rows``), ``args.steps`` timed steps each, taken in four turns
+    (``ams.shard.storage.prefetch_rows``), ``args.steps`` timed steps each, taken in four turns
     in the order on, off, off, on: a turn inherits the writeback its predecessor left, and
     the labels of each turn are new (other than the gRPC run's too, whose rows that run
     left in the page cache). The first turn warms up for ``warmup_s`` seconds, the others
@@ -658,7 +658,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--age-sweeps", type=float, default=2.0,
                         help="mmap tables: sweeps of the free-slot cursor simulated on the "
                              "slot maps before the steps, so that they are timed at the steady "
-                             "state of random pushes (ams.slots); 0: the layout as created")
+                             "state of random pushes (ams.shard.slots); 0: the layout as created")
     parser.add_argument("--prefetch-depths", default="1",
                         help="comma separated train.prefetch_depth values: one row of knn "
                              "steps over gRPC run as the trainer runs them for each")

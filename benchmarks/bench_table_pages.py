@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ams import alloc
-from ams.store import ShardStore, TableSpec
+from ams.shard.store import ShardStore, TableSpec
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 MAPPINGS = {"shared (baseline)": mmap.MAP_SHARED, "private (xcls)": mmap.MAP_PRIVATE}

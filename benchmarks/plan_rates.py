@@ -5,7 +5,7 @@ entries: the graph build's compute rates and a shard process's memory.
   multiply-adds counted as 2 FLOPs each, half the pairs).
 * ``cpu_ring``: FLOP/s of the exact ring build (``ams.graph.build_shard_neighbors``, 2 N^2 d).
 * ``cpu_ivf``: FLOP/s of an IVF build (``ams.graph.ivf.ivf_knn``: train, add, search every
-  row) counted with ``ams.plan.ivf_flops``: an effective rate for that formula, not the
+  row) counted with ``ams.cluster.plan.ivf_flops``: an effective rate for that formula, not the
   hardware's peak.
 * ``shard``: a real ``xcls serve shard`` process's baseline VmRSS, the message buffers it
   keeps per client stream, and a snapshot piece's bytes beyond its tensors (``shard_memory``).
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import ams
-from ams import plan
+from ams.cluster import plan
 from ams.graph import build_shard_neighbors, knn, resolve_nlist
 from ams.graph.ivf import DEFAULT_NPROBE, ivf_knn
 from xcls.shards import shard_processes

@@ -1,6 +1,6 @@
 """Would slots in the graph's order cut the pages a knn step reads from a table beyond RAM?
 
-A simulation, not a timing: the slot maps of an mmap table (``ams.slots.RowSlots``, the
+A simulation, not a timing: the slot maps of an mmap table (``ams.shard.slots.RowSlots``, the
 product's own relocation) under a knn trainer's pushes, and the distinct 4 KiB row pages each
 step touches per active row. Labels are uniform over the classes; the active rows of a step
 are the labels and their k neighbors, routed to shards by ``id mod shards``; every active row
@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from ams.slots import RowSlots, slot_capacity
+from ams.shard.slots import RowSlots, slot_capacity
 
 PAGE_BYTES = 4096
 

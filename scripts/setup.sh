@@ -8,7 +8,7 @@
 #   * xcls itself, editable, with the dev extra (pytest, hypothesis, ruff, tensorboard)
 #   * Debian packages: redis-server (bridge tests, Redis cache), the CJK/Hangul font packages
 #     listed in scripts/debian-fonts.txt (the glyph dataset), and a C compiler and Python
-#     headers where missing (the shards' compiled row update, ams/_kernels.c)
+#     headers where missing (the shards' compiled row update, ams/shard/_kernels.c)
 # Set XCLS_SKIP_APT=1 to skip the Debian packages (then install them yourself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ fi
 if [ "${XCLS_SKIP_APT:-0}" != "1" ]; then
   want=(redis-server)
   # a C compiler and the interpreter's headers build the shards' compiled row update
-  # (ams/_kernels.c); Debian's own python3 keeps its headers in python3-dev
+  # (ams/shard/_kernels.c); Debian's own python3 keeps its headers in python3-dev
   command -v cc >/dev/null || want+=(gcc libc6-dev)
   if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(
       os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
@@ -65,7 +65,7 @@ if [ "${XCLS_SKIP_APT:-0}" != "1" ]; then
   fi
 fi
 "$PY" -m pip install --quiet --root-user-action=ignore -e ".[dev]"
-"$PY" -c "import ams._kernels" 2>/dev/null || echo "setup: ams/_kernels.c was not compiled" \
+"$PY" -c "import ams.shard._kernels" 2>/dev/null || echo "setup: ams/shard/_kernels.c was not compiled" \
   "(no C compiler or Python headers): the shards update rows in torch, more slowly"
 
 echo "setup: done"

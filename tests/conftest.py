@@ -36,12 +36,12 @@ def set_torchrun_env(rank: int, world: int, port: int) -> None:
 @pytest.fixture(params=["compiled", "compiled, no F16C", "torch"],
                 ids=["compiled", "compiled-no-f16c", "torch"])
 def update_path(request):
-    """Runs a test on each way the shard's row update runs (``ams.optim.UPDATE_PATHS``)."""
-    import ams.optim
+    """Runs a test on each way the shard's row update runs (``ams.shard.optim.UPDATE_PATHS``)."""
+    import ams.shard.optim
 
-    if request.param != "torch" and ams.optim._kernels is None:
-        pytest.skip("ams._kernels is not built here (tests/test_optim.py says why)")
-    with ams.optim.update_path(request.param):
+    if request.param != "torch" and ams.shard.optim._kernels is None:
+        pytest.skip("ams.shard._kernels is not built here (tests/test_optim.py says why)")
+    with ams.shard.optim.update_path(request.param):
         yield request.param
 
 
@@ -96,7 +96,7 @@ STORAGES = ["memory", "mmap"]
 
 
 class Storages:
-    """Shard stores and in-process AMS clients on one storage kind (``ams.storage``); each
+    """Shard stores and in-process AMS clients on one storage kind (``ams.shard.storage``); each
     mmap store or client gets a storage dir of its own under ``root``. ``close`` closes every
     one still open."""
 
@@ -108,7 +108,7 @@ class Storages:
         return self.root / f"storage-{len(self.made)}" if self.kind == "mmap" else None
 
     def store(self, shard_id=0, num_shards=1, **kw):
-        from ams.store import ShardStore
+        from ams.shard.store import ShardStore
 
         store = ShardStore(shard_id, num_shards, storage=self.kind, storage_dir=self._dir(),
                            **kw)

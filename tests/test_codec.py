@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ams import codec
 from ams.api import shard_pb2 as pb
 from ams.errors import InvalidArgument
+from ams.wire import codec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64,

@@ -13,13 +13,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ams
-from ams.graph.select import budget_for_sample_rate, select_weighted
-from ams.graph_build import build_graph
+from ams.cluster.plan import budget_for_sample_rate
+from ams.graph.build import build_graph
 from tests.conftest import free_port, set_torchrun_env
 from workers.collective import CollectiveHead, CollectiveShards
 from workers.distributed import process_group
 from workers.losses import CombinedMarginLoss
 from workers.row_update import RowUpdater
+from workers.selection import select_weighted
 
 N, D, B = 23, 6, 4  # 23 classes: no world size here divides them evenly
 SCALE, MARGIN = 16.0, 0.35  # CosFace

@@ -1,12 +1,12 @@
-"""ams.frames' meta encoding, alone (the frames over a real shard: tests/integration/
+"""ams.wire.frames' meta encoding, alone (the frames over a real shard: tests/integration/
 test_data_plane.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ams import frames
-from ams.frames import FrameError
+from ams.wire import frames
+from ams.wire.frames import FrameError
 
 
 def test_a_repeated_meta_decodes_to_a_new_dict_each_time():

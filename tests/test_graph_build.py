@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import ams
-from ams.graph_build import build_graph
+from ams.graph.build import build_graph
 
 N, D, K = 700, 10, 6
 
@@ -23,14 +23,14 @@ def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog):
     np.fill_diagonal(scores, np.inf)  # the class itself first
     expected = np.argsort(-scores, axis=1, kind="stable")[:, :K]
 
-    with caplog.at_level(logging.INFO, logger="ams.graph_build"):
+    with caplog.at_level(logging.INFO, logger="ams.graph.build"):
         assert build_graph(client, "fc", k=K, query_block_rows=128,
                            key_block_rows=96).version == 1
     assert "in_memory=1" in caplog.text
     np.testing.assert_array_equal(client.neighbors("fc", torch.arange(N)).numpy(), expected)
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ams.graph_build"):
+    with caplog.at_level(logging.INFO, logger="ams.graph.build"):
         # a resume directory needs the ring (per-block resume); so do several builders
         assert build_graph(client, "fc", k=K, resume_dir=tmp_path / "resume",
                            query_block_rows=128, key_block_rows=96).version == 2
@@ -42,7 +42,7 @@ def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog):
 def test_a_shard_without_lists_makes_the_graph_incomplete():
     """A shard that restarted empty holds no lists while the others do: the trainer must
     build again rather than take the newest version anywhere for a complete graph."""
-    from ams.graph_build import current_graph_version, graph_on_every_shard
+    from ams.graph.build import current_graph_version, graph_on_every_shard
 
     client = ams.connect(local_shards=2)
     client.create_table("fc", num_rows=40, dim=8)

@@ -1,5 +1,5 @@
-"""ams.graph.csr against plain Python lists of lists, in both layouts (fixed width, CSR) and
-both id dtypes (int32 below 2**31 classes, int64 from there)."""
+"""ams.shard.neighbor_lists against plain Python lists of lists, in both layouts (fixed
+width, CSR) and both id dtypes (int32 below 2**31 classes, int64 from there)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ams.graph import NeighborTable, check_lists, id_dtype, lists_to_dense
+from ams.shard.neighbor_lists import NeighborTable, check_lists, id_dtype, lists_to_dense
 
 BIG = 5_000_000_000
 

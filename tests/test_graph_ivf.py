@@ -14,8 +14,8 @@ import torch
 import ams
 from ams.errors import InvalidArgument
 from ams.graph import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
+from ams.graph.build import GraphMethod, build_graph, current_graph_version
 from ams.graph.ivf import load_faiss
-from ams.graph_build import GraphMethod, build_graph, current_graph_version
 
 N, D, K = 3000, 16, 10
 # float16 storage moves a unit-row score by at most about 2**-10; candidates closer than
@@ -175,7 +175,7 @@ def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog):
     client = table_with_rows(rows[:n])
     stored = client.pull("fc", torch.arange(n))
     exact = exact_lists(exact_scores(stored), K)
-    with caplog.at_level(logging.INFO, logger="ams.graph_build"):
+    with caplog.at_level(logging.INFO, logger="ams.graph.build"):
         report = build_graph(client, "fc", K, method="ivf", nprobe=2, recall_queries=n, seed=4)
     lists = client.neighbors("fc", torch.arange(n))
     assert torch.equal(lists[:, 0], torch.arange(n))
@@ -188,7 +188,7 @@ def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog):
     assert f"recall_at_k={report.recall:.4f}" in caplog.text
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ams.graph_build"):
+    with caplog.at_level(logging.INFO, logger="ams.graph.build"):
         again = build_graph(client, "fc", K, method="ivf", recall_queries=200)
     assert again.version == 2 and again.sampled == 200 and 0 <= again.recall <= 1
     assert "sampled=200" in caplog.text

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import ams
-from ams import errors, snapshot
+from ams import errors
 from ams.errors import SnapshotError
-from ams.store import ShardStore, TableSpec
+from ams.shard import snapshot
+from ams.shard.store import ShardStore, TableSpec
 
 N, D, K = 103, 4, 5
 

@@ -9,8 +9,8 @@ import torch
 
 import ams
 from ams.errors import AmsError, InvalidArgument, RequestTooLarge
-from ams.graph_build import GraphMethod, GraphUpdater, build_graph
-from ams.store import ShardStore, TableSpec
+from ams.graph.build import GraphMethod, GraphUpdater, build_graph
+from ams.shard.store import ShardStore, TableSpec
 
 D = 4
 

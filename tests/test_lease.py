@@ -1,11 +1,11 @@
-"""The scheduler's lease rules (ams.lease), on a table driven by hand-set millisecond clocks."""
+"""The scheduler's lease rules (ams.cluster.lease), on a table driven by hand-set
+millisecond clocks."""
 
 from __future__ import annotations
 
 import pytest
 
-from ams.errors import FailedPrecondition, InvalidArgument
-from ams.lease import (
+from ams.cluster.lease import (
     MAX_WORKER_SLOTS,
     LeaseStatus,
     LeaseTable,
@@ -14,6 +14,7 @@ from ams.lease import (
     ShardMap,
     parse_address,
 )
+from ams.errors import FailedPrecondition, InvalidArgument
 
 TTL = 1000
 A0, A1 = "10.0.0.1:7001", "10.0.0.2:7002"

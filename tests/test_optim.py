@@ -1,5 +1,6 @@
-"""ams.optim's row update, compiled (ams/_kernels.c) and in torch, against a float64 reference
-in every pair of row and state dtypes; the compiled path's refusal of bad arguments."""
+"""ams.shard.optim's row update, compiled (ams/shard/_kernels.c) and in torch, against a
+float64 reference in every pair of row and state dtypes; the compiled path's refusal of bad
+arguments."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-import ams.optim as optim
-from ams.optim import SparseMomentumSGD
+import ams.shard.optim as optim
+from ams.shard.optim import SparseMomentumSGD
 from tests.conftest import reference_sgd_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -119,7 +120,7 @@ def test_state_that_overflows_is_named_when_the_rows_stay_finite(update_path):
 def test_compiled_update_refuses_what_it_cannot_read():
     """The kernel reads raw memory: the Python side refuses anything it would misread."""
     if optim._kernels is None:
-        pytest.skip("ams._kernels is not built here")
+        pytest.skip("ams.shard._kernels is not built here")
     opt = SparseMomentumSGD(0.9, 0.0)
     rows, state = torch.zeros(8, 4), torch.zeros(8, 4)
     grads = torch.zeros(2, 4)

@@ -1,11 +1,11 @@
-"""A push cut into pieces (ams/pieces.py), checked against plain indexing."""
+"""A push cut into pieces (ams/wire/pieces.py), checked against plain indexing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ams.pieces import PushPieces, ascending_unique, piece_sizes
+from ams.wire.pieces import PushPieces, ascending_unique, piece_sizes
 
 
 @pytest.mark.parametrize("rows, most", [(0, 4), (1, 4), (4, 4), (5, 4), (10_000, 4096),

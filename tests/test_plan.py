@@ -1,4 +1,4 @@
-"""ams.plan: the capacity arithmetic, against figures worked out by hand here."""
+"""ams.cluster.plan: the capacity arithmetic, against figures worked out by hand here."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ams import plan
-from ams.plan import (
+from ams.cluster import plan
+from ams.cluster.plan import (
     Job,
     Rates,
     active_classes,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ams.plan import load_rates
+from ams.cluster.plan import load_rates
 from xcls.cli import main
 from xcls.plan_cmd import fmt_bytes, parse_count, parse_size
 

@@ -1,11 +1,11 @@
-"""ams.rowcopy: numpy row gathers and scatters, against torch's own indexing."""
+"""ams.shard.rowcopy: numpy row gathers and scatters, against torch's own indexing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ams import rowcopy
+from ams.shard import rowcopy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -70,7 +70,7 @@ def test_client_push_is_plain_sgd_on_each_rows_summed_gradient(ids, num_shards, 
 
 
 def test_client_splits_requests_into_the_backends_pieces(monkeypatch):
-    from ams.local import LocalShard
+    from ams.client.local import LocalShard
 
     monkeypatch.setattr(LocalShard, "piece_bytes", 3 * D * 4)  # 3 rows per call
     client = ams.connect(local_shards=2)
@@ -93,8 +93,8 @@ def test_client_splits_requests_into_the_backends_pieces(monkeypatch):
 
 def test_pieces_of_a_shard_are_of_about_one_size(monkeypatch):
     """A shard's 7 rows at most 3 a piece go as 3 + 2 + 2, not 3 + 3 + 1; pushes alike."""
-    from ams.local import LocalShard
-    from ams.store import ShardStore
+    from ams.client.local import LocalShard
+    from ams.shard.store import ShardStore
 
     sizes: list[tuple[str, int]] = []
     pull, push = ShardStore.pull, ShardStore.push

@@ -1,4 +1,5 @@
-"""The shared buffer of a data connection (ams.shm): what a shard maps, and what it refuses."""
+"""The shared buffer of a data connection (ams.dataplane.shm): what a shard maps, and what it
+refuses."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import random
 import pytest
 import torch
 
-from ams.errors import InvalidArgument
-from ams.shm import (
+from ams.dataplane.shm import (
     ALIGN,
     MAX_SHARED_BYTES,
     MEMFD_NAME,
@@ -19,6 +19,7 @@ from ams.shm import (
     SharedArena,
     SharedBuffer,
 )
+from ams.errors import InvalidArgument
 
 CAPACITY = 1 << 16
 

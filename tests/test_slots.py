@@ -1,4 +1,4 @@
-"""Row slots (ams.slots): a bijection of rows onto slots that pushes keep, and a cursor that
+"""Row slots (ams.shard.slots): a bijection of rows onto slots that pushes keep, and a cursor that
 puts each push's rows next to each other."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ams.slots import SPARE_SLOTS, RowSlots, slot_capacity
+from ams.shard.slots import SPARE_SLOTS, RowSlots, slot_capacity
 
 ROWS_PER_PAGE = 16  # 256-byte rows (128 float16) on a 4 KiB page
 

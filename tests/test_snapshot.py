@@ -14,9 +14,9 @@ import lmdb
 import pytest
 import torch
 
-from ams import snapshot
 from ams.errors import SnapshotError
-from ams.pieces import PushPieces
+from ams.shard import snapshot
+from ams.wire.pieces import PushPieces
 from tests.conftest import Storages, in_position_order
 
 N, D = 103, 6
@@ -445,7 +445,7 @@ def test_prune_skips_a_step_the_other_shards_removed_after_it_was_listed(tmp_pat
     for step in (1, 3):  # what the other shard (the last one there) did meanwhile
         shutil.rmtree(snapshot.step_dir(tmp_path, step))
     monkeypatch.setattr(snapshot, "list_steps", lambda data_dir: listed)
-    with caplog.at_level(logging.WARNING, logger="ams.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="ams.shard.snapshot"):
         snapshot.prune_after_snapshot(tmp_path, 0, 2, keep=2, written=5)
     assert "snapshot_prune_failed" not in caplog.text
     assert steps_with_piece(tmp_path, 0, 2) == [4, 5]
@@ -482,7 +482,7 @@ def test_no_snapshot_at_all(tmp_path):
 
 
 def test_a_restore_loads_exactly_the_pieces_that_hold_its_rows():
-    from ams.snapshot import _shares_rows
+    from ams.shard.snapshot import _shares_rows
 
     for old_count in range(1, 7):
         for count in range(1, 7):

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import ams
-from ams import snapshot
 from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
-from ams.slots import slot_capacity
-from ams.storage import TABLE_JSON, resident_pages, table_dir_name
-from ams.store import ShardStore, TableSpec
+from ams.shard import snapshot
+from ams.shard.slots import slot_capacity
+from ams.shard.storage import TABLE_JSON, resident_pages, table_dir_name
+from ams.shard.store import ShardStore, TableSpec
 from tests.conftest import in_position_order
 
 N, D = 103, 6
@@ -145,7 +145,7 @@ def test_closed_store_is_empty(tmp_path):
 
 UNCLOSED = textwrap.dedent("""
     import os, sys, torch
-    from ams.store import ShardStore, TableSpec
+    from ams.shard.store import ShardStore, TableSpec
     store = ShardStore(0, 1, storage="mmap", storage_dir=sys.argv[1])
     store.create_table(TableSpec(name="fc", num_rows=103, dim=6))
     store.push("fc", torch.tensor([1, 2]), torch.ones(2, 6), 0.1)
@@ -444,10 +444,10 @@ def test_embedded_run_keeps_its_tables_in_out_dir(tmp_path):
 
 
 def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkeypatch):
-    import ams.store
-    from ams.rowinit import initial_rows
+    import ams.shard.store
+    from ams.shard.rowinit import initial_rows
 
-    monkeypatch.setattr(ams.store, "INIT_BLOCK_ROWS", 7)  # 35 rows: 5 blocks
+    monkeypatch.setattr(ams.shard.store, "INIT_BLOCK_ROWS", 7)  # 35 rows: 5 blocks
     store = mmap_store(tmp_path, 2, 3)
     store.create_table(spec())
     whole = initial_rows(torch.arange(2, N, 3), D, seed=1, std=0.01)
@@ -481,8 +481,8 @@ READ_PAGES = torch.unique(READ_POSITIONS * 64 * 4 // 4096)  # of the rows (256 b
 
 @pytest.mark.parametrize("call", ["process_madvise", "madvise"])
 def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch, call):
-    import ams.storage as storage
-    from ams.storage import prefetch_rows
+    import ams.shard.storage as storage
+    from ams.shard.storage import prefetch_rows
 
     # the pids that ask one range at a time: none, or this process
     refused = set() if call == "process_madvise" else {os.getpid()}
@@ -507,7 +507,7 @@ def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch,
 
 
 def test_rows_in_memory_are_not_asked_for_again(tmp_path, monkeypatch):
-    import ams.storage as storage
+    import ams.shard.storage as storage
 
     store = reopened_out_of_memory(tmp_path)
     real = storage.advise_ranges

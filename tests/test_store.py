@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ams import errors
-from ams.optim import step_decay
-from ams.store import ShardStore, TableSpec
+from ams.shard.optim import step_decay
+from ams.shard.store import ShardStore, TableSpec
 from tests.conftest import Storages, in_position_order, reference_sgd_step
 
 N, D = 50, 8
@@ -367,9 +367,9 @@ def test_full_graph_in_fixed_width_parts_then_any_layout(third):
 
 def test_client_sends_big_graphs_in_chunks(monkeypatch):
     import ams
-    import ams.client
+    import ams.client.sharded
 
-    monkeypatch.setattr(ams.client, "REQUEST_BYTES", 8 * 5 * 4)  # 4 lists of k=3 per call
+    monkeypatch.setattr(ams.client.sharded, "REQUEST_BYTES", 8 * 5 * 4)  # 4 lists of k=3 per call
     client = ams.connect(local_shards=2)
     client.create_table("fc", num_rows=N, dim=D)
     lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
@@ -416,7 +416,7 @@ def test_push_with_non_finite_result_is_refused_whole(dtype, ids, value, lr, upd
 
 def refuse_to_gather(monkeypatch):
     """Make any row gather fail: a refused request must not build its reply first."""
-    from ams import rowcopy
+    from ams.shard import rowcopy
 
     def gather(rows, index):
         raise AssertionError("the reply was being built")
@@ -460,7 +460,7 @@ def test_scan_blocks_and_neighbor_lists_fit_the_reply_limit(monkeypatch):
 
 @pytest.mark.parametrize("memory", ["known", "unknown"])
 def test_table_too_large_for_memory_is_a_typed_error(monkeypatch, memory):
-    import ams.storage
+    import ams.shard.storage
 
     if memory == "unknown":  # then the allocation itself fails, and is reported
         monkeypatch.setattr(ams.storage, "_physical_memory_bytes", lambda: None)
@@ -512,7 +512,7 @@ def test_bad_client_id_or_sequence_is_refused(client_id, sequence):
 
 
 def test_dedupe_memory_is_bounded_per_client_and_in_clients():
-    from ams.store import PUSH_DEDUPE_CLIENTS, PUSH_DEDUPE_WINDOW, PushDedupe
+    from ams.shard.store import PUSH_DEDUPE_CLIENTS, PUSH_DEDUPE_WINDOW, PushDedupe
 
     dedupe = PushDedupe()
     for c in range(PUSH_DEDUPE_CLIENTS):

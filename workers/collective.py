@@ -3,11 +3,11 @@
 When W fits the workers' own memory, no parameter server needs to be on the step's path
 (PLSC, PartialFC; docs/references.md). Rank r of W holds slice r of the table, the classes
 ``c % W == r`` with their optimizer state and decay clock, in an in-process shard
-(``ams.local.LocalShard``: the same store, sparse update and snapshots as an AMS shard). One
+(``ams.client.local.LocalShard``: the same store, sparse update and snapshots as an AMS shard). One
 step (:meth:`CollectiveHead.forward_backward`):
 
 1. all-gather every rank's labels and features (W·B of each);
-2. each rank selects active classes within its slice (``ams.graph.select.select_in_slice``):
+2. each rank selects active classes within its slice (``workers.selection.select_in_slice``):
    ``full`` the whole slice, ``partial`` the slice's labels plus uniform negatives up to
    ``sample_rate`` of the slice (PartialFC's scheme), ``knn`` the slice's share of the labels'
    neighbor lists, each list read on the rank that owns its class and all-reduced;
@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ams.client import ShardedClient, join_shards
-from ams.graph.select import Selection, budget_for_sample_rate, select_in_slice
-from ams.local import LocalShard
-from ams.server import RunningServer, create_server
+from ams.client.local import LocalShard
+from ams.client.sharded import ShardedClient, join_shards
+from ams.cluster.plan import budget_for_sample_rate
+from ams.server.service import RunningServer, create_server
 from ams.sharding import owned_count
 from workers.heads import ActiveBatch, HeadKind, HeadStep, RowStore, checked_labels
 from workers.losses import CombinedMarginLoss
+from workers.selection import Selection, select_in_slice
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class CollectiveShards:
     """This rank's slice of the class rows and the client over all ranks' slices.
 
     Rank ``rank`` of ``world`` holds shard ``rank`` of ``world`` in process
-    (``ams.local.LocalShard``; snapshots under ``data_dir``, tables per ``storage`` in
+    (``ams.client.local.LocalShard``; snapshots under ``data_dir``, tables per ``storage`` in
     ``storage_dir``) and serves it on ``host`` (ports chosen free), so rank 0 can build the
     graph, snapshot and evaluate across every slice. The addresses and a fresh token are
     exchanged over the default process group (every rank constructs it at the same time).

@@ -40,8 +40,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ams.graph.select import Selection, budget_for_sample_rate, select_weighted
+from ams.cluster.plan import budget_for_sample_rate
 from workers.losses import CombinedMarginLoss
+from workers.selection import Selection, select_weighted
 
 
 class RowStore(Protocol):
@@ -64,7 +65,7 @@ class ActiveBatch:
     target: int64 (B,) position of each sample's label in ``active_ids``.
     rows: (A, dim) the pulled rows of ``active_ids``, in the table's dtype.
     log_weight: float32 (A,) log inverse probability that each class was drawn (0 for the
-        classes taken for sure; see :class:`ams.graph.select.Selection`).
+        classes taken for sure; see :class:`workers.selection.Selection`).
     """
 
     active_ids: torch.Tensor

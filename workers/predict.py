@@ -32,7 +32,7 @@ from torch import nn
 
 from ams.graph.knn import merge_top_lists, resolve_device
 from ams.jsontext import parse_json
-from ams.optim import all_finite
+from ams.shard.optim import all_finite
 from workers.backbones import Backbone, build_backbone
 
 EXPORT_FORMAT = "xcls-export"

@@ -3,7 +3,7 @@
 Per step, :meth:`RowUpdater.update` takes the row gradient of the active classes that the
 head computed, combines the data-parallel ranks' gradients into one push, attaches the
 step's learning rate and weight-decay clock, and pushes to the AMS, whose shards apply the
-sparse update (``ams.optim``).
+sparse update (``ams.shard.optim``).
 
 The weight-decay clock. The dense optimizer shrinks every row by ``1 - lr·wd`` in every step;
 a sampled head's row sits most steps out. The clock ``D_t = sum over s < t of -log(1 - lr_s·wd)``
@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ams.optim import step_decay
-from ams.store import TableSpec
+from ams.shard.optim import step_decay
+from ams.shard.store import TableSpec
 
 
 class RowPusher(Protocol):

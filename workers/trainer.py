@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ams.client import ShardedClient
+from ams.client.sharded import ShardedClient
+from ams.graph.build import GraphBuildReport, current_graph_version, graph_on_every_shard
 from ams.graph.churn import neighbor_turnover
-from ams.graph_build import GraphBuildReport, current_graph_version, graph_on_every_shard
 from workers import checkpoint
 from workers.augment import flip_horizontally
 from workers.batch_plan import Batch, BatchPlan
@@ -130,7 +130,7 @@ class Trainer:
     client: the AMS client (embedded or remote); table: the class-row table; backbone: the
     (possibly DDP-wrapped) embedding network; optimizer: over the backbone's parameters;
     head: full / partial / knn; build_graph: ``build_graph(step)`` builds or refreshes the
-    neighbor graph and reports it (``ams.graph_build.GraphUpdater.update``; None when the head
+    neighbor graph and reports it (``ams.graph.build.GraphUpdater.update``; None when the head
     needs none); rank/world: torch.distributed position; gear: gear mode
     (``workers.gear``), None for plain training; compressor: the top-k gradient compression
     hook registered on the DDP wrapper, whose residuals are checkpointed per rank (None:

@@ -151,7 +151,7 @@ class AmsConfig:
     """momentum dtype: float32 | float16 | bfloat16 (empty: same as dtype)"""
     storage: str = "memory"
     """where the shards keep rows, momentum and decay clocks: memory | mmap
-    (ams.storage.StorageKind). mmap: files under the shards' data dir (embedded:
+    (ams.shard.storage.StorageKind). mmap: files under the shards' data dir (embedded:
     train.out_dir/ams/tables), mapped into memory and paged by the OS, for tables larger
     than RAM; kept across a clean stop, discarded after a crash (the run resumes from its
     snapshot)"""
@@ -165,8 +165,8 @@ class AmsConfig:
     instead of addresses (a lost shard or worker then rolls training back); empty: none"""
     shared_memory: bool = True
     """rows of 1 MiB or more to and from a shard on this host (same pid namespace) bypass the
-    socket through memory both processes map (ams.shm; never with TLS); false: always in the
-    data plane's frames"""
+    socket through memory both processes map (ams.dataplane.shm; never with TLS); false: always
+    in the data plane's frames"""
 
 
 @dataclass
@@ -193,7 +193,7 @@ class GraphConfig:
     refresh: str = "full"
     """what a rebuild recomputes: full (every list) | touched (after a full build, only the
     lists of the classes pushed since, exactly; cheaper when few classes move between
-    rebuilds) (ams.graph.GraphRefresh, ams.graph_build.GraphUpdater)"""
+    rebuilds) (ams.graph.GraphRefresh, ams.graph.build.GraphUpdater)"""
     full_every: int = 10
     """refresh = touched: a full build after this many touched refreshes (0: never), since an
     untouched class keeps its list while its neighbors move"""
@@ -318,7 +318,7 @@ def enum_fields() -> dict[str, type[StrEnum]]:
     (the libraries import torch)."""
     from ams.dtypes import RowDtype
     from ams.graph import GraphMethod, GraphRefresh
-    from ams.storage import StorageKind
+    from ams.shard.storage import StorageKind
     from bridge import GearBackend
     from workers.comm import Compression
     from workers.gear import SlowGearMode

@@ -89,8 +89,8 @@ def run_build(args: argparse.Namespace) -> int:
     import ams
     from ams.errors import AmsError
     from ams.graph import resolve_device
+    from ams.graph.build import GraphMethod, build_graph, current_graph_version
     from ams.graph.ivf import DEFAULT_NPROBE, load_faiss
-    from ams.graph_build import GraphMethod, build_graph, current_graph_version
 
     if args.method not in list(GraphMethod):
         print(f"error: --method {args.method!r} is not one of "

@@ -1,6 +1,6 @@
 """``--metrics-port`` / ``--metrics-host``: serve a process's Prometheus metrics over HTTP.
 
-Every role serves the process-wide default registry (``ams.metrics``, ``workers.metrics``) at
+Every role serves the process-wide default registry (``ams.shard.metrics``, ``workers.metrics``) at
 ``http://HOST:PORT/metrics`` from a daemon thread. Port 0 (the default) serves nothing. Under
 torchrun each rank serves on the base port plus its local rank (its rank on this host), so one
 ``--metrics-port`` gives a whole launch distinct ports.

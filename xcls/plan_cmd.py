@@ -1,5 +1,5 @@
 """``xcls plan``: what a job needs of its shards, hosts, network and graph builder, before it
-starts. The arithmetic is ``ams.plan``; this module reads the config and the flags, and
+starts. The arithmetic is ``ams.cluster.plan``; this module reads the config and the flags, and
 prints."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 from xcls.config import ConfigError, ExperimentConfig, load_config
 
 if TYPE_CHECKING:  # the command line imports torch only when a command runs
-    from ams.plan import GraphBuild, Job, Rates, ShardMemory, StepTraffic
+    from ams.cluster.plan import GraphBuild, Job, Rates, ShardMemory, StepTraffic
 
 _UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -103,8 +103,8 @@ def parse_count(text: str, flag: str, high: int) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ams.graph_build import IN_MEMORY_BUILD_BYTES, RECALL_QUERIES
-    from ams.plan import graph_build, load_rates, shard_memory, step_traffic
+    from ams.cluster.plan import graph_build, load_rates, shard_memory, step_traffic
+    from ams.graph.build import IN_MEMORY_BUILD_BYTES, RECALL_QUERIES
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -130,11 +130,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
-    """The ``ams.plan.Job`` of ``cfg`` with the flags' sizes; ValueError (one line) for bad
+    """The ``ams.cluster.plan.Job`` of ``cfg`` with the flags' sizes; ValueError (one line) for bad
     flags or a class count that cannot be found."""
+    from ams.cluster.lease import parse_address
+    from ams.cluster.plan import MAX_CLASSES, MAX_COUNT, Job
     from ams.errors import AmsError
-    from ams.lease import parse_address
-    from ams.plan import MAX_CLASSES, MAX_COUNT, Job
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import read_metadata
 

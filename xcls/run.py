@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a 
     from torch import nn
     from torch.utils.data import Dataset
 
-    from ams.client import ShardedClient
+    from ams.client.sharded import ShardedClient
     from bridge import FeatureCache, RedisGradientConsumer, WeightStore
     from workers.comm import TopkCompressor
     from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageDataset
@@ -109,9 +109,9 @@ def build_run(cfg: ExperimentConfig,
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from ams.graph import budget_for_sample_rate
+    from ams.cluster.plan import budget_for_sample_rate
+    from ams.graph.build import GraphMethod, GraphUpdater
     from ams.graph.ivf import load_faiss
-    from ams.graph_build import GraphMethod, GraphUpdater
     from workers.collective import CollectiveHead
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import LmdbImageDataset
@@ -347,8 +347,8 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
     import socket
     import uuid
 
-    from ams.lease import Role
-    from ams.scheduler import SchedulerClient
+    from ams.cluster.lease import Role
+    from ams.cluster.scheduler import SchedulerClient
 
     scheduler = SchedulerClient(cfg.ams.scheduler, token=token)
     shard_map = scheduler.wait_for_shards(timeout=SHARDS_WAIT_S)

@@ -19,8 +19,8 @@ from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.secret_files import read_secret
 
 if TYPE_CHECKING:
-    from ams.scheduler import LeaseKeeper
-    from ams.store import ShardStore
+    from ams.cluster.scheduler import LeaseKeeper
+    from ams.shard.store import ShardStore
 
 log = logging.getLogger("xcls.serve")
 
@@ -150,7 +150,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not token and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
                          "add --insecure if this network is trusted")
-    from ams.scheduler import create_scheduler_server
+    from ams.cluster.scheduler import create_scheduler_server
 
     serve_metrics_from_args(args)
     try:
@@ -190,8 +190,8 @@ def _write_port_file(path: Path | None, port: int) -> None:
 
 def _check_lease_args(args: argparse.Namespace) -> None:
     """Refuse a malformed --scheduler, or --advertise without it, before anything starts."""
+    from ams.cluster.lease import parse_address
     from ams.errors import InvalidArgument
-    from ams.lease import parse_address
 
     if args.scheduler is None:
         if args.advertise is not None:
@@ -217,9 +217,9 @@ def _keep_shard_lease(args: argparse.Namespace, incarnation: str, port: int, tok
                       stop: threading.Event) -> LeaseKeeper:
     """Register this serving shard with the scheduler and keep its lease; a lost lease sets
     ``stop`` (the caller then exits with EXIT_LEASE_LOST). SystemExit when registering fails."""
+    from ams.cluster.lease import Role
+    from ams.cluster.scheduler import SchedulerClient
     from ams.errors import AmsError
-    from ams.lease import Role
-    from ams.scheduler import SchedulerClient
 
     scheduler = SchedulerClient(args.scheduler, token=token)
     address = _advertised_address(args, port)
@@ -292,7 +292,7 @@ def _open_store(args: argparse.Namespace) -> ShardStore:
     """The shard's store on ``--storage`` (mmap: reopening the tables a clean stop kept); a
     storage error is one line on stderr and exit code 2."""
     from ams.errors import AmsError
-    from ams.store import ShardStore
+    from ams.shard.store import ShardStore
 
     if args.storage == "mmap" and args.data_dir is None:
         error = "--storage mmap needs --data-dir (its tables go in DATA_DIR/tables)"
@@ -321,8 +321,8 @@ def _restore_at_start(args: argparse.Namespace, store: ShardStore) -> int:
     """``--restore``: load a snapshot into ``store`` before serving; the step loaded (-1:
     none)."""
     from ams.errors import SnapshotError
-    from ams.metrics import record_restore
-    from ams.snapshot import list_steps, restore_into
+    from ams.shard.metrics import record_restore
+    from ams.shard.snapshot import list_steps, restore_into
 
     restored = -1
     if args.restore is not None:
@@ -352,7 +352,7 @@ def _restore_at_start(args: argparse.Namespace, store: ShardStore) -> int:
 def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: bool) -> int:
     """Bind, restore ``--restore`` (health NOT_SERVING meanwhile), then serve ``store`` until
     SIGTERM/SIGINT (exit code 0) or a lost lease."""
-    from ams.server import create_server
+    from ams.server.service import create_server
 
     try:
         running = create_server(

@@ -1,15 +1,14 @@
-"""KNN graph over class-weight rows: exact blocked build, ring schedule over shards, IVF build
-(faiss, imported when used), compact neighbor table (fixed width or CSR), active-class
-selection. Pure: no gRPC, no ``ams.api``."""
+"""The neighbors graph over the class rows: which classes each class is nearest to.
+
+The algorithms are pure torch (no gRPC, no ``ams.api``): the exact blocked top-k (``knn``, on
+CUDA with its fused score-and-filter kernel ``fused_filter``), the ring schedule that streams
+every shard's rows past a builder's queries (``ring``), the approximate build with a faiss IVF
+index (``ivf``, faiss imported when used), the build methods and refresh kinds (``methods``),
+and the lists' turnover between builds (``churn``). ``build`` is the job above them: it builds
+or refreshes a table's graph through the AMS client's public calls and writes each class's
+list back to the shard that owns it (``ams.shard.neighbor_lists`` keeps them there)."""
 
 from ams.graph.churn import neighbor_turnover
-from ams.graph.csr import (
-    NeighborTable,
-    check_lists,
-    gather_segments,
-    id_dtype,
-    lists_to_dense,
-)
 from ams.graph.ivf import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
 from ams.graph.knn import (
     LOW_PRECISION_DTYPE,
@@ -26,7 +25,6 @@ from ams.graph.knn import (
 )
 from ams.graph.methods import GraphMethod, GraphRefresh
 from ams.graph.ring import assign_shards, build_shard_neighbors, refresh_neighbors, ring_order
-from ams.graph.select import budget_for_sample_rate, select_active, select_partial
 
 __all__ = [
     "GraphMethod",
@@ -35,19 +33,13 @@ __all__ = [
     "LOW_PRECISION_MARGIN",
     "IvfIndex",
     "KeyBlock",
-    "NeighborTable",
     "ScoreBuffer",
     "TopKAccumulator",
     "assign_shards",
-    "budget_for_sample_rate",
     "build_shard_neighbors",
-    "check_lists",
-    "gather_segments",
-    "id_dtype",
     "ivf_knn",
     "knn",
     "list_recall",
-    "lists_to_dense",
     "neighbor_turnover",
     "refresh_neighbors",
     "resolve_block_rows",
@@ -57,7 +49,5 @@ __all__ = [
     "ring_order",
     "sample_ids",
     "search_pass",
-    "select_active",
-    "select_partial",
     "symmetric_search",
 ]

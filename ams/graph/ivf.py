@@ -206,7 +206,7 @@ def ivf_knn(rows: Tensor, k: int, *, nlist: int = 0, nprobe: int = DEFAULT_NPROB
             ids: Tensor | None = None, seed: int = 0, block_size: int = 65536,
             device: str | torch.device | None = None) -> tuple[Tensor, Tensor]:
     """Approximate k nearest neighbors of every row among all rows, held in memory (the
-    counterpart of ``ams.graph.knn``; ``ams.graph_build`` streams shards instead).
+    counterpart of ``ams.graph.knn``; ``ams.graph.build`` streams shards instead).
 
     Args:
         rows: (N, d) float (any float dtype).

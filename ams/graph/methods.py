@@ -1,5 +1,5 @@
 """The ways a graph is built and kept current: values of the ``graph.method`` and
-``graph.refresh`` settings, carried out by ``ams.graph_build``."""
+``graph.refresh`` settings, carried out by ``ams.graph.build``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class GraphMethod(StrEnum):
 
 
 class GraphRefresh(StrEnum):
-    """What a rebuild during training recomputes (``ams.graph_build.GraphUpdater``)."""
+    """What a rebuild during training recomputes (``ams.graph.build.GraphUpdater``)."""
 
     FULL = "full"  # every class's list, every time
     TOUCHED = "touched"  # after a full build, only the lists of the classes pushed since

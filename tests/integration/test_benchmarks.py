@@ -79,8 +79,8 @@ def test_bench_table_pages_quick_times_both_mappings() -> None:
 
 
 def test_bench_row_update_quick_times_each_update() -> None:
-    if importlib.util.find_spec("ams._kernels") is None:
-        pytest.skip("ams._kernels is not built here")
+    if importlib.util.find_spec("ams.shard._kernels") is None:
+        pytest.skip("ams.shard._kernels is not built here")
     done = run_benchmark("bench_row_update.py", "--quick")
     assert done.returncode == 0, done.stderr[-2000:]
     found = {(cells[0], cells[2]): cells for cells in

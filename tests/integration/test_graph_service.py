@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ams
-from ams import codec
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
-from ams.graph_build import build_graph, refresh_graph
+from ams.graph.build import build_graph, refresh_graph
+from ams.wire import codec
 from tests.conftest import refused_in_process
 from xcls.cli import main
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ams
 from ams import errors
-from ams.lease import Role
-from ams.scheduler import SchedulerClient
+from ams.cluster.lease import Role
+from ams.cluster.scheduler import SchedulerClient
 from workers.metrics import PHASES
 from xcls.config import load_config
 from xcls.run import build_run

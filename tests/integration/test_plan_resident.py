@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import ams
-from ams import plan
-from ams.plan import Job, load_rates, shard_memory
+from ams.cluster import plan
+from ams.cluster.plan import Job, load_rates, shard_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 N, D = 1_000_000, 128

@@ -21,8 +21,8 @@ import torch
 
 from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
+from ams.cluster.scheduler import SchedulerClient
 from ams.errors import InvalidArgument, ShardRestarted, Unavailable
-from ams.scheduler import SchedulerClient
 from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
 from tests.integration.test_shard_server import undecodable_request_codes
 from xcls.config import ConfigError, load_config

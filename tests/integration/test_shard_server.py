@@ -17,11 +17,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ams
-from ams import codec, errors
+from ams import errors
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
-from ams.server import create_server
-from ams.store import ShardStore
+from ams.server.service import create_server
+from ams.shard.store import ShardStore
+from ams.wire import codec
 from xcls.config import load_config
 from xcls.run import connect_ams
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ams
-from ams.store import ShardStore, TableSpec
+from ams.shard.store import ShardStore, TableSpec
 
 N, D = 1000, 16
 

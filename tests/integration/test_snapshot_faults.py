@@ -11,9 +11,9 @@ import torch
 
 import ams
 from ams import errors
-from ams.client import RemoteShard
-from ams.pieces import PushPieces
-from ams.snapshot import list_steps, piece_name, step_dir
+from ams.client.sharded import RemoteShard
+from ams.shard.snapshot import list_steps, piece_name, step_dir
+from ams.wire.pieces import PushPieces
 
 N, D = 400, 8
 

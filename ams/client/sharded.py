@@ -3,8 +3,8 @@
 ``ShardedClient`` deduplicates ids, routes them with ``ams.sharding``, fans out to the shards in
 parallel, splits requests that would exceed the message limit and reassembles replies in
 request order. It talks to each shard through a ``ShardBackend``: ``RemoteShard`` (gRPC, here)
-or ``LocalShard`` (a ``ShardStore`` in process, ``ams.local``), so the embedded default and the
-cluster run the same code.
+or ``LocalShard`` (a ``ShardStore`` in process, ``ams.client.local``), so the embedded
+default and the cluster run the same code.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ams import codec, sharding
+from ams import sharding
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
-from ams.dataplane import DataConnection
+from ams.cluster.lease import parse_address
+from ams.dataplane.server import DataConnection
+from ams.dataplane.shm import MIN_SHARED_BYTES, SharedArena
 from ams.dtypes import parse_row_dtype
 from ams.errors import (
     AmsError,
@@ -39,14 +41,11 @@ from ams.errors import (
     Unavailable,
     error_from_code,
 )
-from ams.frames import FrameError
-from ams.graph.csr import check_lists, id_dtype, list_lengths, lists_to_dense
-from ams.lease import parse_address
-from ams.pieces import PushPieces, ascending_unique, piece_sizes
-from ams.rpc import error_from_rpc
-from ams.shm import MIN_SHARED_BYTES, SharedArena
-from ams.store import TableSpec
-from ams.wire import (
+from ams.shard.neighbor_lists import check_lists, id_dtype, list_lengths, lists_to_dense
+from ams.shard.store import TableSpec
+from ams.wire import codec
+from ams.wire.frames import FrameError
+from ams.wire.limits import (
     EXPECT_INCARNATION_KEY,
     GRPC_OPTIONS,
     INCARNATION_KEY,
@@ -57,6 +56,8 @@ from ams.wire import (
     SHARD_SERVICE_NAME,
     SHARED_PIECE_BYTES,
 )
+from ams.wire.pieces import PushPieces, ascending_unique, piece_sizes
+from ams.wire.status import error_from_rpc
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RemoteShard:
-    """One shard over gRPC, its pulls and pushes over its data plane (``ams.dataplane``).
+    """One shard over gRPC, its pulls and pushes over its data plane (``ams.dataplane.server``).
     Every call has a deadline; idempotent calls retry on UNAVAILABLE and on a lost data
     connection.
 
@@ -587,7 +588,7 @@ class ShardedClient:
         """Apply ``grads`` to the rows of ``ids`` with sparse momentum SGD on the shards.
 
         ids: int (n,), repeats summed; grads: float (n, dim); lr: float >= 0;
-        decay_clock: the step's weight-decay clock (``ams.optim``; None: rows that sat out
+        decay_clock: the step's weight-decay clock (``ams.shard.optim``; None: rows that sat out
         steps do not catch up on their decay).
         """
         ids = check_ids(ids)
@@ -791,15 +792,15 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
     ``local_shards`` in-process shards (the embedded default; ``data_dir`` for snapshots,
     of which they keep the ``keep_snapshots`` newest complete steps, 0: all; remote shards
     prune by their own ``--keep-snapshots``). ``storage``, ``storage_dir``: where in-process
-    shards keep their tables (``ams.store.ShardStore``: "memory", or "mmap" files under
+    shards keep their tables (``ams.shard.store.ShardStore``: "memory", or "mmap" files under
     ``storage_dir``, reopened by the next client there once ``close`` closed them); remote
     shards choose theirs with ``--storage``. ``shared_memory``: rows to and from a shard on
-    this host bypass the socket through a buffer both map (``ams.shm``; never with TLS);
+    this host bypass the socket through a buffer both map (``ams.dataplane.shm``; never with TLS);
     False: always in the frames."""
     if (addresses is None) == (local_shards is None):
         raise InvalidArgument("give either addresses=[...] or local_shards=N")
     if local_shards is not None:
-        from ams.local import LocalShard
+        from ams.client.local import LocalShard
 
         if not isinstance(local_shards, int) or local_shards < 1:
             raise InvalidArgument(f"local_shards={local_shards!r} must be an integer >= 1")
@@ -831,7 +832,7 @@ def join_shards(shards: Sequence[str | ShardBackend], *, token: str | None = Non
                 tls_ca: bytes | None = None, timeout: float = 60.0,
                 ready_timeout: float = 30.0, shared_memory: bool = True) -> ShardedClient:
     """A client over ``shards[i]`` = shard i: a ``host:port`` of a shard server, or a shard
-    held in this process (``ams.local.LocalShard``), as in collective mode, where each worker
+    held in this process (``ams.client.local.LocalShard``), as in collective mode, where each worker
     holds its own slice and reaches the others' over gRPC. The remote ones must be serving
     as shard i of ``len(shards)``; their incarnations are learned now."""
     remote = any(isinstance(s, str) for s in shards)

@@ -2,8 +2,8 @@
 
 A table is split over shards by ``ams.sharding`` (id mod S). The shard keeps its part as two
 dense tensors, ``rows`` and ``state`` (momentum), of shape (owned, dim), addressed by
-``id // S``, and each row's weight-decay clock (see ``ams.optim``), in memory or in files
-mapped into memory (``ams.storage``; the only I/O here). Every public method
+``id // S``, and each row's weight-decay clock (see ``ams.shard.optim``), in memory or in files
+mapped into memory (``ams.shard.storage``; the only I/O here). Every public method
 validates its arguments completely before it changes anything, so a bad request leaves the
 shard exactly as it was.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ams import rowcopy, sharding
+from ams import sharding
 from ams.alloc import release_free_memory
 from ams.dtypes import DTYPE_NAMES, parse_row_dtype
 from ams.errors import (
@@ -32,18 +32,18 @@ from ams.errors import (
     TableNotFound,
     shorten,
 )
-from ams.graph.csr import INT32_CLASSES, NeighborTable, check_lists, id_dtype
-from ams.optim import (
+from ams.shard import rowcopy
+from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable, check_lists, id_dtype
+from ams.shard.optim import (
     MAX_RATE,
     SparseMomentumSGD,
     all_finite,
     catch_up_factors,
     step_decay,
 )
-from ams.pieces import ascending_unique
-from ams.rowinit import MAX_ABS_NORMAL, initial_rows
-from ams.slots import RowSlots
-from ams.storage import (
+from ams.shard.rowinit import MAX_ABS_NORMAL, initial_rows
+from ams.shard.slots import RowSlots
+from ams.shard.storage import (
     MappedFiles,
     StorageKind,
     TableTensors,
@@ -51,7 +51,8 @@ from ams.storage import (
     prefetch_rows,
     prefetch_slots_ahead,
 )
-from ams.wire import MAX_REPLY_PAYLOAD_BYTES
+from ams.wire.limits import MAX_REPLY_PAYLOAD_BYTES
+from ams.wire.pieces import ascending_unique
 
 # Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
 # window of recent sequences per client is enough to apply each push once.
@@ -257,7 +258,7 @@ class ShardStore:
         bytes one reply (pull, scan block, neighbor lists) may carry, checked before the reply
         is built, so local shards refuse what a remote one would.
 
-        ``storage``: where the tables' rows, state and decay clocks live (``ams.storage``):
+        ``storage``: where the tables' rows, state and decay clocks live (``ams.shard.storage``):
         "memory" (``storage_dir`` unused), or "mmap", in files under ``storage_dir`` (which the
         shards of a cluster may share), mapped into memory. An mmap store reopens, here, the
         tables that a store before it on ``storage_dir`` closed (``close``), and discards those
@@ -434,7 +435,7 @@ class ShardStore:
         nothing is written to it when the ids are refused.
 
         Each row comes with the weight decay it owes up to the newest clock pushed here
-        (``ams.optim``), so it is the row the dense optimizer would hold after that push."""
+        (``ams.shard.optim``), so it is the row the dense optimizer would hold after that push."""
         table = self.table(name)
         positions = self._positions(table, ids)
         self._check_reply(positions.numel() * _row_bytes(table.spec), f"a pull of "
@@ -451,13 +452,13 @@ class ShardStore:
              client_id: str = "", sequence: int = 0, decay_clock: float | None = None) -> bool:
         """Apply sparse momentum SGD to exactly the pushed rows.
 
-        ids: int64 (n,), repeats summed first; grads: float (n, dim); lr >= 0.
-        ``(client_id, sequence)`` with a non-empty client id (at most ``MAX_CLIENT_ID``
-        characters; sequence in [0, 2**64)) makes the push idempotent: a repeat returns False
-        and changes nothing (see ``PushDedupe`` for how long a pair is remembered).
-        ``decay_clock``: the step's decay clock (``ams.optim``); the rows first take the weight
-        decay of the steps they sat out, and the clock advances by this step's decay. None: no
-        catch-up, clocks unchanged. Returns True when applied.
+        ids: int64 (n,), repeats summed first; grads: float (n, dim); lr >= 0. ``(client_id,
+        sequence)`` with a non-empty client id (at most ``MAX_CLIENT_ID`` characters; sequence in
+        [0, 2**64)) makes the push idempotent: a repeat returns False and changes nothing (see
+        ``PushDedupe`` for how long a pair is remembered). ``decay_clock``: the step's decay clock
+        (``ams.shard.optim``); the rows first take the weight decay of the steps they sat out, and
+        the clock advances by this step's decay. None: no catch-up, clocks unchanged. Returns True
+        when applied.
 
         A push whose result would hold a non-finite value (after rounding to the table's
         dtypes) is refused whole with ``InvalidArgument``: no row, state, clock or counter
@@ -615,7 +616,7 @@ class ShardStore:
             if graph is None:
                 raise FailedPrecondition(
                     f"table {shorten(name)} has no neighbor graph yet: build it first "
-                    "(ams.graph_build.build_graph or 'xcls graph build')")
+                    "(ams.graph.build.build_graph or 'xcls graph build')")
             row_bytes = graph.k * graph.neighbors.element_size() + (0 if graph.fixed else 8)
             self._check_reply(graph.lookup_nbytes(positions),
                               f"the neighbor lists of {positions.numel()} rows", row_bytes,
@@ -774,7 +775,7 @@ INIT_BLOCK_ROWS = 1 << 18
 
 def _fill_initial_rows(rows: torch.Tensor, spec: TableSpec, shard_id: int,
                        num_shards: int) -> None:
-    """Write the initial rows (``ams.rowinit``) of shard ``shard_id`` of ``num_shards``'s part
+    """Write the initial rows (``ams.shard.rowinit``) of shard ``shard_id`` of ``num_shards``'s part
     of ``spec`` into ``rows`` (owned, dim) of the row dtype, block by block."""
     for start in range(0, rows.shape[0], INIT_BLOCK_ROWS):
         stop = min(start + INIT_BLOCK_ROWS, rows.shape[0])

@@ -1,8 +1,8 @@
 """The scheduler of a multi-host job over gRPC: its servicer and server, and its client.
 
-Shards and workers register with it and keep leases (``ams.lease`` holds every rule); workers
-find the shards through it. A lease that expires, a hung member as much as a dead one, moves the
-generation on; a worker's lease keeper then invalidates its AMS client, so the trainer rolls
+Shards and workers register with it and keep leases (``ams.cluster.lease`` holds every rule);
+workers find the shards through it. A lease that expires, a hung member as much as a dead one, moves
+the generation on; a worker's lease keeper then invalidates its AMS client, so the trainer rolls
 back to its newest checkpoint, and a shard whose own lease is gone stops serving.
 
     sched = SchedulerClient("10.0.0.2:7000")
@@ -27,16 +27,12 @@ from grpc_health.v1 import health
 
 from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
+from ams.cluster.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
+from ams.cluster.metrics import record_expiry, watch_lease_table
 from ams.errors import AmsError, InvalidArgument, Unavailable
-from ams.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
-from ams.rpc import (
-    RequestDecodingInterceptor,
-    TokenAuthInterceptor,
-    error_from_rpc,
-    rpc_method,
-    start_serving,
-)
-from ams.scheduler_metrics import record_expiry, watch_lease_table
+from ams.server.interceptors import RequestDecodingInterceptor, TokenAuthInterceptor
+from ams.server.service import start_serving
+from ams.wire.status import error_from_rpc, rpc_method
 
 log = logging.getLogger(__name__)
 

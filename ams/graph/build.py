@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ams import sharding
-from ams.client import ShardedClient, check_ids
+from ams.client.sharded import ShardedClient, check_ids
 from ams.errors import InvalidArgument
 from ams.graph import (
     GraphMethod,

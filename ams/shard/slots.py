@@ -19,7 +19,7 @@ for pushes in place.
 What it costs: the spare slots' disk, and the rows spread over that many more pages, so a
 page cache of a given size holds a smaller share of them; the pages ahead of the cursor hold
 live rows beside the free slots, so they are read before they are written (in order, ahead of
-time: ``ams.storage.prefetch_slots_ahead``); and in RAM, the mapping ``slot_of`` (position ->
+time: ``ams.shard.storage.prefetch_slots_ahead``); and in RAM, the mapping ``slot_of`` (position ->
 slot) and a free-slot mask (1 byte per slot). The old row is read to be updated anyway.
 """
 

@@ -2,7 +2,8 @@
 graph build's work and time. Pure arithmetic on a job's sizes (no gRPC; the only I/O reads the
 rates file beside this module); ``xcls plan`` prints it.
 
-Memory follows the shard's own layout (``ams.store``, ``ams.storage``, ``ams.graph.csr``).
+Memory follows the shard's own layout (``ams.shard.store``, ``ams.shard.storage``,
+``ams.shard.neighbor_lists``).
 Shard i of S owns the classes c with c mod S == i, so shard 0 owns the most and its figures
 bound every shard's. Per owned class it keeps:
 
@@ -16,7 +17,7 @@ bound every shard's. Per owned class it keeps:
 Storage. ``memory`` keeps rows, state and clocks in RAM. ``mmap`` keeps them in files mapped
 into the shard: their pages are page cache that the kernel reads in on demand and evicts when
 memory is short, so they count as disk and as page cache (all of it for full speed, less costs
-disk reads), not as resident. The files hold ``ams.slots.SPARE_SLOTS`` more slots than rows
+disk reads), not as resident. The files hold ``ams.shard.slots.SPARE_SLOTS`` more slots than rows
 (a push moves its rows into free slots next to each other), and RAM holds each row's slot
 (int32 below 2**31 slots) and a free-slot mask (1 B a slot). The graph's lists are in an
 unlinked scratch file of the shard's (page cache, like the rows). What mmap leaves in RAM: the
@@ -27,9 +28,9 @@ Message buffers. A serving shard keeps the buffers of finished requests for the 
 client stream (each worker's prefetch pulls, rank 0's pushes), at most one per gRPC handler
 thread. The set's size is measured (``benchmarks/plan_rates.py``).
 
-Snapshots (``ams.snapshot``). Writing copies each table at one instant (memory: a copy in RAM
+Snapshots (``ams.shard.snapshot``). Writing copies each table at one instant (memory: a copy in RAM
 of rows, state and clocks; mmap: into scratch files, disk not RAM) and writes the piece in LMDB
-write transactions of at most ``ams.snapshot.COMMIT_BYTES``, whose pages LMDB holds in memory
+write transactions of at most ``ams.shard.snapshot.COMMIT_BYTES``, whose pages LMDB holds in memory
 until each commits: peak = resident + copy + one batch. Restoring reads a piece whole (each
 piece that holds rows of this shard, one at a time), selects this shard's rows from it (a
 temporary of the largest tensor) and assembles the new table beside the live one (memory: in
@@ -53,13 +54,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ams.dtypes import ROW_DTYPES
-from ams.graph.csr import id_dtype
 from ams.graph.ivf import TRAIN_ROWS_PER_LIST, resolve_nlist
-from ams.graph.select import budget_for_sample_rate
+from ams.shard.neighbor_lists import id_dtype
+from ams.shard.slots import slot_capacity, slot_dtype
+from ams.shard.snapshot import COMMIT_BYTES
+from ams.shard.storage import StorageKind
 from ams.sharding import owned_count
-from ams.slots import slot_capacity, slot_dtype
-from ams.snapshot import COMMIT_BYTES
-from ams.storage import StorageKind
 
 RATES_FILE = "plan_rates.json"
 CLOCK_BYTES = 8  # float64 decay clock per row
@@ -72,7 +72,7 @@ KMEANS_ITERATIONS = 10
 # Largest count of shards, hosts or workers a plan takes: far past any cluster, and it keeps
 # every product of the arithmetic finite.
 MAX_COUNT = 1 << 24
-MAX_CLASSES = 2**62  # ams.store.TableSpec's bound on num_rows
+MAX_CLASSES = 2**62  # ams.shard.store.TableSpec's bound on num_rows
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class Job:
     shards, hosts: S shards spread evenly over H hosts; workers: W data-parallel workers;
     batch_size: samples per step per worker; head: full | partial | knn; sample_rate, budget:
     the head's (budget 0: sample_rate * N; knn only); graph_k: neighbors per class kept in
-    the graph (0: no graph); storage: ``ams.storage.StorageKind``; graph_method: exact | ivf,
+    the graph (0: no graph); storage: ``ams.shard.storage.StorageKind``; graph_method: exact | ivf,
     nlist (0: auto), nprobe; snapshots_kept: complete snapshots kept on disk;
     handler_threads: a shard's gRPC handler threads (``xcls serve shard --workers``).
     """
@@ -212,7 +212,7 @@ class Job:
 
     @property
     def id_bytes(self) -> int:
-        """Bytes of one neighbor id in the graph (``ams.graph.csr.id_dtype``)."""
+        """Bytes of one neighbor id in the graph (``ams.shard.neighbor_lists.id_dtype``)."""
         return id_dtype(self.num_classes).itemsize
 
 
@@ -322,6 +322,13 @@ class StepTraffic:
     shard_in: int
 
 
+def budget_for_sample_rate(sample_rate: float, num_classes: int) -> int:
+    """PartialFC's budget: ``sample_rate * num_classes`` classes (at least 1)."""
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    return max(1, int(sample_rate * num_classes))
+
+
 def active_classes(job: Job) -> int:
     """Classes a worker's step pulls at most, by the head's rule (``workers.heads``): full
     all N; partial ``sample_rate * N``; knn ``budget``, or ``sample_rate * N`` when 0; never
@@ -387,9 +394,9 @@ class GraphBuild:
 def graph_build(job: Job, rates: Rates, *, in_memory_bytes: int, recall_queries: int
                 ) -> GraphBuild:
     """The full build of ``job``'s graph. ``in_memory_bytes``: the float32 rows up to which one
-    CPU builder searches in memory (``ams.graph_build.IN_MEMORY_BUILD_BYTES``);
+    CPU builder searches in memory (``ams.graph.build.IN_MEMORY_BUILD_BYTES``);
     ``recall_queries``: classes whose IVF lists are checked exactly
-    (``ams.graph_build.RECALL_QUERIES``)."""
+    (``ams.graph.build.RECALL_QUERIES``)."""
     n, d = job.num_classes, job.dim
     if job.graph_method == "exact":
         in_memory = n * d * 4 <= in_memory_bytes

@@ -1,11 +1,11 @@
 """Where one shard's table tensors live: in memory, or in files mapped into the process.
 
-A shard keeps three tensors per table (``ams.store``): rows (slots, dim) of the row dtype,
+A shard keeps three tensors per table (``ams.shard.store``): rows (slots, dim) of the row dtype,
 optimizer state (slots, state_width) of the state dtype, and each row's decay clock, float64
 (slots,). ``StorageKind.MEMORY`` keeps them in RAM, one slot per row: row p in slot p.
 ``StorageKind.MMAP`` keeps them in files mapped shared, so pushes write the files and the OS
 pages rows in and out: a shard's part of a table may exceed the machine's memory. An mmap
-table has spare slots and a slot map (``ams.slots.RowSlots``): each push moves the rows it
+table has spare slots and a slot map (``ams.shard.slots.RowSlots``): each push moves the rows it
 updates into free slots next to each other, so that it dirties few pages. Its layout, in a
 storage dir the shards may share::
 
@@ -56,11 +56,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ams import rowcopy, sharding
+from ams import sharding
 from ams.alloc import libc_function, zeros_on_huge_pages
 from ams.errors import InvalidArgument, RequestTooLarge, StorageError, StorageFull, shorten
 from ams.jsontext import parse_json
-from ams.slots import RowSlots, slot_capacity, slot_dtype
+from ams.shard import rowcopy
+from ams.shard.slots import RowSlots, slot_capacity, slot_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class StorageKind(StrEnum):
 
 
 class TableLayout(Protocol):
-    """What storage reads of a table spec (``ams.store.TableSpec``)."""
+    """What storage reads of a table spec (``ams.shard.store.TableSpec``)."""
 
     name: str
     num_rows: int
@@ -340,7 +341,7 @@ class MmapStorage(Storage):
 
     def capacity(self, spec: TableLayout) -> int:
         """Slots of this shard's files of ``spec``: its rows and spare slots
-        (``ams.slots``)."""
+        (``ams.shard.slots``)."""
         return slot_capacity(self.owned(spec))
 
     def _doc(self, spec: TableLayout, slots: int, closed: bool) -> dict:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ams import rowcopy, snapshot
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
-from ams.pieces import PushPieces
-from ams.store import ShardStore, TableSpec
-from ams.wire import REQUEST_BYTES
+from ams.shard import rowcopy, snapshot
+from ams.shard.store import ShardStore, TableSpec
+from ams.wire.limits import REQUEST_BYTES
+from ams.wire.pieces import PushPieces
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class LocalShard:
     """Shard ``shard_id`` of ``num_shards`` held in this process. ``data_dir``: where its
     snapshots go; ``keep_snapshots``: after each snapshot, keep only this many newest
-    complete steps of it (``ams.snapshot.prune_snapshots``; 0 keeps all); ``storage``,
+    complete steps of it (``ams.shard.snapshot.prune_snapshots``; 0 keeps all); ``storage``,
     ``storage_dir``: where its tables live (``ShardStore``)."""
 
     def __init__(self, shard_id: int, num_shards: int, data_dir: Path | None = None,

@@ -1,4 +1,4 @@
-"""ams.graph.select against a plain-Python model of KNN softmax's selection algorithm."""
+"""workers.selection against a plain-Python model of KNN softmax's selection algorithm."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ams.graph import budget_for_sample_rate, select_active, select_partial
-from ams.graph.select import select_weighted
+from ams.cluster.plan import budget_for_sample_rate
+from workers.selection import select_active, select_partial, select_weighted
 
 BIG = 5_000_000_000
 

@@ -9,12 +9,12 @@ REQUEST_BYTES = 32 << 20
 # Tensor bytes one reply may carry; the rest of MAX_MESSAGE_BYTES is left to the framing
 # (field tags, shapes). A shard checks this before it builds a reply, not after.
 MAX_REPLY_PAYLOAD_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
-# The data plane (ams.dataplane) sends a pull or push in pieces of about this many bytes of rows,
-# PIPELINE_WINDOW of them on the wire at once: the shard applies one while the next arrives.
+# The data plane (ams.dataplane) sends a pull or push in pieces of about this many bytes of
+# rows, # PIPELINE_WINDOW of them on the wire at once: the shard applies one while the next arrives.
 PIECE_BYTES = 2 << 20
 PIPELINE_WINDOW = 2
-# Pieces whose rows go through a shared buffer (ams.shm) instead: they do not cross a socket,
-# and each piece costs a round trip, so larger ones win (benchmarks/RESULTS.md, "AMS
+# Pieces whose rows go through a shared buffer (ams.dataplane.shm) instead: they do not cross
+# a socket, and each piece costs a round trip, so larger ones win (benchmarks/RESULTS.md, "AMS
 # pull/push").
 SHARED_PIECE_BYTES = 8 << 20
 GRPC_OPTIONS = [
@@ -24,6 +24,6 @@ GRPC_OPTIONS = [
 # The gRPC service name of a shard, under which its health is reported too.
 SHARD_SERVICE_NAME = "xcls.ams.Shard"
 # Call metadata: the shard process (incarnation) a reply comes from, and the one a caller
-# expects; a shard refuses a call that expects another with ABORTED (ams.server).
+# expects; a shard refuses a call that expects another with ABORTED (ams.server.service).
 INCARNATION_KEY = "xcls-incarnation"
 EXPECT_INCARNATION_KEY = "xcls-expect-incarnation"

@@ -1,4 +1,4 @@
-/* The sparse optimizer's row update as one loop over the pushed rows (ams/optim.py).
+/* The sparse optimizer's row update as one loop over the pushed rows (ams/shard/optim.py).
  *
  * Why C: in numpy and torch the update is a gather of the rows, a gather of their momentum,
  * four or five passes of float32 arithmetic over the gathered copies, two passes checking
@@ -7,12 +7,12 @@
  * while the rows a few places ahead are already being fetched, and written once: back into the
  * table (with a copy of the old row kept, to put back if a later row of the push comes out
  * non-finite and the push is refused) or, for a table whose pushes move rows to new slots,
- * into staging buffers that ams.optim scatters to them.
+ * into staging buffers that ams.shard.optim scatters to them.
  *
- * The arithmetic is ams.optim.SparseMomentumSGD's, in float32, rounded once to the stored
+ * The arithmetic is ams.shard.optim.SparseMomentumSGD's, in float32, rounded once to the stored
  * dtypes (round to nearest even), so the results equal the torch path's up to the rounding of
  * a fused multiply-add. Pointers and sizes are checked by the Python caller
- * (ams.optim._compiled_update); nothing here may be called with other arguments.
+ * (ams.shard.optim._compiled_update); nothing here may be called with other arguments.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -367,7 +367,7 @@ static PyMethodDef methods[] = {
      "momentum_sgd(in_place, rows, rows_dtype, state, state_dtype, positions, m, dim, grads, "
      "catch_up, momentum, weight_decay, lr, out_rows, out_state)\n"
      "-> (first bad row, first bad state)\n"
-     "Addresses are data pointers (0: none); use ams.optim, which checks them."},
+     "Addresses are data pointers (0: none); use ams.shard.optim, which checks them."},
     {"use_f16c", py_use_f16c, METH_VARARGS,
      "use_f16c(on) -> whether it was on. Convert float16 rows with the CPU's F16C instructions "
      "(on where the CPU has them, from import) or with integer arithmetic (what other CPUs "
@@ -377,8 +377,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "ams._kernels",
-    .m_doc = "Compiled row kernels of the shard's sparse optimizer (see ams/optim.py).",
+    .m_name = "ams.shard._kernels",
+    .m_doc = "Compiled row kernels of the shard's sparse optimizer (see ams/shard/optim.py).",
     .m_size = -1,
     .m_methods = methods,
 };

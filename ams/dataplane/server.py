@@ -1,4 +1,4 @@
-"""The AMS data plane: pulls and pushes as binary frames (``ams.frames``) on a TCP port beside
+"""The AMS data plane: pulls and pushes as binary frames (``ams.wire.frames``) on a TCP port beside
 the shard's gRPC port.
 
 gRPC stays the control plane (tables, snapshots, stats, graphs, health). Row payloads take
@@ -30,11 +30,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
-from ams import frames, rowcopy
+from ams.dataplane.shm import MIN_SHARED_BYTES, SharedArena, SharedBuffer
 from ams.errors import (
     AmsError,
     InvalidArgument,
@@ -43,11 +42,12 @@ from ams.errors import (
     Unavailable,
     error_from_code,
 )
-from ams.frames import FrameError, Header, Kind
-from ams.metrics import record_call
-from ams.pieces import PushPieces
-from ams.shm import MIN_SHARED_BYTES, SharedArena, SharedBuffer
-from ams.store import ShardStore
+from ams.shard import rowcopy
+from ams.shard.metrics import record_call
+from ams.shard.store import ShardStore
+from ams.wire import frames
+from ams.wire.frames import FrameError, Header, Kind
+from ams.wire.pieces import PushPieces
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,7 @@ class DataPlaneServer:
         buffer, for frames whose rows are there."""
         method = frame.header.kind.name.capitalize()  # Pull, Push, Scan in the metrics
         started = time.perf_counter()
-        code: grpc.StatusCode | None = None
+        code: str | None = None
         try:
             if not self.ready.is_set():
                 raise Unavailable("the shard is restoring its snapshot; it serves once health "
@@ -490,11 +490,11 @@ class DataPlaneServer:
                 applied = self._push(table, frame)
                 send_frame(sock, Kind.PUSHED, {"applied": applied})
         except AmsError as e:
-            code = grpc.StatusCode[e.code]
+            code = e.code
             self._send_error(sock, e)
         except Exception as e:  # answer and keep serving; the log has the trace
             log.exception("dataplane_failed method=%s", method)
-            code = grpc.StatusCode.INTERNAL
+            code = "INTERNAL"
             self._send_error(sock, error_from_code("INTERNAL", f"{type(e).__name__}: {e}"))
         finally:
             record_call(method, time.perf_counter() - started, code)
@@ -589,8 +589,8 @@ class DataConnection:
     process of the shard refuses the HELLO with ABORTED). Not thread-safe; ``RemoteShard``
     keeps a pool.
 
-    ``arena``: the client's shared buffer (``ams.shm``), offered to the shard; a shard on the
-    same host maps it, and the rows of large pulls and pushes then bypass the socket
+    ``arena``: the client's shared buffer (``ams.dataplane.shm``), offered to the shard; a
+    shard on the same host maps it, and the rows of large pulls and pushes then bypass the socket
     (``shared`` is the arena; None: rows travel in the frames). Never with TLS.
     """
 

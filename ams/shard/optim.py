@@ -10,8 +10,8 @@ with each push, and each row remembers the clock it was last brought up to. A ro
 steps is first multiplied by ``exp(row_clock - D_t)``, exactly the decay those steps would have
 applied; with momentum 0 the rows then equal dense ``torch.optim.SGD`` on the whole table.
 
-The update runs in ams/_kernels.c, one pass over the pushed rows, where the install compiled it
-(it needs a C compiler), and in torch and numpy otherwise; the two give the same values up to
+The update runs in ams/shard/_kernels.c, one pass over the pushed rows, where the install compiled
+it (it needs a C compiler), and in torch and numpy otherwise; the two give the same values up to
 float32 rounding (tests/test_optim.py).
 """
 
@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ams import rowcopy
+from ams.shard import rowcopy
 
 try:
-    import ams._kernels as _kernels
+    import ams.shard._kernels as _kernels
 except ImportError:  # not compiled: a source tree, or a host without a C compiler
     _kernels = None
 
-# The dtype codes of ams/_kernels.c
+# The dtype codes of ams/shard/_kernels.c
 _KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _UNCHECKED = ("unchecked", -1)
 # The ways this process can run the update (``update_path``)
@@ -43,7 +43,7 @@ def update_path(name: str) -> Iterator[None]:
     """Run this process's updates the named way for the block, one of ``UPDATE_PATHS``: the
     compiled loop, the compiled loop with float16 converted without the F16C instructions (as
     CPUs without them, ARM's included, run it), or torch and numpy (as a host without a C
-    compiler runs it). For tests and benchmarks; the compiled ways need ams._kernels built."""
+    compiler runs it). For tests and benchmarks; the compiled ways need ams.shard._kernels built."""
     global _kernels
     if name not in UPDATE_PATHS:
         raise ValueError(f"update path {name!r} is not one of {UPDATE_PATHS}")
@@ -56,7 +56,7 @@ def update_path(name: str) -> Iterator[None]:
             _kernels = kernels
         return
     if kernels is None:
-        raise RuntimeError("ams._kernels is not built here: install xcls with a C compiler")
+        raise RuntimeError("ams.shard._kernels is not built here: install xcls with a C compiler")
     before = kernels.use_f16c(name == "compiled")
     try:
         yield
@@ -151,7 +151,7 @@ class SparseMomentumSGD:
         if _kernels is not None:
             return self._compiled_update(False, rows, state, positions, grads, lr, catch_up)
         # rowcopy: torch's index kernels are several times slower for these copies on a busy
-        # CPU (ams/rowcopy.py)
+        # CPU (ams/shard/rowcopy.py)
         w = rowcopy.gather(rows, positions).to(torch.float32)
         if catch_up is not None:
             w.mul_(catch_up.to(torch.float32)[:, None])
@@ -191,7 +191,7 @@ class SparseMomentumSGD:
     def _compiled_update(self, in_place: bool, rows: torch.Tensor, state: torch.Tensor,
                          positions: torch.Tensor, grads: torch.Tensor, lr: float,
                          catch_up: torch.Tensor | None) -> RowUpdate:
-        """One pass of ams/_kernels.c: ``compute`` (in_place False: the new values), or
+        """One pass of ams/shard/_kernels.c: ``compute`` (in_place False: the new values), or
         ``step`` (True: the table updated, the old values returned, and where the first
         non-finite value is). The kernel reads and writes raw memory, so every tensor it
         touches is checked here to be a contiguous CPU tensor of the right shape and dtype,

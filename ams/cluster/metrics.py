@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ams.lease import Lease, LeaseTable, Role
+from ams.cluster.lease import Lease, LeaseTable, Role
 
 LEASE_EXPIRIES = Counter(
     "xcls_scheduler_lease_expiries_total",

@@ -15,10 +15,10 @@ import torch
 from ams.api import shard_pb2 as pb
 from ams.dtypes import torch_dtype, wire_dtype
 from ams.errors import InvalidArgument, shorten
-from ams.store import TableSpec
+from ams.shard.store import TableSpec
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
-    raise ImportError("ams.codec assumes a little-endian host")
+    raise ImportError("ams.wire.codec assumes a little-endian host")
 
 
 def encode(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:

@@ -1,7 +1,7 @@
 """The AMS data plane's binary frame: a fixed header, a small JSON meta, then raw ids and rows.
 
 Pulls and pushes move their ids, rows and gradients in these frames over a TCP connection
-beside the shard's gRPC port (``ams.dataplane``), never through protobuf. The layout is
+beside the shard's gRPC port (``ams.dataplane.server``), never through protobuf. The layout is
 specified in ``proto/ams/api/frames.md``; this module is its only implementation, pure (no
 sockets), so that both ends and the tests share it.
 """
@@ -20,14 +20,14 @@ import torch
 from ams.dtypes import torch_dtype, wire_dtype
 from ams.errors import InvalidArgument, RequestTooLarge, shorten
 from ams.jsontext import parse_json
-from ams.wire import MAX_MESSAGE_BYTES
+from ams.wire.limits import MAX_MESSAGE_BYTES
 
 MAGIC = b"XAMS"
 VERSION = 1
 # magic, version, kind, dtype, flags, meta bytes, dim, ids, rows, body bytes
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 MAX_META_BYTES = 64 << 10
-# One frame's body may be as large as a gRPC message may be (ams.wire).
+# One frame's body may be as large as a gRPC message may be (ams.wire.limits).
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES
 
 
@@ -50,10 +50,10 @@ REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: ``Kind(code)`` costs more
 
 
-# A header's flags. SHARED: the rows are not in the body but in the connection's shared
-# buffer (``ams.shm``) at the meta's "offset"; on a PULL, where the answer's rows are asked
-# for. POSITIONS (a shared PULL only): the ids are followed by as many int64 positions, and
-# the row of ids[j] goes to row positions[j] of the region at "offset", not to row j.
+# A header's flags. SHARED: the rows are not in the body but in the connection's shared buffer
+# (``ams.dataplane.shm``) at the meta's "offset"; on a PULL, where the answer's rows are asked for.
+# POSITIONS (a shared PULL only): the ids are followed by as many int64 positions, and the row of
+# ids[j] goes to row positions[j] of the region at "offset", not to row j.
 SHARED_FLAG = 0x01
 POSITIONS_FLAG = 0x02
 KNOWN_FLAGS = SHARED_FLAG | POSITIONS_FLAG

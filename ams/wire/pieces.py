@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ams import rowcopy
+from ams.shard import rowcopy
 
 
 class PushPiece(NamedTuple):
@@ -30,7 +30,8 @@ class PushPiece(NamedTuple):
 def piece_sizes(rows: int, most: int) -> list[int]:
     """``rows`` cut into as few pieces of at most ``most`` rows as they take (one of 0 rows
     for none), their sizes differing by one at most: no short last piece, which would wait on
-    the wire alone and fall below the shared buffer's minimum (``ams.shm.MIN_SHARED_BYTES``)."""
+    the wire alone and fall below the shared buffer's minimum
+    (``ams.dataplane.shm.MIN_SHARED_BYTES``)."""
     count = max(1, -(-rows // max(1, most)))
     base, longer = divmod(rows, count)
     return [base + 1] * longer + [base] * (count - longer)

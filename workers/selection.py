@@ -9,7 +9,7 @@ Both samplers share one signature so a head can swap them:
   column of each sample in the (B, A) logits.
 
 Neighbor lists come dense: (B, k) int64 in rank order, -1 padding a short list (a table lookup
-result becomes this with ``ams.graph.csr.lists_to_dense``).
+result becomes this with ``ams.shard.neighbor_lists.lists_to_dense``).
 
 Selection runs on CPU (the prefetch thread), on CPU tensors. The sorts inside go through numpy:
 torch's multi-threaded CPU sort of a few 100k int64 is many times slower than numpy's whenever
@@ -26,13 +26,6 @@ import torch
 from torch import Tensor
 
 from ams.sharding import owned_count
-
-
-def budget_for_sample_rate(sample_rate: float, num_classes: int) -> int:
-    """PartialFC's budget: ``sample_rate * num_classes`` classes (at least 1)."""
-    if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    return max(1, int(sample_rate * num_classes))
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,10 @@ from ams import sharding
 from ams.alloc import release_free_memory
 from ams.dtypes import ROW_DTYPES
 from ams.errors import AmsError, RequestTooLarge, SnapshotError, StorageError, shorten
-from ams.graph.csr import INT32_CLASSES, NeighborTable
 from ams.jsontext import parse_json
-from ams.sharding import piece_name
-from ams.storage import TableTensors, fsync_path
-from ams.store import (
+from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable
+from ams.shard.storage import TableTensors, fsync_path
+from ams.shard.store import (
     MAX_CLIENT_ID,
     PUSH_DEDUPE_CLIENTS,
     PUSH_DEDUPE_WINDOW,
@@ -53,6 +52,7 @@ from ams.store import (
     TableCopy,
     TableSpec,
 )
+from ams.sharding import piece_name
 
 log = logging.getLogger(__name__)
 
@@ -600,7 +600,7 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         if acc is None:
             staged = store.storage.stage(spec)
             owned = store.storage.owned(spec)
-            # staged rows are in position order: row p in slot p (``ams.slots``)
+            # staged rows are in position order: row p in slot p (``ams.shard.slots``)
             acc = out[name] = {
                 "spec": spec, "staged": staged, "clock": 0.0, "owned": owned,
                 "filled": torch.zeros(owned, dtype=torch.bool),

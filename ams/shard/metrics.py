@@ -1,11 +1,10 @@
 """Prometheus metrics of a shard process (docs/architecture.md, "Metrics").
 
-Two sources: a gRPC server interceptor that times every call of the shard service and counts
-its refusals by status code, and a collector that reads the stores' own counters
-(``ShardStore.stats``) when Prometheus scrapes, so nothing is counted twice. All metrics live in
-the process-wide default registry; ``xcls serve shard --metrics-port`` serves it.
-
-    interceptors.insert(0, instrument_store(store))  # first: it sees the refusals of the others
+Two sources: ``record_call``, which both planes' servers call once per request (the gRPC
+calls through ``ams.server.interceptors.RequestMetricsInterceptor``), and a collector that
+reads the stores' own counters (``ShardStore.stats``) when Prometheus scrapes, so nothing is
+counted twice. All metrics live in the process-wide default registry; ``xcls serve shard
+--metrics-port`` serves it.
 """
 
 from __future__ import annotations
@@ -13,19 +12,15 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import grpc
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ams.store import ShardStore
-
-# Calls of the shard service only; health checks would drown the latencies that matter.
-SHARD_METHOD_PREFIX = "/xcls.ams.Shard/"
+    from ams.shard.store import ShardStore
 
 REQUEST_SECONDS = Histogram(
     "xcls_shard_request_seconds", "Time a shard takes to answer one call, refusals included",
@@ -71,55 +66,19 @@ def _request_seconds(method: str) -> Histogram:
     return REQUEST_SECONDS.labels(method)
 
 
-def record_call(method: str, seconds: float, code: grpc.StatusCode | None) -> None:
-    """Record one finished call of the shard service; ``code`` None means OK."""
+def record_call(method: str, seconds: float, code: str | None) -> None:
+    """Record one finished call of the shard service; ``code``: its status code's name (None
+    or "OK": it succeeded)."""
     _request_seconds(method).observe(seconds)
-    if code is not None and code != grpc.StatusCode.OK:
-        REQUEST_ERRORS.labels(method, code.name).inc()
+    if code is not None and code != "OK":
+        REQUEST_ERRORS.labels(method, code).inc()
         if method == "Push":
-            PUSH_REJECTIONS.labels(code.name).inc()
+            PUSH_REJECTIONS.labels(code).inc()
         return
     if method == "Snapshot":
         record_snapshot(seconds)
     elif method == "Restore":
         record_restore()
-
-
-class RequestMetricsInterceptor(grpc.ServerInterceptor):
-    """Times each call of the shard service and counts how it ended. Put it first among the
-    server's interceptors: the handler it wraps is then whatever the others chose, so a call
-    they refuse (authentication, a stale incarnation) is counted too."""
-
-    def intercept_service(self, continuation: Callable, handler_call_details: object) -> object:
-        handler = continuation(handler_call_details)
-        name: str = handler_call_details.method
-        if handler is None or not name.startswith(SHARD_METHOD_PREFIX):
-            return handler
-        method = name[len(SHARD_METHOD_PREFIX):]
-        if handler.unary_unary is not None:  # every shard call is unary
-            return handler._replace(unary_unary=_timed_unary(method, handler.unary_unary))
-        return handler
-
-
-def _outcome(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode | None:
-    """The status a call ends with: the one it aborted or set, UNKNOWN for an escaped error."""
-    code = context.code()
-    if code is None and failed:
-        return grpc.StatusCode.UNKNOWN
-    return code
-
-
-def _timed_unary(method: str, behavior: Callable) -> Callable:
-    def timed(request: object, context: grpc.ServicerContext) -> object:
-        started, failed = time.perf_counter(), True
-        try:
-            reply = behavior(request, context)
-            failed = False
-            return reply
-        finally:
-            record_call(method, time.perf_counter() - started, _outcome(context, failed))
-
-    return timed
 
 
 class StoreCollector(Collector):
@@ -155,7 +114,6 @@ STORES = StoreCollector()
 REGISTRY.register(STORES)
 
 
-def instrument_store(store: ShardStore) -> RequestMetricsInterceptor:
-    """Export ``store``'s counters and return the interceptor that times the calls serving it."""
+def watch_store(store: ShardStore) -> None:
+    """Export ``store``'s counters and sizes (read when Prometheus scrapes)."""
     STORES.watch(store)
-    return RequestMetricsInterceptor()
