@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING, Any
 from ams.errors import AmsError
 
 if TYPE_CHECKING:
-    from ams.client.sharded import ShardedClient, connect
-    from ams.shard.store import ShardStore, TableSpec
+    from ams.client.connect import connect
+    from ams.client.sharded import ShardedClient
+    from ams.shard.spec import TableSpec
+    from ams.shard.store import ShardStore
 
 __all__ = ["AmsError", "ShardStore", "ShardedClient", "TableSpec", "connect"]
 
 # The public names imported on first use, and the module each lives in.
-_LAZY = {"connect": "ams.client.sharded", "ShardedClient": "ams.client.sharded",
-         "ShardStore": "ams.shard.store", "TableSpec": "ams.shard.store"}
+_LAZY = {"connect": "ams.client.connect", "ShardedClient": "ams.client.sharded",
+         "ShardStore": "ams.shard.store", "TableSpec": "ams.shard.spec"}
 
 
 def __getattr__(name: str) -> Any:

@@ -60,8 +60,8 @@ import torch
 import ams
 from ams import sharding
 from ams.alloc import keep_large_buffers
+from ams.limits import GRPC_OPTIONS
 from ams.shard import rowcopy
-from ams.wire.limits import GRPC_OPTIONS
 from xcls.shards import shard_processes
 
 ROOT = Path(__file__).resolve().parent.parent

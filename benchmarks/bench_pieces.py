@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import ams
-from ams.wire.limits import PIECE_BYTES, SHARED_PIECE_BYTES
+from ams.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 from xcls.shards import shard_processes
 
 

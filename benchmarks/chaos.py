@@ -47,7 +47,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ams.shard.snapshot import read_piece, step_dir  # noqa: E402
+from ams.shard.restore import read_piece  # noqa: E402
+from ams.shard.snapshot import step_dir  # noqa: E402
 
 PIECES = ("shard-00000-of-00002", "shard-00001-of-00002")
 

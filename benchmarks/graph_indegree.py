@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ams.shard.snapshot import read_piece
+from ams.shard.restore import read_piece
 
 
 def load_graph(run_dir: Path, table: str) -> torch.Tensor:

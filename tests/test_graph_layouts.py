@@ -1,6 +1,5 @@
 """Compact neighbor graphs in the store and in snapshots: the layout (fixed width or CSR) and id
-dtype (int32 or int64) kept, sent and stored, against plain Python lists; format-3 snapshots
-(int64 CSR graphs) written by hand and read."""
+dtype (int32 or int64) kept, sent and stored, against plain Python lists."""
 
 from __future__ import annotations
 
@@ -8,14 +7,13 @@ import hashlib
 import json
 from pathlib import Path
 
-import lmdb
 import pytest
 import torch
 
 import ams
 from ams import errors
 from ams.errors import SnapshotError
-from ams.shard import snapshot
+from ams.shard import restore, snapshot
 from ams.shard.store import ShardStore, TableSpec
 
 N, D, K = 103, 4, 5
@@ -168,89 +166,6 @@ def test_graph_round_trip_through_snapshots_keeps_the_layout(tmp_path, old, new,
         assert g.fixed == all(len(lists[c]) == K for c in mine)
 
 
-def rewrite_as_format_3(piece: Path) -> None:
-    """Turn a piece into format 3 by hand: each graph as int64 CSR values (graph_offsets,
-    graph_neighbors), no layout or id_dtype in the manifest, and format 3's checksums (a
-    SHA-256 over every value in read order, the data file's, the manifest's)."""
-    manifest = manifest_of(piece)
-    env = lmdb.open(str(piece), subdir=True, lock=False,
-                    map_size=4 * (piece / "data.mdb").stat().st_size + (64 << 20))
-    with env.begin(write=True) as txn:
-        for name, entry in manifest["tables"].items():
-            graph = entry["graph"]
-            if graph is None:
-                continue
-            values = {}
-            for key in ("offsets", "neighbors"):
-                if key in graph:
-                    desc = graph[key]
-                    raw = b"".join(txn.get(f"{name}/graph_{key}/{i:06d}".encode())
-                                   for i in range(desc["chunks"]))
-                    values[key] = torch.frombuffer(bytearray(raw), dtype=getattr(
-                        torch, desc["dtype"])).reshape(desc["shape"])
-                    for i in range(desc["chunks"]):
-                        txn.delete(f"{name}/graph_{key}/{i:06d}".encode())
-            neighbors = values["neighbors"]
-            offsets = values.get("offsets")
-            if offsets is None:  # fixed width (n, k) -> CSR
-                n, k = neighbors.shape
-                offsets = torch.arange(n + 1, dtype=torch.int64) * k
-            flat = neighbors.reshape(-1).to(torch.int64)
-            entry["graph"] = {"version": graph["version"], "step": graph["step"],
-                              "k": graph["k"]}
-            for key, t in (("offsets", offsets), ("neighbors", flat)):
-                data = t.numpy().tobytes()
-                chunks = [data[i:i + snapshot.CHUNK_BYTES]
-                          for i in range(0, len(data), snapshot.CHUNK_BYTES)]
-                for i, chunk in enumerate(chunks):
-                    txn.put(f"{name}/graph_{key}/{i:06d}".encode(), chunk)
-                entry["graph"][key] = {"dtype": "int64", "shape": list(t.shape),
-                                       "chunks": len(chunks)}
-        digest = hashlib.sha256()
-        for name, entry in manifest["tables"].items():
-            keys = ["rows", "state", "row_clock", "push_dedupe"]
-            if entry["graph"] is not None:
-                keys += ["graph_offsets", "graph_neighbors"]
-            for key in keys:
-                desc = entry[key] if not key.startswith("graph_") else entry["graph"][key[6:]]
-                for i in range(desc["chunks"]):
-                    digest.update(txn.get(f"{name}/{key}/{i:06d}".encode()))
-    env.sync(True)
-    env.close()
-    (piece / "lock.mdb").unlink(missing_ok=True)
-    data = (piece / "data.mdb").read_bytes()
-    manifest["format_version"] = 3
-    manifest["checksum"] = "sha256:" + digest.hexdigest()
-    manifest["files"] = {"data.mdb": {"size": len(data),
-                                      "sha256": hashlib.sha256(data).hexdigest()}}
-    text = json.dumps(manifest, indent=1).encode()
-    (piece / "manifest.json").write_bytes(text)
-    (piece / "manifest.sha256").write_text(f"{hashlib.sha256(text).hexdigest()}  "
-                                           "manifest.json\n")
-
-
-@pytest.mark.parametrize("new", [2, 3])
-@pytest.mark.parametrize("short", [{}, {4: 2, 50: 1}])
-def test_format_3_snapshot_is_read_and_converted(tmp_path, new, short):
-    lists = model_lists(short)
-    client_with_graph(tmp_path, 2, lists).snapshot(step=1)
-    for piece in pieces(tmp_path, 1):
-        rewrite_as_format_3(piece)
-        graph = manifest_of(piece)["tables"]["fc"]["graph"]
-        assert graph["neighbors"]["dtype"] == "int64" and "layout" not in graph
-    dst = ams.connect(local_shards=new, data_dir=tmp_path)
-    assert dst.restore() == 1
-    assert torch.equal(dst.neighbors("fc", torch.arange(N)), padded(lists))
-    for s, g in enumerate(graphs(dst)):
-        assert g.neighbors.dtype == torch.int32 and g.k == K
-        assert g.fixed == all(len(lists[c]) == K for c in range(s, N, new))
-    dst.snapshot(step=2)  # written again in format 4
-    for piece in pieces(tmp_path, 2):
-        manifest = manifest_of(piece)
-        assert manifest["format_version"] == 4
-        assert manifest["tables"]["fc"]["graph"]["id_dtype"] == "int32"
-
-
 def reseal(piece: Path, change) -> None:
     """Apply ``change`` to the manifest and write its matching checksum, as a writer with a
     bug would, so only the field checks stand in the way."""
@@ -273,7 +188,7 @@ def _graph(m: dict) -> dict:
     (lambda m: _graph(m).update(k=K + 1), "shape"),
     (lambda m: _graph(m).update(offsets=_graph(m)["neighbors"]), "no offsets"),
     (lambda m: _graph(m).update(layout="csr"), "KeyError"),
-    (lambda m: m.update(format_version=2), "format_version 2, this build reads 3 and 4"),
+    (lambda m: m.update(format_version=3), "format_version 3, this build reads 4"),
 ])
 def test_malformed_graph_manifest_is_refused(tmp_path, change, needle):
     client = client_with_graph(tmp_path, 1, model_lists())
@@ -281,5 +196,5 @@ def test_malformed_graph_manifest_is_refused(tmp_path, change, needle):
     reseal(pieces(tmp_path, 1)[0], change)
     fresh = ShardStore(0, 1)
     with pytest.raises(SnapshotError, match=needle):
-        snapshot.restore_into(fresh, tmp_path, step=1)
+        restore.restore_into(fresh, tmp_path, step=1)
     assert fresh.tables == {}

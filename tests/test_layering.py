@@ -2,6 +2,10 @@
 
 Layers, lowest first: ``ams`` (model server) and ``bridge`` (feature cache) stand alone,
 ``workers`` (training) builds on both, ``xcls`` (the command line and run assembly) on all.
+Inside ``ams``, each room (a folder by concept) imports only the rooms below it: the shared
+vocabulary at the bottom, then the shard's state, the wire, the data plane, the shard server
+and the client, the cluster; the graph's algorithms stand beside the shard, and the graph build
+is a job over the client (``AMS_ROOMS``).
 Every import counts, at module level, inside functions and under ``TYPE_CHECKING`` alike: a
 lazy import still ties the modules together, only later. No ``xcls/*_cmd.py`` imports another
 one; what two commands share lives in a library module they both import.
@@ -27,6 +31,22 @@ ALLOWED = {
     "xcls": {"ams", "bridge", "workers", "xcls"},
 }
 COMMAND_MODULE = re.compile(r"^xcls\.\w+_cmd$")
+# The rooms of ``ams`` and what each may import (itself included). A module's room is the
+# longest of these prefixes it has; the top-level modules of ``ams`` are its vocabulary
+# ("base"), and ``ams`` itself (the package, which names the public API) may import any room.
+AMS_ROOMS = {
+    "ams.api": {"ams.api"},  # generated stubs
+    "base": {"base"},  # errors, dtypes, sharding, limits, addresses, alloc, jsontext
+    "ams.shard": {"base", "ams.shard"},
+    "ams.graph": {"base", "ams.graph"},
+    "ams.wire": {"base", "ams.api", "ams.shard", "ams.wire"},
+    "ams.dataplane": {"base", "ams.shard", "ams.wire", "ams.dataplane"},
+    "ams.server": {"base", "ams.api", "ams.shard", "ams.wire", "ams.dataplane", "ams.server"},
+    "ams.client": {"base", "ams.api", "ams.shard", "ams.wire", "ams.dataplane", "ams.client"},
+    "ams.cluster": {"base", "ams.api", "ams.shard", "ams.graph", "ams.wire", "ams.server",
+                    "ams.cluster"},
+    "ams.graph.build": {"base", "ams.shard", "ams.graph", "ams.client", "ams.graph.build"},
+}
 
 
 @dataclass(frozen=True)
@@ -169,10 +189,26 @@ def find_cycles(imports: list[Import]) -> list[list[Import]]:
     return cycles
 
 
+def ams_room(module: str) -> str | None:
+    """The room of an ``ams`` module (``AMS_ROOMS``); None for the package itself and for
+    modules outside ``ams``."""
+    if module == "ams" or not module.startswith("ams."):
+        return None
+    rooms = [room for room in AMS_ROOMS if module == room or module.startswith(room + ".")]
+    return max(rooms, key=len) if rooms else "base"
+
+
 def layering_violations(imports: list[Import]) -> list[str]:
-    """Imports against the layering: upward across packages, or between command modules."""
+    """Imports against the layering: upward across packages or across the rooms of ``ams``,
+    or between command modules."""
     bad = []
     for imp in imports:
+        room, target_room = ams_room(imp.module), ams_room(imp.target)
+        if room is not None and target_room is not None \
+                and target_room not in AMS_ROOMS[room]:
+            bad.append(f"{imp}: {room} may import only "
+                       f"{', '.join(sorted(AMS_ROOMS[room]))} of ams")
+            continue
         layer, target_layer = imp.module.split(".")[0], imp.target.split(".")[0]
         if target_layer not in ALLOWED[layer]:
             bad.append(f"{imp}: {layer} may import only "
@@ -212,14 +248,21 @@ def test_checks_catch_a_cycle_and_an_upward_import(tmp_path):
     (tmp_path / "xcls" / "run.py").write_text("import ams.c\nimport torch\n")
     (tmp_path / "xcls" / "a_cmd.py").write_text("from xcls import b_cmd\n")
     (tmp_path / "xcls" / "b_cmd.py").write_text("")
+    (tmp_path / "ams" / "shard").mkdir()
+    (tmp_path / "ams" / "shard" / "__init__.py").write_text("")
+    (tmp_path / "ams" / "shard" / "store.py").write_text("import ams.client.remote\n")
+    (tmp_path / "ams" / "client").mkdir()
+    (tmp_path / "ams" / "client" / "__init__.py").write_text("")
+    (tmp_path / "ams" / "client" / "remote.py").write_text("import ams.shard\n")
     imports = project_imports(module_names(tmp_path, ("ams", "xcls")))
     cycles = find_cycles(imports)
     assert [[(i.module, i.target) for i in c] for c in cycles] == [
         [("ams.a", "ams.b"), ("ams.b", "ams.a")], [("ams.c", "xcls.run"), ("xcls.run", "ams.c")]]
-    bad = layering_violations(imports)
-    assert len(bad) == 2
+    bad = sorted(layering_violations(imports))
+    assert len(bad) == 3
     assert "ams/c.py:3: ams.c imports xcls.run" in bad[0]
-    assert "xcls/a_cmd.py:1: xcls.a_cmd imports xcls.b_cmd" in bad[1]
+    assert "shard/store.py:1: ams.shard.store imports ams.client.remote" in bad[1]
+    assert "xcls/a_cmd.py:1: xcls.a_cmd imports xcls.b_cmd" in bad[2]
 
 
 # Each module is imported in a forked child of one process that has loaded only the heavy

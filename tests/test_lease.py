@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ams.addresses import parse_address
 from ams.cluster.lease import (
     MAX_WORKER_SLOTS,
     LeaseStatus,
@@ -12,7 +13,6 @@ from ams.cluster.lease import (
     Renewal,
     Role,
     ShardMap,
-    parse_address,
 )
 from ams.errors import FailedPrecondition, InvalidArgument
 

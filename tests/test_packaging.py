@@ -46,9 +46,10 @@ def test_wheel_ships_the_example_configs_and_the_stubs(wheel):
     names = set(wheel.namelist())
     shipped = {f"xcls/configs/{p.name}" for p in example_configs()}
     assert shipped and shipped <= names
-    assert {"ams/api/shard_pb2.py", "ams/api/shard_pb2_grpc.py", "ams/plan_rates.json"} <= names
+    assert {"ams/api/shard_pb2.py", "ams/api/shard_pb2_grpc.py",
+            "ams/cluster/plan_rates.json"} <= names
     if shutil.which("cc") or shutil.which("gcc"):  # the optional compiled row update
-        assert [n for n in names if n.startswith("ams/_kernels.") and n.endswith(".so")], names
+        assert [n for n in names if n.startswith("ams/shard/_kernels.") and n.endswith(".so")], names
 
 
 def test_wheel_requirements_have_no_pins_and_no_code_generator(wheel):

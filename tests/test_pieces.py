@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ams.wire.pieces import PushPieces, ascending_unique, piece_sizes
+from ams.shard.rowcopy import ascending_unique
+from ams.wire.pieces import PushPieces, piece_sizes
 
 
 @pytest.mark.parametrize("rows, most", [(0, 4), (1, 4), (4, 4), (5, 4), (10_000, 4096),

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ams.errors import SnapshotError
-from ams.shard import snapshot
+from ams.shard import restore, snapshot
+from ams.shard.manifest import FORMAT_VERSION, load_manifest, verify_files
 from ams.wire.pieces import PushPieces
 from tests.conftest import Storages, in_position_order
 
@@ -114,7 +115,7 @@ def test_manifest_describes_the_piece(tmp_path):
     trained_client(tmp_path, 2).snapshot(step=7)
     manifest = json.loads((snapshot.step_dir(tmp_path, 7) / snapshot.piece_name(1, 2)
                            / "manifest.json").read_text())
-    assert manifest["format_version"] == snapshot.FORMAT_VERSION
+    assert manifest["format_version"] == FORMAT_VERSION
     assert manifest["step"] == 7 and manifest["shard_id"] == 1 and manifest["num_shards"] == 2
     table = manifest["tables"]["fc"]
     assert table["spec"]["num_rows"] == N and table["spec"]["dim"] == D
@@ -126,7 +127,7 @@ def test_garbage_manifest_is_refused(tmp_path):
     trained_client(tmp_path, 1).snapshot(step=1)
     (snapshot.step_dir(tmp_path, 1) / snapshot.piece_name(0, 1) / "manifest.json").write_text("{")
     with pytest.raises(SnapshotError, match="manifest unreadable"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path)
 
 
 def two_steps(data_dir, num_shards=1):
@@ -201,7 +202,7 @@ def test_edited_manifest_falls_back_to_previous_step(tmp_path, edit):
     edit_manifest(piece_dir(tmp_path, 2), {**PLAUSIBLE_EDITS, **MALFORMED_EDITS}[edit],
                   reseal=False)
     with pytest.raises(SnapshotError, match="manifest unreadable: its SHA-256 does not match"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -210,7 +211,7 @@ def test_malformed_manifest_with_valid_checksum_is_refused(tmp_path, edit):
     good = two_steps(tmp_path)
     edit_manifest(piece_dir(tmp_path, 2), MALFORMED_EDITS[edit], reseal=True)
     with pytest.raises(SnapshotError, match="malformed manifest|format_version"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -221,7 +222,7 @@ def test_manifest_nested_too_deep_with_valid_checksum_is_refused(tmp_path):
     (piece_dir(tmp_path, 2) / "manifest.sha256").write_text(
         f"{hashlib.sha256(text).hexdigest()}  manifest.json\n")
     with pytest.raises(SnapshotError, match="manifest unreadable"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -252,7 +253,7 @@ def test_truncated_data_file_is_found_before_lmdb_opens_it(tmp_path):
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     with pytest.raises(SnapshotError, match="truncated or damaged"):
-        snapshot.verify_files(piece, snapshot.load_manifest(piece))
+        verify_files(piece, load_manifest(piece))
 
 
 def test_changed_value_behind_forged_file_checksums_is_caught(tmp_path):
@@ -269,7 +270,7 @@ def test_changed_value_behind_forged_file_checksums_is_caught(tmp_path):
         {"data.mdb": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}),
         reseal=True)
     with pytest.raises(SnapshotError, match="checksum mismatch"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path, step=2)
     restores_step_1(tmp_path, good)
 
 
@@ -471,18 +472,18 @@ def test_large_table_beyond_lmdb_default_map_size(tmp_path):
     client = STORAGE.connect(local_shards=1, data_dir=tmp_path)
     client.create_table("big", num_rows=40_000, dim=128)  # 20 MiB rows + 20 MiB momentum
     client.snapshot(step=0)
-    snapshot.restore_into(store, tmp_path)
+    restore.restore_into(store, tmp_path)
     assert torch.equal(in_position_order(store, "big")[0],
                        in_position_order(client.shards[0].store, "big")[0])
 
 
 def test_no_snapshot_at_all(tmp_path):
     with pytest.raises(SnapshotError, match="no snapshots"):
-        snapshot.restore_into(STORAGE.store(0, 1), tmp_path)
+        restore.restore_into(STORAGE.store(0, 1), tmp_path)
 
 
 def test_a_restore_loads_exactly_the_pieces_that_hold_its_rows():
-    from ams.shard.snapshot import _shares_rows
+    from ams.shard.restore import _shares_rows
 
     for old_count in range(1, 7):
         for count in range(1, 7):

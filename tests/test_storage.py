@@ -1,4 +1,4 @@
-"""mmap storage (ams.storage): tables kept across close and reopen, a table not closed
+"""mmap storage (ams.shard.mapped): tables kept across close and reopen, a table not closed
 discarded, damaged or foreign files refused with nothing deleted, a full disk or file-size limit
 refused with nothing left behind, restores that swap files only when they succeed, snapshot
 copies kept out of RAM. The store and snapshot suites also run whole on mmap."""
@@ -22,9 +22,10 @@ import torch
 
 import ams
 from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
-from ams.shard import snapshot
+from ams.shard import restore, snapshot
+from ams.shard.mapped import TABLE_JSON, table_dir_name
+from ams.shard.page_advice import resident_pages
 from ams.shard.slots import slot_capacity
-from ams.shard.storage import TABLE_JSON, resident_pages, table_dir_name
 from ams.shard.store import ShardStore, TableSpec
 from tests.conftest import in_position_order
 
@@ -103,36 +104,6 @@ def test_tables_survive_close_and_reopen_exactly(tmp_path, dtype):
     reopened.close()
 
 
-def test_tables_of_the_format_without_slots_are_read(tmp_path):
-    """A table closed by a version that kept row p at slot p and no spare slots (format 1:
-    no slots.bin) reopens with its rows, and takes pushes."""
-    memory, mapped = ShardStore(0, 1), mmap_store(tmp_path)
-    for store in (memory, mapped):
-        store.create_table(spec())
-        drive(store, 3)
-    rows, state, row_clock = in_position_order(mapped)
-    mapped.close()
-    home = tmp_path / "shard-00000-of-00001" / "fc"
-    for name, tensor in (("rows", rows), ("state", state), ("row_clock", row_clock)):
-        (home / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy()
-                                           .tobytes())
-    (home / "slots.bin").unlink()
-    doc = json.loads((home / TABLE_JSON).read_text())
-    for key in ("slots", "cursor"):
-        del doc[key]
-    (home / TABLE_JSON).write_text(json.dumps({**doc, "format": 1}))
-
-    reopened = mmap_store(tmp_path)
-    assert same_table(memory, reopened)
-    drive(memory, 3, first_sequence=3)
-    drive(reopened, 3, first_sequence=3)
-    assert same_table(memory, reopened)
-    reopened.close()  # now in today's format, with the slots its files have
-    again = mmap_store(tmp_path)
-    assert same_table(memory, again)
-    again.close()
-
-
 def test_closed_store_is_empty(tmp_path):
     store = mmap_store(tmp_path)
     store.create_table(spec())
@@ -156,7 +127,7 @@ UNCLOSED = textwrap.dedent("""
 def test_table_not_closed_is_discarded_with_a_warning(tmp_path, caplog):
     subprocess.run([sys.executable, "-c", UNCLOSED, str(tmp_path)], check=True)
     assert (tmp_path / "shard-00000-of-00001" / "fc" / "rows.bin").exists()
-    with caplog.at_level(logging.WARNING, logger="ams.storage"):
+    with caplog.at_level(logging.WARNING, logger="ams.shard.mapped"):
         store = mmap_store(tmp_path)
     assert store.tables == {}
     assert any("table_discarded table=fc" in r.getMessage() and "restore a snapshot"
@@ -226,7 +197,7 @@ DAMAGE = {
     "truncated rows.bin": (_truncate, "truncated or damaged"),
     "truncated slots.bin": (lambda piece: _truncate(piece, "slots.bin"), "truncated or damaged"),
     "repeated slot in slots.bin": (_repeated_slot, "two rows share a slot"),
-    "format of a newer version": (_unknown_format, "format 3, need one of 1, 2"),
+    "format of a newer version": (_unknown_format, "format 3, need 2"),
     "grown state.bin": (_grow, "truncated or damaged"),
     "missing row_clock.bin": (_delete, "missing"),
     "another table's table.json": (_other_table, "describes table 'fc', not the table of"),
@@ -481,19 +452,16 @@ READ_PAGES = torch.unique(READ_POSITIONS * 64 * 4 // 4096)  # of the rows (256 b
 
 @pytest.mark.parametrize("call", ["process_madvise", "madvise"])
 def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch, call):
-    import ams.shard.storage as storage
-    from ams.shard.storage import prefetch_rows
+    import ams.shard.page_advice as page_advice
+    from ams.shard.page_advice import prefetch_rows
 
     # the pids that ask one range at a time: none, or this process
     refused = set() if call == "process_madvise" else {os.getpid()}
-    monkeypatch.setattr(storage, "_no_process_madvise", refused)
+    monkeypatch.setattr(page_advice, "_no_process_madvise", refused)
     store = reopened_out_of_memory(tmp_path)
     table = store.table("big")
-    table.files.read_ahead = False  # bench_scale's baseline: nothing is asked for
-    prefetch_rows(table.tensors, READ_POSITIONS)
     time.sleep(0.2)
-    assert not resident_pages(table.rows)[READ_PAGES].any()
-    table.files.read_ahead = True
+    assert not resident_pages(table.rows)[READ_PAGES].any()  # nothing reads them unasked
     prefetch_rows(table.tensors, READ_POSITIONS)
     deadline = time.monotonic() + 5
     while not resident_pages(table.rows)[READ_PAGES].all():
@@ -507,22 +475,22 @@ def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch,
 
 
 def test_rows_in_memory_are_not_asked_for_again(tmp_path, monkeypatch):
-    import ams.shard.storage as storage
+    import ams.shard.page_advice as page_advice
 
     store = reopened_out_of_memory(tmp_path)
-    real = storage.advise_ranges
+    real = page_advice.advise_ranges
     asked: list[int] = []
 
     def counting(starts, lengths, advice):
         asked.extend([advice] * len(starts))
         real(starts, lengths, advice)
 
-    monkeypatch.setattr(storage, "advise_ranges", counting)
+    monkeypatch.setattr(page_advice, "advise_ranges", counting)
     store.pull("big", READ_POSITIONS)
     # one range per page: the rows' 4, the momentum's 4 (same width) and the decay
     # clocks' (8 bytes a row)
     clock_pages = torch.unique(READ_POSITIONS * 8 // 4096).numel()
-    assert asked == [storage.mmap.MADV_WILLNEED] * (2 * READ_PAGES.numel() + clock_pages)
+    assert asked == [page_advice.mmap.MADV_WILLNEED] * (2 * READ_PAGES.numel() + clock_pages)
     asked.clear()
     store.pull("big", READ_POSITIONS)  # its pages are in memory now
     assert asked == []
@@ -570,7 +538,7 @@ def test_an_mmap_table_keeps_its_graph_lists_in_a_scratch_file(tmp_path):
     assert torch.equal(store.neighbors("fc", ids)[1].long(), lists)
     # restored from a snapshot
     snapshot.write_snapshot(store, tmp_path, step=2)
-    snapshot.restore_into(store, tmp_path)
+    restore.restore_into(store, tmp_path)
     assert in_scratch_file()
     assert torch.equal(store.neighbors("fc", ids)[1].long(), lists)
     store.close()

@@ -463,7 +463,7 @@ def test_table_too_large_for_memory_is_a_typed_error(monkeypatch, memory):
     import ams.shard.storage
 
     if memory == "unknown":  # then the allocation itself fails, and is reported
-        monkeypatch.setattr(ams.storage, "_physical_memory_bytes", lambda: None)
+        monkeypatch.setattr(ams.shard.storage, "_physical_memory_bytes", lambda: None)
     store = make_store()
     huge = TableSpec(name="huge", num_rows=2**61, dim=4, momentum=0.0)
     # float32 rows of 4 and a float64 decay clock per slot (mmap: spare slots too)

@@ -242,7 +242,8 @@ def test_a_growing_batch_scales_the_learning_rates_of_its_epochs(glyphs_small, t
 
 def final_state(out: Path, step: int):
     """Backbone weights of the checkpoint and the class rows of its AMS snapshot."""
-    from ams.shard.snapshot import read_piece, step_dir
+    from ams.shard.restore import read_piece
+    from ams.shard.snapshot import step_dir
 
     shared = torch.load(out / "checkpoints" / f"step-{step:012d}" / "worker.pt",
                         weights_only=True)

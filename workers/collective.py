@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ams.client.connect import join_shards
 from ams.client.local import LocalShard
-from ams.client.sharded import ShardedClient, join_shards
+from ams.client.sharded import ShardedClient
 from ams.cluster.plan import budget_for_sample_rate
 from ams.server.service import RunningServer, create_server
 from ams.sharding import owned_count

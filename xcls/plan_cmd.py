@@ -132,7 +132,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
     """The ``ams.cluster.plan.Job`` of ``cfg`` with the flags' sizes; ValueError (one line) for bad
     flags or a class count that cannot be found."""
-    from ams.cluster.lease import parse_address
+    from ams.addresses import parse_address
     from ams.cluster.plan import MAX_CLASSES, MAX_COUNT, Job
     from ams.errors import AmsError
     from workers.data.errors import DatasetError

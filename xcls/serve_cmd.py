@@ -190,7 +190,7 @@ def _write_port_file(path: Path | None, port: int) -> None:
 
 def _check_lease_args(args: argparse.Namespace) -> None:
     """Refuse a malformed --scheduler, or --advertise without it, before anything starts."""
-    from ams.cluster.lease import parse_address
+    from ams.addresses import parse_address
     from ams.errors import InvalidArgument
 
     if args.scheduler is None:
@@ -322,7 +322,8 @@ def _restore_at_start(args: argparse.Namespace, store: ShardStore) -> int:
     none)."""
     from ams.errors import SnapshotError
     from ams.shard.metrics import record_restore
-    from ams.shard.snapshot import list_steps, restore_into
+    from ams.shard.restore import restore_into
+    from ams.shard.snapshot import list_steps
 
     restored = -1
     if args.restore is not None:

@@ -152,7 +152,7 @@ def shard_serving(address: str, *, tls_ca: bytes | None = None, timeout: float =
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from ams.wire.limits import SHARD_SERVICE_NAME
+    from ams.limits import SHARD_SERVICE_NAME
 
     channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca)) \
         if tls_ca is not None else grpc.insecure_channel(address)

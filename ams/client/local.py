@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
-from ams.shard import rowcopy, snapshot
+from ams.limits import REQUEST_BYTES
+from ams.shard import restore, rowcopy, snapshot
 from ams.shard.store import ShardStore, TableSpec
-from ams.wire.limits import REQUEST_BYTES
 from ams.wire.pieces import PushPieces
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class LocalShard:
         return str(path)
 
     def restore(self, step: int | None) -> tuple[int, str]:
-        got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        got, path = restore.restore_into(self.store, self._data_dir(), step)
         self.last_snapshot_step = got
         return got, str(path)
 
@@ -99,6 +99,10 @@ class LocalShard:
 
     def take_touched(self, table: str, max_ids: int | None) -> torch.Tensor:
         return self.store.take_touched(table, max_ids)
+
+    def learn_incarnation(self) -> str:
+        """An in-process shard cannot restart on its own: it is the process it was."""
+        return "local"
 
     def close(self) -> None:
         """Close the store (``ShardStore.close``): mmap tables are kept for the next client

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ams.addresses import parse_address
 from ams.errors import FailedPrecondition, InvalidArgument
 
 MAX_ADDRESS_CHARS = 255
@@ -99,16 +100,6 @@ class ShardMap:
     def missing(self) -> list[int]:
         """The slots nobody holds."""
         return [s for s, a in enumerate(self.addresses) if not a]
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) of ``host:port`` (``[v6]:port`` for IPv6); InvalidArgument otherwise."""
-    host, sep, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"address {address[:80]!r}: expected host:port with a port in "
-                              "1..65535")
-    return host, int(port)
 
 
 def _check_text(value: object, what: str, limit: int) -> str:

@@ -203,7 +203,7 @@ class SchedulerClient:
             return getattr(self.stub, name)(request, timeout=timeout or self.timeout,
                                             metadata=self.metadata)
         except grpc.RpcError as e:
-            err = error_from_rpc(e, f"scheduler {self.address}", name)
+            err = error_from_rpc(e, f"scheduler {self.address} {name}")
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise Unavailable(str(err)) from None
             raise err from None

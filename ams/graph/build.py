@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from ams import sharding
-from ams.client.sharded import ShardedClient, check_ids
+from ams.client.backend import check_ids
+from ams.client.sharded import ShardedClient
 from ams.errors import InvalidArgument
 from ams.graph import (
     GraphMethod,

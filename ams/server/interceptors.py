@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 
 from ams.api import shard_pb2 as pb
 from ams.errors import ShardRestarted
+from ams.limits import EXPECT_INCARNATION_KEY, INCARNATION_KEY
 from ams.shard.metrics import record_call
-from ams.wire.limits import EXPECT_INCARNATION_KEY, INCARNATION_KEY
 
 # Calls of the shard service only; health checks would drown the latencies that matter.
 SHARD_METHOD_PREFIX = "/xcls.ams.Shard/"

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dataplane.server import DataPlaneServer
+from ams.limits import GRPC_OPTIONS, SHARD_SERVICE_NAME
 from ams.server.interceptors import (
     IncarnationInterceptor,
     ReadinessGate,
@@ -26,7 +27,6 @@ from ams.server.interceptors import (
 from ams.server.servicer import ShardServicer
 from ams.shard.metrics import watch_store
 from ams.shard.store import ShardStore
-from ams.wire.limits import GRPC_OPTIONS, SHARD_SERVICE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import FailedPrecondition
-from ams.shard import snapshot
+from ams.shard import restore, snapshot
 from ams.shard.store import ShardStore
 from ams.wire import codec
 from ams.wire.status import rpc_method
@@ -52,7 +52,7 @@ class ShardServicer(pb_grpc.ShardServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext
                 ) -> pb.RestoreReply:
         step = None if request.step < 0 else request.step
-        got, path = snapshot.restore_into(self.store, self._data_dir(), step)
+        got, path = restore.restore_into(self.store, self._data_dir(), step)
         self.last_snapshot_step = got
         return pb.RestoreReply(step=got, path=str(path))
 

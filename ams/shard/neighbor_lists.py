@@ -329,3 +329,57 @@ def _check_positions(positions: Tensor, num_rows: int) -> None:
                          f"{tuple(positions.shape)}")
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= num_rows):
         raise IndexError(f"positions: must lie in 0..{num_rows - 1}")
+
+
+class StagedGraph:
+    """The parts of a full graph of ``version`` that have arrived for a shard's ``owned`` rows
+    (a graph may come in several calls, messages being size-limited); ``add`` returns the
+    finished graph once every row has its list, exactly once.
+
+    Fixed-width parts of one width are written straight into the (owned, k) table of the
+    graph's id dtype as they arrive, so staging a graph sent in int64 blocks costs the finished
+    table and no copy of the parts; any other mix is kept as parts and assembled at the end."""
+
+    def __init__(self, version: int, step: int, owned: int, num_classes: int) -> None:
+        self.version, self.step, self.num_classes = version, step, num_classes
+        self.parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.lists: torch.Tensor | None = None
+        self.covered = torch.zeros(owned, dtype=torch.bool)
+
+    def add(self, positions: torch.Tensor, offsets: torch.Tensor | None,
+            neighbors: torch.Tensor,
+            new_lists: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+            ) -> NeighborTable | None:
+        """Stage the lists of local ``positions`` (int64 (n,); offsets and neighbors as
+        ``NeighborTable.update`` takes them); ``new_lists(shape, dtype)`` makes the fixed-width
+        table. Returns the graph (version and step set) once complete, else None.
+        ``ValueError`` when some rows already have a list in this version (a retried delivery of
+        a part already staged is ignored)."""
+        seen = self.covered[positions]
+        if positions.numel() and bool(seen.all()):
+            return None  # a retried delivery of a part already staged
+        if bool(seen.any()):
+            raise ValueError(f"ids: some rows already have a list in graph version "
+                             f"{self.version}; each row is sent once per version")
+        if offsets is None and not self.parts and (
+                self.lists is None or self.lists.shape[1] == neighbors.shape[1]):
+            if self.lists is None:
+                self.lists = new_lists((self.covered.numel(), neighbors.shape[1]),
+                                       id_dtype(self.num_classes))
+            self.lists[positions] = neighbors.to(self.lists.dtype)
+        else:
+            if self.lists is not None:  # another layout or width after all: keep it as a part
+                before = self.covered.nonzero().squeeze(1)
+                self.parts.append((before, None, self.lists[before]))
+                self.lists = None
+            self.parts.append((positions, offsets, neighbors))
+        self.covered[positions] = True
+        if not bool(self.covered.all()):
+            return None
+        if self.lists is not None:
+            graph = NeighborTable(None, self.lists, num_classes=self.num_classes)
+        else:
+            graph = NeighborTable.from_parts(self.parts, self.covered.numel(),
+                                             num_classes=self.num_classes)
+        graph.version, graph.step = self.version, self.step
+        return graph

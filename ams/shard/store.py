@@ -10,236 +10,36 @@ shard exactly as it was.
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ams import sharding
 from ams.alloc import release_free_memory
-from ams.dtypes import DTYPE_NAMES, parse_row_dtype
 from ams.errors import (
     AmsError,
     FailedPrecondition,
     IdOutOfRange,
     InvalidArgument,
-    RequestTooLarge,
     TableExists,
     TableNotFound,
     shorten,
 )
+from ams.limits import MAX_REPLY_PAYLOAD_BYTES
 from ams.shard import rowcopy
-from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable, check_lists, id_dtype
-from ams.shard.optim import (
-    MAX_RATE,
-    SparseMomentumSGD,
-    all_finite,
-    catch_up_factors,
-    step_decay,
-)
-from ams.shard.rowinit import MAX_ABS_NORMAL, initial_rows
-from ams.shard.slots import RowSlots
-from ams.shard.storage import (
-    MappedFiles,
-    StorageKind,
-    TableTensors,
-    open_storage,
-    prefetch_rows,
-    prefetch_slots_ahead,
-)
-from ams.wire.limits import MAX_REPLY_PAYLOAD_BYTES
-from ams.wire.pieces import ascending_unique
-
-# Per-client memory of applied push sequences. A retry arrives within a deadline or two, so a
-# window of recent sequences per client is enough to apply each push once.
-PUSH_DEDUPE_WINDOW = 4096
-# Clients whose pushes a table remembers; the one that pushed least recently goes first. A
-# client forgotten this way stopped pushing long before any retry of its could arrive.
-PUSH_DEDUPE_CLIENTS = 1024
-MAX_CLIENT_ID = 128
-MAX_TABLE_NAME = 128
-MAX_SEQUENCE = 2**64  # the wire field is uint64
-_FLOAT_MAX = sys.float_info.max
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """What a table is. ``num_rows`` is the global class count (ids 0..num_rows-1)."""
-
-    name: str
-    num_rows: int
-    dim: int
-    dtype: torch.dtype = torch.float32
-    state_dtype: torch.dtype = torch.float32
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    seed: int = 0
-    init_std: float = 0.01
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or len(self.name) > MAX_TABLE_NAME \
-                or not self.name.isprintable() or "/" in self.name:
-            raise InvalidArgument(f"table name {shorten(self.name)}: need 1..{MAX_TABLE_NAME} "
-                                  "printable characters, no '/'")
-        if not isinstance(self.num_rows, int) or not 0 < self.num_rows < 2**62:
-            raise InvalidArgument(
-                f"num_rows={shorten(self.num_rows)} must be an integer in [1, 2**62)")
-        if not isinstance(self.dim, int) or not 0 < self.dim <= 65536:
-            raise InvalidArgument(f"dim={shorten(self.dim)} must be an integer in [1, 65536]")
-        object.__setattr__(self, "dtype", parse_row_dtype(self.dtype, "dtype"))
-        object.__setattr__(self, "state_dtype", parse_row_dtype(self.state_dtype, "state_dtype"))
-        _nonnegative("momentum", self.momentum)
-        _nonnegative("weight_decay", self.weight_decay, MAX_RATE)
-        _nonnegative("init_std", self.init_std)
-        if self.momentum >= 1:
-            raise InvalidArgument(f"momentum={self.momentum} must be < 1")
-        # a larger std would fill the new table with infinities
-        max_std = float(torch.finfo(self.dtype).max) / MAX_ABS_NORMAL
-        if self.init_std > max_std:
-            raise InvalidArgument(f"init_std={self.init_std:g} overflows {DTYPE_NAMES[self.dtype]} "
-                                  f"rows: must be at most {max_std:.6g}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise InvalidArgument(f"seed={shorten(self.seed)} must be an integer in [0, 2**63)")
-
-    @property
-    def state_width(self) -> int:
-        """Columns of the optimizer state: ``dim`` with momentum, 0 without (plain SGD keeps
-        no state, which halves a float32 table's memory)."""
-        return self.dim if self.momentum else 0
-
-    def describe(self) -> dict:
-        """JSON-able form (dtype names), used by snapshots and stats."""
-        return {
-            "name": self.name, "num_rows": self.num_rows, "dim": self.dim,
-            "dtype": DTYPE_NAMES[self.dtype], "state_dtype": DTYPE_NAMES[self.state_dtype],
-            "momentum": self.momentum, "weight_decay": self.weight_decay, "seed": self.seed,
-            "init_std": self.init_std,
-        }
-
-    @classmethod
-    def from_description(cls, d: dict) -> TableSpec:
-        return cls(**d)
-
-    def bytes_per_shard(self, num_shards: int) -> int:
-        """Memory the largest part of this table takes on one of ``num_shards`` shards: rows,
-        state and decay clocks."""
-        owned = sharding.owned_count(self.num_rows, 0, num_shards)
-        row_bytes = self.dim * self.dtype.itemsize
-        state_bytes = self.state_width * self.state_dtype.itemsize
-        return owned * (row_bytes + state_bytes + 8)
-
-
-@dataclass
-class TableCounters:
-    pulls: int = 0
-    pushes: int = 0
-    rows_pulled: int = 0
-    rows_pushed: int = 0
-
-
-class PushDedupe:
-    """The (client id, sequence) pairs of the pushes a table applied, so that a retried push
-    applies once.
-
-    Bounded: the newest ``PUSH_DEDUPE_WINDOW`` sequences of each client, and the
-    ``PUSH_DEDUPE_CLIENTS`` clients that pushed most recently (least recent forgotten first).
-    Not thread-safe: its table's lock guards it, so it always agrees with the table's rows.
-    """
-
-    def __init__(self) -> None:
-        self._clients: OrderedDict[str, OrderedDict[int, None]] = OrderedDict()
-
-    def __contains__(self, key: tuple[str, int]) -> bool:
-        client_id, sequence = key
-        return sequence in self._clients.get(client_id, ())
-
-    def add(self, client_id: str, sequence: int) -> None:
-        seen = self._clients.setdefault(client_id, OrderedDict())
-        self._clients.move_to_end(client_id)
-        seen[sequence] = None
-        if len(seen) > PUSH_DEDUPE_WINDOW:
-            seen.popitem(last=False)
-        if len(self._clients) > PUSH_DEDUPE_CLIENTS:
-            self._clients.popitem(last=False)
-
-    def merge(self, other: PushDedupe) -> None:
-        """Add ``other``'s pairs (a table restored from several pieces holds all of them)."""
-        for client_id, sequences in other._clients.items():
-            for sequence in sequences:
-                self.add(client_id, sequence)
-
-    def to_json(self) -> list:
-        """JSON-able form: [[client id, [sequence, ...]], ...], least recent first."""
-        return [[client_id, list(seen)] for client_id, seen in self._clients.items()]
-
-    @classmethod
-    def from_json(cls, data: object) -> PushDedupe:
-        """Inverse of ``to_json``; ``InvalidArgument`` for anything malformed."""
-        out = cls()
-        if not isinstance(data, list):
-            raise InvalidArgument(f"push dedupe state: need a list, got {type(data).__name__}")
-        for item in data:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
-                raise InvalidArgument(f"push dedupe state: malformed entry {shorten(item)}")
-            _check_client(item[0], 0)
-            for sequence in item[1]:
-                _check_client(item[0], sequence)
-                out.add(item[0], sequence)
-        return out
-
-
-@dataclass(frozen=True)
-class TableCopy:
-    """A consistent copy of one shard's table, taken at one instant (see
-    ``ShardStore.copy_table``): tensors as in ``ShardTable``, the graph's lists (offsets or
-    None, neighbors; see ``NeighborTable``) and (version, step, k) or None, and the push
-    dedupe state (``PushDedupe.to_json``)."""
-
-    spec: TableSpec
-    rows: torch.Tensor
-    state: torch.Tensor
-    row_clock: torch.Tensor
-    clock: float
-    graph: tuple[torch.Tensor | None, torch.Tensor, int, int, int] | None
-    dedupe: list
-
-
-@dataclass
-class ShardTable:
-    """One shard's part of a table. rows/state: (slots, dim); row_clock: float64 (slots,), the
-    decay clock each row was last brought up to, by slot (``slots`` None: slot = local
-    position, as in memory storage); clock: the newest clock a push reached here;
-    graph: neighbor lists or None; files: the files rows, state and row_clock are mapped from
-    (None: in memory); closed: ``ShardStore.close`` kept the table, pushes are refused."""
-
-    spec: TableSpec
-    rows: torch.Tensor
-    state: torch.Tensor
-    row_clock: torch.Tensor
-    optimizer: SparseMomentumSGD
-    clock: float = 0.0
-    graph: NeighborTable | None = None
-    staged_graph: dict | None = None  # parts of the next full graph, see set_neighbors
-    counters: TableCounters = field(default_factory=TableCounters)
-    dedupe: PushDedupe = field(default_factory=PushDedupe)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    files: MappedFiles | None = None
-    closed: bool = False
-    touched: torch.Tensor | None = None  # bool (owned,): pushed since take_touched
-    slots: RowSlots | None = None  # each row's slot in rows/state/row_clock (None: row p in p)
-
-    @property
-    def tensors(self) -> TableTensors:
-        return TableTensors(self.rows, self.state, self.row_clock, self.files, self.slots)
-
-    @property
-    def owned(self) -> int:
-        """Rows of the table on this shard (the tensors may have more slots)."""
-        return self.slots.owned if self.slots is not None else self.rows.shape[0]
+from ams.shard.checks import check_grads, check_reply, owned_positions, refuse_non_finite
+from ams.shard.dedupe import PushDedupe, check_client
+from ams.shard.mapped import MmapStorage
+from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable, StagedGraph, check_lists
+from ams.shard.optim import MAX_RATE, catch_up_factors, step_decay
+from ams.shard.page_advice import prefetch_rows, prefetch_slots_ahead
+from ams.shard.rowcopy import ascending_unique
+from ams.shard.spec import TableSpec, nonnegative
+from ams.shard.storage import MemoryStorage, Storage, StorageKind, TableTensors
+from ams.shard.table import ShardTable, TableCopy, fill_initial_rows, new_table
 
 
 class ShardStore:
@@ -281,7 +81,7 @@ class ShardStore:
             self.storage.close()
             raise
         for t in reopened:
-            self.tables[t.spec.name] = _new_table(t.spec, t.tensors, t.clock, dedupe=t.dedupe)
+            self.tables[t.spec.name] = new_table(t.spec, t.tensors, t.clock, dedupe=t.dedupe)
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -304,13 +104,13 @@ class ShardStore:
             staged = self.storage.stage(spec)
             try:
                 # a new table's rows are in position order (``RowSlots.identity``)
-                _fill_initial_rows(staged.rows[:self.storage.owned(spec)], spec,
+                fill_initial_rows(staged.rows[:self.storage.owned(spec)], spec,
                                    self.shard_id, self.num_shards)
                 tensors = self.storage.install(spec, staged)
             except BaseException:
                 self.storage.discard(staged)
                 raise
-            self.tables[spec.name] = _new_table(spec, tensors)
+            self.tables[spec.name] = new_table(spec, tensors)
         release_free_memory()  # the initial rows' scratch would stay resident otherwise
         return True
 
@@ -336,12 +136,12 @@ class ShardStore:
                         raise InvalidArgument(
                             f"{what} of table {shorten(spec.name)}: {tuple(t.shape)} "
                             f"{t.dtype}, need {shape} {dtype}")
-                _nonnegative("decay_clock", clock)
+                nonnegative("decay_clock", clock)
                 installed = self.storage.install(spec, tensors)
             except BaseException:
                 self.storage.discard(tensors)
                 raise
-            self.tables[spec.name] = _new_table(spec, installed, clock,
+            self.tables[spec.name] = new_table(spec, installed, clock,
                                                 self._with_lists_kept(graph), dedupe)
 
     def copy_table(self, name: str) -> TableCopy:
@@ -384,47 +184,10 @@ class ShardStore:
         if failed is not None:
             raise failed
 
-    # ---- validation ---------------------------------------------------------------------
-
-    def _positions(self, table: ShardTable, ids: torch.Tensor, field_name: str = "ids"
-                   ) -> torch.Tensor:
-        """Validate ids (int64, 1-D, in range, owned here) -> local positions, int64 (n,)."""
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids)
-            raise InvalidArgument(f"{field_name}: need an int64 tensor of shape (n,), got {got}")
-        if ids.numel() > self.max_rows_per_request:
-            raise RequestTooLarge(
-                f"{field_name}: {ids.numel()} ids in one request, the limit is "
-                f"{self.max_rows_per_request}; split the request")
-        if ids.numel() == 0:
-            return ids
-        lo, hi = rowcopy.bounds(ids)
-        num_rows = table.spec.num_rows
-        if lo < 0 or hi >= num_rows:
-            bad = lo if lo < 0 else hi
-            raise IdOutOfRange(
-                f"{field_name}: id {bad} is outside table {shorten(table.spec.name)} "
-                f"(num_rows={num_rows}, valid ids 0..{num_rows - 1})")
-        local = sharding.local_index(ids, self.num_shards)
-        if self.num_shards > 1:
-            # an id's shard is what its local index leaves over: one integer division, not two
-            values = ids.numpy()
-            foreign = values - local.numpy() * self.num_shards != self.shard_id
-            if foreign.any():
-                bad = int(values[foreign][0])
-                raise IdOutOfRange(
-                    f"{field_name}: id {bad} belongs to shard {bad % self.num_shards}, "
-                    f"this is shard {self.shard_id} of {self.num_shards}")
-        return local
-
-    def _check_grads(self, table: ShardTable, grads: torch.Tensor, n: int) -> None:
-        dim = table.spec.dim
-        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
-            raise InvalidArgument(f"grads: need a float tensor of shape ({n}, {dim})")
-        if tuple(grads.shape) != (n, dim):
-            raise InvalidArgument(
-                f"grads: shape {tuple(grads.shape)}, need ({n}, {dim}) for {n} ids "
-                f"of table {shorten(table.spec.name)}")
+    def _owned_positions(self, table: ShardTable, ids: torch.Tensor) -> torch.Tensor:
+        """``checks.owned_positions`` of ``ids`` in ``table`` on this shard."""
+        return owned_positions(ids, table.spec, self.shard_id, self.num_shards,
+                               self.max_rows_per_request)
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -437,13 +200,14 @@ class ShardStore:
         Each row comes with the weight decay it owes up to the newest clock pushed here
         (``ams.shard.optim``), so it is the row the dense optimizer would hold after that push."""
         table = self.table(name)
-        positions = self._positions(table, ids)
-        self._check_reply(positions.numel() * _row_bytes(table.spec), f"a pull of "
-                          f"{positions.numel()} rows", _row_bytes(table.spec), "rows per pull")
+        positions = self._owned_positions(table, ids)
+        row_bytes = table.spec.dim * table.spec.dtype.itemsize
+        check_reply(positions.numel() * row_bytes, self.max_reply_bytes,
+                    f"a pull of {positions.numel()} rows", row_bytes, "rows per pull")
         prefetch_rows(table.tensors, positions)
         with table.lock:
             at = table.tensors.at(positions)
-            out = _with_decay_owed(table, rowcopy.gather(table.rows, at, out), at)
+            out = table.with_decay_owed(rowcopy.gather(table.rows, at, out), at)
             table.counters.pulls += 1
             table.counters.rows_pulled += positions.numel()
         return out
@@ -465,13 +229,13 @@ class ShardStore:
         changes, and its sequence is not remembered, so a corrected retry applies.
         """
         table = self.table(name)
-        _check_client(client_id, sequence)
-        positions = self._positions(table, ids)
-        self._check_grads(table, grads, positions.numel())
-        lr = _nonnegative("lr", lr, MAX_RATE)
+        check_client(client_id, sequence)
+        positions = self._owned_positions(table, ids)
+        check_grads(grads, positions.numel(), table.spec)
+        lr = nonnegative("lr", lr, MAX_RATE)
         clocked = decay_clock is not None and table.spec.weight_decay > 0
         if decay_clock is not None:
-            decay_clock = _nonnegative("decay_clock", decay_clock)
+            decay_clock = nonnegative("decay_clock", decay_clock)
             if clocked and lr * table.spec.weight_decay >= 1:
                 raise InvalidArgument(
                     f"lr={lr} x weight_decay={table.spec.weight_decay} must stay below 1 for "
@@ -492,13 +256,14 @@ class ShardStore:
                 if clocked or table.slots is not None else None
             catch_up = catch_up_factors(row_clock, decay_clock) if clocked else None
             if table.slots is None:  # in place, or refused with nothing changed
-                self._refuse_non_finite(table, table.optimizer.step(
+                refuse_non_finite(table.spec, table.optimizer.step(
                     table.rows, table.state, at, summed, float(lr), catch_up),
-                    lr, grads, unique)
+                    lr, grads, self._class_ids(unique))
             else:  # the new values go to new slots, taken once nothing can be refused
                 update = table.optimizer.compute(table.rows, table.state, at, summed,
                                                  float(lr), catch_up)
-                self._refuse_non_finite(table, update.first_non_finite(), lr, grads, unique)
+                refuse_non_finite(table.spec, update.first_non_finite(), lr, grads,
+                                  self._class_ids(unique))
                 at = table.slots.relocate(unique)
                 table.optimizer.commit(table.rows, table.state, replace(update, positions=at))
             if clocked:
@@ -525,35 +290,17 @@ class ShardStore:
         limit = self.max_reply_bytes // 8 if max_ids is None else max_ids
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidArgument(f"max_ids={shorten(max_ids)} must be an integer >= 1")
-        self._check_reply(8 * limit, f"up to {limit} touched ids", 8, "ids")
+        check_reply(8 * limit, self.max_reply_bytes, f"up to {limit} touched ids", 8, "ids")
         with table.lock:
             if table.touched is None:
                 return torch.empty(0, dtype=torch.int64)
             positions = table.touched.nonzero().view(-1)[:limit]
             table.touched[positions] = False
-        return positions * self.num_shards + self.shard_id
+        return self._class_ids(positions)
 
-    def _refuse_non_finite(self, table: ShardTable, found: tuple[str, int] | None, lr: float,
-                           grads: torch.Tensor, positions: torch.Tensor) -> None:
-        """``InvalidArgument`` naming the first non-finite gradient row of the push, or else
-        the first row the update would have made non-finite (``found``, from
-        ``RowUpdate.first_non_finite``: an index into local ``positions``, int64 (m,)); nothing
-        when ``found`` is None. A non-finite gradient always makes the update non-finite, so
-        ``grads`` is looked at only then: one pass over the pushed rows fewer in every push
-        that is accepted."""
-        if found is None:
-            return
-        if not all_finite(grads):
-            bad = int((~torch.isfinite(grads)).any(dim=1).nonzero()[0, 0])
-            raise InvalidArgument(f"grads: row {bad} has a non-finite value (nan or inf)")
-        what, index = found
-        class_id = int(positions[index]) * self.num_shards + self.shard_id
-        kind = "row" if what == "rows" else "momentum"
-        raise InvalidArgument(
-            f"push refused: the {kind} of class {class_id} in table {shorten(table.spec.name)} "
-            f"would become non-finite (over the range of {DTYPE_NAMES[table.spec.dtype]} rows, "
-            f"{DTYPE_NAMES[table.spec.state_dtype]} state) at lr={lr}; nothing was changed. "
-            "Lower the learning rate or clip the gradients")
+    def _class_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """The global class ids of local ``positions`` (int64 (m,))."""
+        return positions * self.num_shards + self.shard_id
 
     def scan(self, name: str, block_rows: int | None = None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -574,15 +321,15 @@ class ShardStore:
         order): ids int64 (b,) ascending, rows (b, dim) with the decay they owe; empty (b = 0)
         from the end of the shard on. ``block_rows``: as ``scan``."""
         table = self.table(name)
+        block_bytes = table.spec.dim * table.spec.dtype.itemsize + 8  # rows with their ids
         if block_rows is None:
-            block_rows = min(65536, max(1, self.max_reply_bytes // (_row_bytes(table.spec) + 8)))
+            block_rows = min(65536, max(1, self.max_reply_bytes // block_bytes))
         for field_name, value, low in (("block_rows", block_rows, 1), ("start", start, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"{field_name}={shorten(value)} must be an integer >= {low}")
         n = table.owned
-        block_bytes = _row_bytes(table.spec) + 8  # each row travels with its int64 id
-        self._check_reply(min(block_rows, n) * block_bytes,
-                          f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
+        check_reply(min(block_rows, n) * block_bytes, self.max_reply_bytes,
+                    f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
         start = min(start, n)
         stop = min(start + block_rows, n)
         positions = torch.arange(start, stop)
@@ -591,7 +338,7 @@ class ShardStore:
         prefetch_rows(table.tensors, positions)
         with table.lock:
             at = table.tensors.at(positions)
-            rows = _with_decay_owed(table, table.rows[start:stop].clone()
+            rows = table.with_decay_owed(table.rows[start:stop].clone()
                                     if table.slots is None else rowcopy.gather(table.rows, at),
                                     at)
         return sharding.owned_ids(table.spec.num_rows, self.shard_id, self.num_shards, start,
@@ -606,7 +353,7 @@ class ShardStore:
         (n+1,), neighbors (offsets[-1],)) CSR; ids int32 in tables of fewer than 2**31
         classes, int64 otherwise."""
         table = self.table(name)
-        positions = self._positions(table, ids)
+        positions = self._owned_positions(table, ids)
         graph = table.graph
         if graph is not None and graph.fixed:
             # advice only: a graph replaced meanwhile costs a read, never a wrong list
@@ -618,20 +365,10 @@ class ShardStore:
                     f"table {shorten(name)} has no neighbor graph yet: build it first "
                     "(ams.graph.build.build_graph or 'xcls graph build')")
             row_bytes = graph.k * graph.neighbors.element_size() + (0 if graph.fixed else 8)
-            self._check_reply(graph.lookup_nbytes(positions),
-                              f"the neighbor lists of {positions.numel()} rows", row_bytes,
-                              "rows per call")
+            check_reply(graph.lookup_nbytes(positions), self.max_reply_bytes,
+                        f"the neighbor lists of {positions.numel()} rows", row_bytes,
+                        "rows per call")
             return graph.lookup(positions)
-
-    def _check_reply(self, nbytes: int, what: str, bytes_per_row: int, unit: str) -> None:
-        """``RequestTooLarge`` when a reply of ``nbytes`` would exceed ``max_reply_bytes``,
-        telling the caller how many ``unit`` fit (at ``bytes_per_row`` each)."""
-        if nbytes <= self.max_reply_bytes:
-            return
-        fit = max(1, self.max_reply_bytes // max(1, bytes_per_row))
-        raise RequestTooLarge(
-            f"{what} makes a {nbytes}-byte reply, over the {self.max_reply_bytes}-byte message "
-            f"limit; split the request (about {fit} {unit} fit in one reply)")
 
     def set_neighbors(self, name: str, ids: torch.Tensor, offsets: torch.Tensor | None,
                       neighbors: torch.Tensor, version: int, step: int,
@@ -648,7 +385,7 @@ class ShardStore:
         version now in force (0: none yet).
         """
         table = self.table(name)
-        positions = self._positions(table, ids)
+        positions = self._owned_positions(table, ids)
         n = positions.numel()
         try:
             check_lists(offsets, neighbors, n)
@@ -668,7 +405,16 @@ class ShardStore:
             raise InvalidArgument("ids: repeated ids in one neighbor update")
         with table.lock:
             if replace_all:
-                self._stage_graph(table, positions, offsets, neighbors, version, step)
+                staged = table.staged_graph
+                if staged is None or staged.version != version:
+                    staged = table.staged_graph = StagedGraph(version, step, table.owned,
+                                                              table.spec.num_rows)
+                try:
+                    graph = staged.add(positions, offsets, neighbors, self._graph_lists)
+                except ValueError as e:
+                    raise InvalidArgument(str(e)) from None
+                if graph is not None:
+                    table.graph, table.staged_graph = self._with_lists_kept(graph), None
             else:
                 if table.graph is None:
                     raise FailedPrecondition(
@@ -689,52 +435,6 @@ class ShardStore:
         if graph is not None and graph.fixed:
             graph.neighbors = self.storage.kept(graph.neighbors, "a neighbor graph")
         return graph
-
-    def _stage_graph(self, table: ShardTable, positions: torch.Tensor,
-                     offsets: torch.Tensor | None, neighbors: torch.Tensor, version: int,
-                     step: int) -> None:
-        """Collect one part of a full graph; install the graph when every row has its list.
-
-        Fixed-width parts of one width are written straight into the (owned, k) table of the
-        graph's id dtype as they arrive, so staging a graph sent in int64 blocks costs the
-        finished table and no copy of the parts; any other mix is kept as parts and assembled
-        at the end."""
-        owned = table.owned
-        num_classes = table.spec.num_rows
-        staged = table.staged_graph
-        if staged is None or staged["version"] != version:
-            staged = table.staged_graph = {"version": version, "step": step, "parts": [],
-                                           "lists": None,
-                                           "covered": torch.zeros(owned, dtype=torch.bool)}
-        seen = staged["covered"][positions]
-        if positions.numel() and bool(seen.all()):
-            return  # a retried delivery of a part already staged
-        if bool(seen.any()):
-            raise InvalidArgument(f"ids: some rows already have a list in graph version "
-                                  f"{version}; each row is sent once per version")
-        lists = staged["lists"]
-        if offsets is None and not staged["parts"] and (
-                lists is None or lists.shape[1] == neighbors.shape[1]):
-            if lists is None:
-                lists = staged["lists"] = self._graph_lists((owned, neighbors.shape[1]),
-                                                            id_dtype(num_classes))
-            lists[positions] = neighbors.to(lists.dtype)
-        else:
-            if lists is not None:  # another layout or width after all: keep what came as a part
-                before = staged["covered"].nonzero().squeeze(1)
-                staged["parts"].append((before, None, lists[before]))
-                staged["lists"] = None
-            staged["parts"].append((positions, offsets, neighbors))
-        staged["covered"][positions] = True
-        if not bool(staged["covered"].all()):
-            return
-        if staged["lists"] is not None:
-            graph = NeighborTable(None, staged["lists"], num_classes=num_classes)
-        else:
-            graph = self._with_lists_kept(
-                NeighborTable.from_parts(staged["parts"], owned, num_classes=num_classes))
-        graph.version, graph.step = version, staged["step"]
-        table.graph, table.staged_graph = graph, None
 
     # ---- introspection ------------------------------------------------------------------
 
@@ -759,55 +459,6 @@ class ShardStore:
         return out
 
 
-def _new_table(spec: TableSpec, tensors: TableTensors, clock: float = 0.0,
-               graph: NeighborTable | None = None, dedupe: PushDedupe | None = None
-               ) -> ShardTable:
-    return ShardTable(spec, tensors.rows, tensors.state, tensors.row_clock,
-                      SparseMomentumSGD(spec.momentum, spec.weight_decay), clock, graph,
-                      dedupe=dedupe if dedupe is not None else PushDedupe(),
-                      files=tensors.files, slots=tensors.slots)
-
-
-# Rows given their initial values at a time when a table is made: bounds the temporaries
-# (ids, float32 values) whatever the table's size.
-INIT_BLOCK_ROWS = 1 << 18
-
-
-def _fill_initial_rows(rows: torch.Tensor, spec: TableSpec, shard_id: int,
-                       num_shards: int) -> None:
-    """Write the initial rows (``ams.shard.rowinit``) of shard ``shard_id`` of ``num_shards``'s part
-    of ``spec`` into ``rows`` (owned, dim) of the row dtype, block by block."""
-    for start in range(0, rows.shape[0], INIT_BLOCK_ROWS):
-        stop = min(start + INIT_BLOCK_ROWS, rows.shape[0])
-        ids = sharding.owned_ids(spec.num_rows, shard_id, num_shards, start, stop)
-        initial_rows(ids, spec.dim, spec.seed, spec.init_std, spec.dtype, out=rows[start:stop])
-
-
-def _row_bytes(spec: TableSpec) -> int:
-    return spec.dim * spec.dtype.itemsize
-
-
-def _check_client(client_id: object, sequence: object) -> None:
-    """A push's (client id, sequence): a string of at most ``MAX_CLIENT_ID`` characters and
-    an integer in [0, 2**64), else ``InvalidArgument``."""
-    if not isinstance(client_id, str) or len(client_id) > MAX_CLIENT_ID:
-        raise InvalidArgument(f"client_id {shorten(client_id)}: need a string of at most "
-                              f"{MAX_CLIENT_ID} characters")
-    if isinstance(sequence, bool) or not isinstance(sequence, int) \
-            or not 0 <= sequence < MAX_SEQUENCE:
-        raise InvalidArgument(f"sequence={shorten(sequence)} must be an integer in [0, 2**64)")
-
-
-def _nonnegative(name: str, value: object, high: float = _FLOAT_MAX) -> float:
-    """``value`` as a float in [0, ``high``], else ``InvalidArgument``. Compares before it
-    converts: a JSON integer may be far past float64 (and int64, which torch would make it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= high:
-        bound = "a finite number >= 0" if high == _FLOAT_MAX else f"a number in [0, {high:.6g}]"
-        raise InvalidArgument(f"{name}={shorten(value)} must be {bound}")
-    return float(value)
-
-
 def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique positions int64 (m,) ascending, float32 (m, dim) gradients summed per position,
@@ -818,14 +469,19 @@ def _summed_by_position(positions: torch.Tensor, grads: torch.Tensor
     return keys, values if source is None else rowcopy.gather(values, source)
 
 
-def _with_decay_owed(table: ShardTable, rows: torch.Tensor, at: torch.Tensor
-                     ) -> torch.Tensor:
-    """``rows`` (m, dim), a copy of the rows in slots ``at`` (int64 (m,)) that the caller
-    owns, multiplied in place by the decay each owes up to the table's clock (in float32,
-    rounded once to the row dtype), and returned. Call under the table's lock."""
-    if table.clock == 0.0 or rows.shape[0] == 0:
-        return rows
-    factors = catch_up_factors(table.row_clock.index_select(0, at), table.clock)
-    # in place: the product is taken in float32 and rounded into the row dtype, the same
-    # values as widening a copy first, without a second reply-sized buffer
-    return rows.mul_(factors.to(torch.float32)[:, None])
+def open_storage(kind: str, storage_dir: str | Path | None, shard_id: int,
+                 num_shards: int) -> Storage:
+    """The storage of shard ``shard_id`` of ``num_shards``: ``kind`` "memory" (which keeps
+    no files and ignores ``storage_dir``) or "mmap" (needs ``storage_dir``; ``StorageError``
+    when it cannot be used or another store uses it). ``InvalidArgument`` for anything
+    else."""
+    try:
+        kind = StorageKind(kind)
+    except ValueError:
+        raise InvalidArgument(f"storage={shorten(kind)}: need one of "
+                              f"{', '.join(repr(k.value) for k in StorageKind)}") from None
+    if kind == StorageKind.MEMORY:
+        return MemoryStorage(shard_id, num_shards)
+    if storage_dir is None:
+        raise InvalidArgument("storage='mmap' needs a storage_dir for the table files")
+    return MmapStorage(Path(storage_dir), shard_id, num_shards)

@@ -8,7 +8,6 @@ sockets), so that both ends and the tests share it.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import struct
@@ -20,14 +19,14 @@ import torch
 from ams.dtypes import torch_dtype, wire_dtype
 from ams.errors import InvalidArgument, RequestTooLarge, shorten
 from ams.jsontext import parse_json
-from ams.wire.limits import MAX_MESSAGE_BYTES
+from ams.limits import MAX_MESSAGE_BYTES
 
 MAGIC = b"XAMS"
 VERSION = 1
 # magic, version, kind, dtype, flags, meta bytes, dim, ids, rows, body bytes
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 MAX_META_BYTES = 64 << 10
-# One frame's body may be as large as a gRPC message may be (ams.wire.limits).
+# One frame's body may be as large as a gRPC message may be (ams.limits).
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES
 
 
@@ -47,7 +46,6 @@ class Kind(IntEnum):
 
 
 REQUEST_KINDS = frozenset({Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SCAN})
-_KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: ``Kind(code)`` costs more
 
 
 # A header's flags. SHARED: the rows are not in the body but in the connection's shared buffer
@@ -67,8 +65,7 @@ class Header(NamedTuple):
     """A parsed, checked frame header; the body that follows holds ``meta_bytes`` of JSON,
     ``num_ids`` int64 ids (and as many int64 positions where ``positions``) and ``num_rows``
     rows of ``dim`` values of ``dtype``, unless ``shared``: then the rows are in the
-    connection's shared buffer, not in the body. A tuple: both ends build one per frame, and
-    a frozen dataclass costs several times as much to build."""
+    connection's shared buffer, not in the body."""
 
     kind: Kind
     dtype: torch.dtype | None
@@ -128,9 +125,10 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
                          "xcls shard's data port?)")
     if version != VERSION:
         raise FrameError(f"frame: version {version}; this shard speaks version {VERSION}")
-    if kind not in _KINDS:
-        raise FrameError(f"frame: unknown kind {kind}")
-    kind = _KINDS[kind]
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise FrameError(f"frame: unknown kind {kind}") from None
     if flags & ~KNOWN_FLAGS:
         raise FrameError(f"frame: flags {flags:#x}; version {VERSION} defines only "
                          f"{SHARED_FLAG:#x} (shared rows) and {POSITIONS_FLAG:#x} (positions)")
@@ -158,47 +156,21 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     return header
 
 
-# one encoder for every frame: json.dumps with separators builds a new one each call
-_META_ENCODER = json.JSONEncoder(separators=(",", ":"))
-
-
 def encode_meta(meta: dict) -> bytes:
-    return _META_ENCODER.encode(meta).encode()
-
-
-@functools.lru_cache(maxsize=256)
-def table_meta(table: str) -> bytes:
-    """The encoded meta of a request that names only its table (a pull's), built once."""
-    return encode_meta({"table": table})
-
-
-# Metas decoded lately, by their bytes: most requests repeat one of a few metas (a pull's is
-# its table's name alone), and a lookup costs a fraction of a parse. Flat objects only, so
-# that the copy handed out shares nothing mutable.
-_RECENT_METAS: dict[bytes, dict] = {}
-_RECENT_METAS_MAX = 256
-_RECENT_META_BYTES = 128
+    """A frame's meta: compact JSON, UTF-8."""
+    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 def decode_meta(raw: bytes | bytearray | memoryview) -> dict:
-    """The JSON object of a frame's meta (a new dict); ``FrameError`` for anything else."""
+    """The JSON object of a frame's meta; ``FrameError`` for anything else."""
     if not raw:
         return {}
-    data = bytes(raw)
-    key = data if len(data) <= _RECENT_META_BYTES else None
-    known = _RECENT_METAS.get(key) if key is not None else None
-    if known is not None:
-        return dict(known)
-    try:  # UTF-8 as the format says (json's own detection of other encodings costs more)
-        meta = parse_json(data.decode())
+    try:  # UTF-8 as the format says
+        meta = parse_json(bytes(raw).decode())
     except ValueError as e:  # invalid UTF-8 included
         raise FrameError(f"frame meta: not JSON ({e})") from None
     if not isinstance(meta, dict):
         raise FrameError(f"frame meta: a JSON object is required, got {type(meta).__name__}")
-    if key is not None and not any(isinstance(v, (dict, list)) for v in meta.values()):
-        if len(_RECENT_METAS) >= _RECENT_METAS_MAX:
-            _RECENT_METAS.clear()
-        _RECENT_METAS[key] = dict(meta)
     return meta
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from ams.shard import rowcopy
@@ -35,46 +34,6 @@ def piece_sizes(rows: int, most: int) -> list[int]:
     count = max(1, -(-rows // max(1, most)))
     base, longer = divmod(rows, count)
     return [base + 1] * longer + [base] * (count - longer)
-
-
-def ascending_unique(ids: torch.Tensor, grads: torch.Tensor, positions: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One shard's part of a push as ``PushPieces`` takes it: (keys, values, source).
-
-    ids: int64 (n,), any order, repeats allowed; grads: float32 (n, dim); positions: int64
-    (m,), the rows of ``ids`` the shard owns (None: all of them). keys: those ids ascending,
-    each once; values: ``grads``, or float32 (len(keys), dim) where repeated ids' gradients
-    are summed; source: int64 (len(keys),), the row of ``values`` holding each key's
-    gradient, or None for row i.
-
-    Ids already ascending and unique, as a trainer's active classes are, pass with no sort;
-    the client runs this once per shard, on the shards' threads, so the shards' sorts
-    overlap. The ids are numpy's to index, compare and sort: torch's kernels for them run
-    on an intra-op thread pool that the fan-out threads, each with its own, oversubscribe."""
-    keys = ids.numpy()
-    source = None if positions is None else positions.numpy()
-    if source is not None:
-        keys = keys[source]
-    if keys.size > 1 and not (keys[1:] > keys[:-1]).all():
-        order = np.argsort(keys)  # introsort: several times torch's sort of int64 on one core
-        ascending = keys[order]
-        first = np.empty(keys.size, dtype=bool)
-        first[0], first[1:] = True, ascending[1:] != ascending[:-1]
-        repeats = not first.all()
-        if repeats:
-            # sorted again, stably, so that each id's gradients are summed in request order,
-            # the same sums however the ids are split among shards
-            order = np.argsort(keys, kind="stable")
-        keys = ascending
-        source = order if source is None else source[order]
-        if repeats:  # their gradients summed, in one row per id
-            inverse = torch.from_numpy(np.cumsum(first) - 1)
-            values = torch.zeros((int(inverse[-1]) + 1, grads.shape[1]), dtype=torch.float32)
-            values.index_add_(0, inverse, grads.index_select(0, torch.from_numpy(source)))
-            return torch.from_numpy(keys[first]), values, None
-    if positions is None and source is None:
-        return ids, grads, None
-    return torch.from_numpy(keys), grads, torch.from_numpy(source)
 
 
 class PushPieces(Sequence[PushPiece]):

@@ -30,8 +30,8 @@ def rpc_method(method: Callable) -> Callable:
     return wrapper
 
 
-def error_from_rpc(e: grpc.RpcError, where: str, method: str) -> AmsError:
-    """The typed ``ams.errors`` class of a failed call's status; ``where`` names the peer
-    (e.g. ``"shard 127.0.0.1:5000"``) in the message."""
+def error_from_rpc(e: grpc.RpcError, where: str) -> AmsError:
+    """The typed ``ams.errors`` class of a failed call's status; ``where`` names the peer and
+    the method (e.g. ``"shard 127.0.0.1:5000 Stats"``) in the message."""
     code = e.code()
-    return error_from_code(code.name if code else "UNKNOWN", f"{where} {method}: {e.details()}")
+    return error_from_code(code.name if code else "UNKNOWN", f"{where}: {e.details()}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ams.shard.snapshot import read_piece
+from ams.shard.restore import read_piece
 from tests.integration.conftest import our_processes, wait_for_file
 
 CHECKPOINTS = "checkpoints"

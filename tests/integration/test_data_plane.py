@@ -29,9 +29,9 @@ import ams
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.errors import IdOutOfRange, InvalidArgument
+from ams.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
-from ams.wire.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
@@ -911,7 +911,7 @@ def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster
     """A client whose HELLO is refused, or whose shard is gone, keeps no memory file or
     mapping beyond its shared buffer's own, and once that is closed, none: this process's
     descriptors and mappings are as before."""
-    from ams.dataplane.server import DataConnection
+    from ams.dataplane.connection import DataConnection
     from ams.dataplane.shm import SharedArena
 
     token_file = tmp_path / "token"
@@ -981,7 +981,7 @@ def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
     """A pull into a result's region whose connection is closed before its answer came: the
     shard may write the region after the client dropped the result, so the region is never
     handed out again; a region whose answer came is."""
-    from ams.dataplane.server import DataConnection
+    from ams.dataplane.connection import DataConnection
     from ams.dataplane.shm import SharedArena
     from ams.wire.frames import Kind
 
@@ -996,7 +996,7 @@ def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
     assert torch.equal(answered, reference.pull(table, ids))
     lost = arena.result(4096, BIG_D, torch.float32)
     where = arena.offset_of(lost)
-    conn._send(Kind.PULL, {"table": table, "offset": where, "bytes": 4096 * BIG_D * 4},
+    conn.send(Kind.PULL, {"table": table, "offset": where, "bytes": 4096 * BIG_D * 4},
                ids=ids, region=where)
     conn.close()  # before the answer
     del answered, lost
@@ -1066,7 +1066,7 @@ def test_a_data_connection_that_cannot_be_opened_at_first_contact_waits_for_the_
     """``ams.connect`` opens each shard's first data connection (which sizes the pieces);
     where the data port refuses it, nothing is raised then, and the first call asks the
     shard for its port again and is answered."""
-    from ams.client.sharded import RemoteShard
+    from ams.client.remote import RemoteShard
     from ams.dataplane.shm import SharedArena
 
     address, client = cluster
@@ -1121,7 +1121,7 @@ def stopped_for(shard_cluster):
 def test_a_pull_waits_for_a_slow_shard_until_its_deadline(stopped_for):
     """The connection's socket gives up a receive after the timeout it was opened with
     (about 1 s); a call whose deadline is later waits on for the rest of it."""
-    from ams.dataplane.server import DataConnection
+    from ams.dataplane.connection import DataConnection
 
     address, stop = stopped_for
     with ams.connect([address]) as client:
@@ -1140,7 +1140,7 @@ def test_a_pull_waits_for_a_slow_shard_until_its_deadline(stopped_for):
 
 
 def test_a_call_past_its_deadline_is_deadline_exceeded(stopped_for):
-    from ams.dataplane.server import DataConnection
+    from ams.dataplane.connection import DataConnection
 
     address, stop = stopped_for
     conn = DataConnection("127.0.0.1", data_port(address), token=None, tls_ca=None,

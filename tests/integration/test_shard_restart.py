@@ -15,9 +15,9 @@ import ams
 from ams import errors
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.limits import EXPECT_INCARNATION_KEY, INCARNATION_KEY
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
-from ams.wire.limits import EXPECT_INCARNATION_KEY, INCARNATION_KEY
 from xcls.shards import ShardSupervisor, TooManyRestarts
 
 N, D = 200, 8

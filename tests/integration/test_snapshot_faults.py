@@ -11,7 +11,7 @@ import torch
 
 import ams
 from ams import errors
-from ams.client.sharded import RemoteShard
+from ams.client.remote import RemoteShard
 from ams.shard.snapshot import list_steps, piece_name, step_dir
 from ams.wire.pieces import PushPieces
 
