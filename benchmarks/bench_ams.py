@@ -505,7 +505,8 @@ TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | xcls tcp | redis
 
 _MEMORY_PROBE = r"""
 import sys, torch
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 def rss():
     for line in open('/proc/self/status'):

@@ -22,7 +22,8 @@ import torch
 import ams.shard.optim
 from ams import alloc
 from ams.shard.optim import update_path
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 # (rows dtype, state dtype)
 CONFIGS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "float32")]

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from ams import alloc
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 MAPPINGS = {"shared (baseline)": mmap.MAP_SHARED, "private (xcls)": mmap.MAP_PRIVATE}

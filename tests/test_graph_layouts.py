@@ -14,7 +14,8 @@ import ams
 from ams import errors
 from ams.errors import SnapshotError
 from ams.shard import restore, snapshot
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 N, D, K = 103, 4, 5
 

@@ -10,7 +10,8 @@ import torch
 import ams
 from ams.errors import AmsError, InvalidArgument, RequestTooLarge
 from ams.graph.build import GraphMethod, GraphUpdater, build_graph
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 D = 4
 

@@ -49,7 +49,8 @@ def test_wheel_ships_the_example_configs_and_the_stubs(wheel):
     assert {"ams/api/shard_pb2.py", "ams/api/shard_pb2_grpc.py",
             "ams/cluster/plan_rates.json"} <= names
     if shutil.which("cc") or shutil.which("gcc"):  # the optional compiled row update
-        assert [n for n in names if n.startswith("ams/shard/_kernels.") and n.endswith(".so")], names
+        assert [n for n in names
+                if n.startswith("ams/shard/_kernels.") and n.endswith(".so")], names
 
 
 def test_wheel_requirements_have_no_pins_and_no_code_generator(wheel):

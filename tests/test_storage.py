@@ -26,7 +26,8 @@ from ams.shard import restore, snapshot
 from ams.shard.mapped import TABLE_JSON, table_dir_name
 from ams.shard.page_advice import resident_pages
 from ams.shard.slots import slot_capacity
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 from tests.conftest import in_position_order
 
 N, D = 103, 6
@@ -116,7 +117,8 @@ def test_closed_store_is_empty(tmp_path):
 
 UNCLOSED = textwrap.dedent("""
     import os, sys, torch
-    from ams.shard.store import ShardStore, TableSpec
+    from ams.shard.spec import TableSpec
+    from ams.shard.store import ShardStore
     store = ShardStore(0, 1, storage="mmap", storage_dir=sys.argv[1])
     store.create_table(TableSpec(name="fc", num_rows=103, dim=6))
     store.push("fc", torch.tensor([1, 2]), torch.ones(2, 6), 0.1)
@@ -415,10 +417,10 @@ def test_embedded_run_keeps_its_tables_in_out_dir(tmp_path):
 
 
 def test_initial_rows_are_written_into_the_files_block_by_block(tmp_path, monkeypatch):
-    import ams.shard.store
+    import ams.shard.table
     from ams.shard.rowinit import initial_rows
 
-    monkeypatch.setattr(ams.shard.store, "INIT_BLOCK_ROWS", 7)  # 35 rows: 5 blocks
+    monkeypatch.setattr(ams.shard.table, "INIT_BLOCK_ROWS", 7)  # 35 rows: 5 blocks
     store = mmap_store(tmp_path, 2, 3)
     store.create_table(spec())
     whole = initial_rows(torch.arange(2, N, 3), D, seed=1, std=0.01)

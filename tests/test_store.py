@@ -11,7 +11,8 @@ import torch
 
 from ams import errors
 from ams.shard.optim import step_decay
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 from tests.conftest import Storages, in_position_order, reference_sgd_step
 
 N, D = 50, 8
@@ -512,7 +513,7 @@ def test_bad_client_id_or_sequence_is_refused(client_id, sequence):
 
 
 def test_dedupe_memory_is_bounded_per_client_and_in_clients():
-    from ams.shard.store import PUSH_DEDUPE_CLIENTS, PUSH_DEDUPE_WINDOW, PushDedupe
+    from ams.shard.dedupe import PUSH_DEDUPE_CLIENTS, PUSH_DEDUPE_WINDOW, PushDedupe
 
     dedupe = PushDedupe()
     for c in range(PUSH_DEDUPE_CLIENTS):

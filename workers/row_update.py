@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ams.shard.optim import step_decay
-from ams.shard.store import TableSpec
+from ams.shard.spec import TableSpec
 
 
 class RowPusher(Protocol):

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ams.addresses import parse_address
 from ams.client.backend import ShardBackend
 from ams.client.local import LocalShard
 from ams.client.remote import RemoteShard
 from ams.client.sharded import ShardedClient
-from ams.addresses import parse_address
 from ams.dataplane.shm import SharedArena
 from ams.errors import AmsError, InvalidArgument
 

@@ -15,7 +15,8 @@ import torch
 from ams.errors import FailedPrecondition, InvalidArgument, shorten
 from ams.limits import REQUEST_BYTES
 from ams.shard import restore, rowcopy, snapshot
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 from ams.wire.pieces import PushPieces
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ams
-from ams.shard.store import ShardStore, TableSpec
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
 
 N, D = 1000, 16
 
