@@ -33,7 +33,6 @@ import torch
 
 from ams.graph import (
     IvfIndex,
-    fused_filter,
     knn,
     resolve_block_rows,
     resolve_device,
@@ -99,9 +98,6 @@ def main() -> None:
     parser.add_argument("--method", choices=("exact", "ivf"), default="exact")
     parser.add_argument("--nlist", type=int, default=0, help="ivf lists (0: auto)")
     parser.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE, help="ivf lists scanned")
-    parser.add_argument("--compare-unfused", action="store_true",
-                        help="CUDA: also time the exact build without the fused score filter "
-                             "(the unfused path; its column prints as - otherwise)")
     parser.add_argument("--exact-max", type=int, default=200000,
                         help="--method ivf: run the exact build beside it up to this N")
     args = parser.parse_args()
@@ -116,14 +112,12 @@ def main() -> None:
         args.block_size = resolve_block_rows(args.block_size or None, device)
     except ValueError as err:
         parser.error(f"--block-size: {err}")
-    if args.compare_unfused and device.type != "cuda":
-        parser.error("--compare-unfused: the fused filter runs on CUDA only")
     if args.method == "ivf":
         bench_ivf(args)
         return
     header = f"{'N':>9} | {'xcls s':>8} | {'faiss s':>8} | {'xcls/faiss':>10} | " \
              f"{'xcls cpu s':>10} | {'faiss cpu s':>11} | {'recall xcls':>11} | " \
-             f"{'recall faiss':>12} | {'xcls +MB':>8} | {'unfused s':>9} | {'unfused/xcls':>12}"
+             f"{'recall faiss':>12} | {'xcls +MB':>8}"
     print(f"dim={args.dim} k={args.k} threads={args.threads} device={args.device} "
           f"block={args.block_size}", flush=True)
     print(header)
@@ -147,18 +141,6 @@ def main() -> None:
         kth = exact_kth(rows, queries, args.k)
         xcls_recall = recall(rows, queries, ids.numpy()[queries], kth)
 
-        unfused_cells = ("-", "-")
-        if args.compare_unfused:
-            with fused_filter.disabled():
-                start = time.perf_counter()
-                unfused_ids, _ = knn(torch.from_numpy(rows), args.k,
-                                     block_size=args.block_size, device=args.device)
-                torch.cuda.synchronize()
-                unfused_s = time.perf_counter() - start
-            if recall(rows, queries, unfused_ids.numpy()[queries], kth) != xcls_recall:
-                raise SystemExit("the unfused build found other neighbors")
-            unfused_cells = (f"{unfused_s:.2f}", f"{unfused_s / xcls_s:.2f}")
-
         faiss_cells = ("-", "-", "-", "-")
         if not args.no_faiss:
             start, cpu = time.perf_counter(), time.process_time()
@@ -171,8 +153,7 @@ def main() -> None:
         faiss_s_cell, ratio_cell, faiss_cpu_cell, faiss_recall_cell = faiss_cells
         print(f"{n:>9} | {xcls_s:>8.2f} | {faiss_s_cell:>8} | {ratio_cell:>10} | "
               f"{xcls_cpu:>10.2f} | {faiss_cpu_cell:>11} | {xcls_recall:>11.4f} | "
-              f"{faiss_recall_cell:>12} | {xcls_mb:>8.0f} | {unfused_cells[0]:>9} | "
-              f"{unfused_cells[1]:>12}", flush=True)
+              f"{faiss_recall_cell:>12} | {xcls_mb:>8.0f}", flush=True)
 
 
 def timed(device: str, build: Callable[..., np.ndarray], /, *args: object, **kwargs: object

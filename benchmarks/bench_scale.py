@@ -30,9 +30,7 @@ default), ``--shards`` shard processes on loopback:
     the pages a step reads, at that rate, are a floor under it. Beside it: the CPU time of
     the write faults that make the pages a step pushes to dirty, at their cost on this
     host's file system (``page_dirty_cost``, also measured after the steps), and where the
-    host's CPUs were while the steps ran (busy, waiting for the disk, idle). An mmap table
-    is stepped embedded with the read-ahead of its rows' pages (``ams.shard.storage.prefetch_rows``)
-    on and off in turns (on, off, off, on): the baseline of what the read-ahead gains.
+    host's CPUs were while the steps ran (busy, waiting for the disk, idle).
 (c) Whole step at ``--ratio-classes`` (embedded): random uint8 images through the resnet_small
     backbone, the head, the backbone's backward and SGD step, for the knn head and for the full
     softmax over all N rows. A full head cannot hold a (B, N) logit matrix at 10M, so the full
@@ -67,7 +65,7 @@ import ams
 from ams.alloc import libc_function
 from ams.client.sharded import ShardedClient
 from ams.cluster.plan import Job, load_rates, shard_memory
-from ams.shard.storage import advise_will_need, resident_pages
+from ams.shard.page_advice import advise_will_need, resident_pages
 from ams.shard.store import ShardStore
 from workers.backbones import build_backbone
 from workers.heads import build_head
@@ -397,7 +395,6 @@ class SizeResult:
     # the trainer's prefetch, by train.prefetch_depth
     grpc_prefetched: dict[int, StepTimes] = field(default_factory=dict)
     embedded: StepTimes | None = None
-    no_read_ahead: StepTimes | None = None
     disk_pages_per_s: float | None = None  # mmap: random_read_rate after the steps
     page_dirty_s: float | None = None  # mmap: page_dirty_cost after the steps
 
@@ -486,38 +483,13 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path, steps: bool,
                          storage_dir=data_dir / "tables") as client:
             create_table(client, n, args)  # a no-op where the mmap table was reopened
             install_standin_graph(client, n, args.k, args.seed, TABLE)
+            result.embedded = knn_head_steps(client, n, args, seed_offset=2,
+                                             warmup_s=warmup_s if storage == "mmap" else 0.0)
             if storage == "mmap":
-                print(f"N={n:,}: knn steps embedded, read-ahead on and off in turns",
-                      file=sys.stderr, flush=True)
-                result.embedded, result.no_read_ahead = read_ahead_in_turns(
-                    client, n, args, warmup_s)
                 rows = [shard.store.table(TABLE).rows for shard in client.shards]
                 result.disk_pages_per_s = random_read_rate(rows)
                 result.page_dirty_s = page_dirty_cost(rows)
-            else:
-                result.embedded = knn_head_steps(client, n, args, seed_offset=2)
     return result
-
-
-def read_ahead_in_turns(client: ShardedClient, n: int, args: argparse.Namespace,
-                        warmup_s: float) -> tuple[StepTimes, StepTimes]:
-    """(with, without) the read-ahead of an mmap table's row pages
-    (``ams.shard.storage.prefetch_rows``), ``args.steps`` timed steps each, taken in four turns
-    in the order on, off, off, on: a turn inherits the writeback its predecessor left, and
-    the labels of each turn are new (other than the gRPC run's too, whose rows that run
-    left in the page cache). The first turn warms up for ``warmup_s`` seconds, the others
-    for a third of it."""
-    files = [shard.store.table(TABLE).files for shard in client.shards]
-    turns: dict[bool, list[StepTimes]] = {True: [], False: []}
-    for i, read_ahead in enumerate((True, False, False, True)):
-        for f in files:
-            f.read_ahead = read_ahead
-        turns[read_ahead].append(knn_head_steps(
-            client, n, args, seed_offset=2 + i, warmup_s=warmup_s if i == 0 else warmup_s / 3,
-            steps=max(1, args.steps // 2)))
-    for f in files:
-        f.read_ahead = True
-    return StepTimes.joined(turns[True]), StepTimes.joined(turns[False])
 
 
 def baseline_rss(args: argparse.Namespace, workdir: Path) -> int:
@@ -589,9 +561,7 @@ def step_table(results: list[SizeResult], args: argparse.Namespace) -> list[str]
            lambda r, depth=depth: r.grpc_prefetched.get(depth),
            lambda r, depth=depth: r.grpc_prefetched.get(depth))
           for depth in args.prefetch_depths),
-        (f"embedded ({args.shards} shards)", lambda r: r.embedded, lambda r: r.embedded),
-        (f"embedded ({args.shards} shards), no read-ahead", lambda r: r.no_read_ahead,
-         lambda r: r.embedded)]
+        (f"embedded ({args.shards} shards)", lambda r: r.embedded, lambda r: r.embedded)]
     for label, times_of, baseline_of in modes:
         timed = [r for r in results if times_of(r) is not None]
         if not timed:

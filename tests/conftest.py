@@ -35,14 +35,25 @@ def set_torchrun_env(rank: int, world: int, port: int) -> None:
 
 @pytest.fixture(params=["compiled", "compiled, no F16C", "torch"],
                 ids=["compiled", "compiled-no-f16c", "torch"])
-def update_path(request):
-    """Runs a test on each way the shard's row update runs (``ams.shard.optim.UPDATE_PATHS``)."""
+def update_path(request, monkeypatch):
+    """Runs a test on each way the shard's row update runs: the compiled loop
+    (ams/shard/_kernels.c), the same with float16 converted without the F16C instructions (as
+    CPUs without them, ARM's included, run it), and torch and numpy (as a host without a C
+    compiler runs it)."""
     import ams.shard.optim
 
-    if request.param != "torch" and ams.shard.optim._kernels is None:
-        pytest.skip("ams.shard._kernels is not built here (tests/test_optim.py says why)")
-    with ams.shard.optim.update_path(request.param):
+    kernels = ams.shard.optim._kernels
+    if request.param == "torch":
+        monkeypatch.setattr(ams.shard.optim, "_kernels", None)
         yield request.param
+        return
+    if kernels is None:
+        pytest.skip("ams.shard._kernels is not built here (tests/test_optim.py says why)")
+    before = kernels.use_f16c(request.param == "compiled")
+    try:
+        yield request.param
+    finally:
+        kernels.use_f16c(before)
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ams.graph.knn import merge_top_lists, resolve_device
+from ams.graph.topk import merge_top_lists, resolve_device
 from ams.jsontext import parse_json
 from ams.shard.optim import all_finite
 from workers.backbones import Backbone, build_backbone

@@ -1,30 +1,28 @@
 """The neighbors graph over the class rows: which classes each class is nearest to.
 
-The algorithms are pure torch (no gRPC, no ``ams.api``): the exact blocked top-k (``knn``, on
-CUDA with its fused score-and-filter kernel ``fused_filter``), the ring schedule that streams
-every shard's rows past a builder's queries (``ring``), the approximate build with a faiss IVF
-index (``ivf``, faiss imported when used), the build methods and refresh kinds (``methods``),
-and the lists' turnover between builds (``churn``). ``build`` is the job above them: it builds
-or refreshes a table's graph through the AMS client's public calls and writes each class's
+The algorithms are pure torch (no gRPC, no ``ams.api``): the exact blocked top-k (``knn``, its
+streaming core ``topk``, and on CUDA its fused score-and-filter kernel ``fused_filter``), the ring
+schedule that streams every shard's rows past a builder's queries (``ring``), the approximate build
+with a faiss IVF index (``ivf``, faiss imported when used), the build methods and refresh kinds
+(``methods``), and the lists' turnover between builds (``churn``). ``build`` is the job above them:
+it builds or refreshes a table's graph through the AMS client's public calls and writes each class's
 list back to the shard that owns it (``ams.shard.neighbor_lists`` keeps them there)."""
 
 from ams.graph.churn import neighbor_turnover
 from ams.graph.ivf import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
-from ams.graph.knn import (
+from ams.graph.knn import knn, search_pass, symmetric_search
+from ams.graph.methods import GraphMethod, GraphRefresh
+from ams.graph.ring import assign_shards, build_shard_neighbors, refresh_neighbors, ring_order
+from ams.graph.topk import (
     LOW_PRECISION_DTYPE,
     LOW_PRECISION_MARGIN,
     KeyBlock,
     ScoreBuffer,
     TopKAccumulator,
-    knn,
     resolve_block_rows,
     resolve_device,
     resolve_low_precision,
-    search_pass,
-    symmetric_search,
 )
-from ams.graph.methods import GraphMethod, GraphRefresh
-from ams.graph.ring import assign_shards, build_shard_neighbors, refresh_neighbors, ring_order
 
 __all__ = [
     "GraphMethod",

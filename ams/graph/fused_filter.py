@@ -16,9 +16,6 @@ unfused path, which gives the same lists.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor
 
@@ -36,23 +33,9 @@ NUM_STAGES = 3
 _PROGRAMS = 2048
 
 
-_enabled = True
-
-
 def available(device: torch.device) -> bool:
-    """Whether the fused filter runs on ``device``: CUDA, Triton installed, not ``disabled``."""
-    return _enabled and triton is not None and device.type == "cuda"
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Searches inside take the unfused path (the baseline in benchmarks/bench_graph.py)."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
+    """Whether the fused filter runs on ``device``: CUDA, with Triton installed."""
+    return triton is not None and device.type == "cuda"
 
 
 if triton is not None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ams.graph.knn import normalize_rows, resolve_device
+from ams.graph.topk import normalize_rows, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from ams.graph.knn import (
-    concat_results,
-    resolve_block_rows,
-    resolve_device,
-    resolve_low_precision,
-    search_pass,
-    split_blocks,
-)
+from ams.graph.knn import concat_results, search_pass, split_blocks
+from ams.graph.topk import resolve_block_rows, resolve_device, resolve_low_precision
 
 log = logging.getLogger(__name__)
 

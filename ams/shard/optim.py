@@ -18,8 +18,6 @@ float32 rounding (tests/test_optim.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -34,35 +32,6 @@ except ImportError:  # not compiled: a source tree, or a host without a C compil
 # The dtype codes of ams/shard/_kernels.c
 _KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _UNCHECKED = ("unchecked", -1)
-# The ways this process can run the update (``update_path``)
-UPDATE_PATHS = ("compiled", "compiled, no F16C", "torch")
-
-
-@contextmanager
-def update_path(name: str) -> Iterator[None]:
-    """Run this process's updates the named way for the block, one of ``UPDATE_PATHS``: the
-    compiled loop, the compiled loop with float16 converted without the F16C instructions (as
-    CPUs without them, ARM's included, run it), or torch and numpy (as a host without a C
-    compiler runs it). For tests and benchmarks; the compiled ways need ams.shard._kernels built."""
-    global _kernels
-    if name not in UPDATE_PATHS:
-        raise ValueError(f"update path {name!r} is not one of {UPDATE_PATHS}")
-    kernels = _kernels
-    if name == "torch":
-        _kernels = None
-        try:
-            yield
-        finally:
-            _kernels = kernels
-        return
-    if kernels is None:
-        raise RuntimeError("ams.shard._kernels is not built here: install xcls with a C compiler")
-    before = kernels.use_f16c(name == "compiled")
-    try:
-        yield
-    finally:
-        kernels.use_f16c(before)
-
 # The largest lr or weight decay an update takes: both enter its float32 arithmetic as factors.
 MAX_RATE = float(torch.finfo(torch.float32).max)
 

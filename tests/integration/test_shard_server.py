@@ -20,6 +20,7 @@ import ams
 from ams import errors
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.limits import PIECE_BYTES
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
 from ams.wire import codec
@@ -432,7 +433,8 @@ def test_tls_and_token(shard_cluster, tmp_path):
     client.create_table("fc", num_rows=10, dim=4)
     assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)
     # rows stay in the TLS stream: no shared buffer bypasses it
-    assert all(conn.shared is None for shard in client.shards for conn in shard._idle)
+    assert client.arena is None
+    assert {shard.piece_bytes for shard in client.shards} == {PIECE_BYTES}
     client.close()
     with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
         ams.connect([proc.address], token="t0k3n", ready_timeout=2)
