@@ -1,4 +1,4 @@
-"""Measure what ``xcls plan`` needs of this machine and print it as ``ams/plan_rates.json``
+"""Measure what ``xcls plan`` needs of this machine and print it as ``ams/cluster/plan_rates.json``
 entries: the graph build's compute rates and a shard process's memory.
 
 * ``cpu_exact``: FLOP/s of the exact in-memory build (``ams.graph.knn``, symmetric: N^2 d
@@ -11,7 +11,7 @@ entries: the graph build's compute rates and a shard process's memory.
   keeps per client stream, and a snapshot piece's bytes beyond its tensors (``shard_memory``).
 
 Each rate is the best of ``--repeats`` runs (the machine may be shared). Copy the printed JSON
-into ``ams/plan_rates.json`` (or pass ``--write``), keeping its nominal GPU entry.
+into ``ams/cluster/plan_rates.json`` (or pass ``--write``), keeping its nominal GPU entry.
 
     python benchmarks/plan_rates.py --rows 20000 --dim 128 --k 32 --threads 2
 """
@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--active", type=int, default=100000,
                    help="rows each pull and push of a stream names")
     p.add_argument("--write", action="store_true",
-                   help="update the measured entries of ams/plan_rates.json in place")
+                   help="update the measured entries of ams/cluster/plan_rates.json in place")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     command = "python benchmarks/plan_rates.py " + shlex.join(sys.argv[1:])
@@ -169,7 +169,7 @@ def main() -> None:
     text = json.dumps(measured, indent=2)
     print(text)
     if args.write:
-        path = ROOT / "ams" / plan.RATES_FILE
+        path = ROOT / "ams" / "cluster" / plan.RATES_FILE
         current = json.loads(path.read_text()) if path.exists() else {}
         current.update(measured)
         path.write_text(json.dumps(current, indent=2) + "\n")

@@ -32,7 +32,7 @@ examples:
 
 Memory is the largest shard's (shard 0 owns the most classes) and the busiest host's (shards
 spread evenly over the hosts). The process baseline, the message buffers and the CPU rates were
-measured on the machine ams/plan_rates.json names (benchmarks/plan_rates.py measures yours);
+measured on the machine ams/cluster/plan_rates.json names (benchmarks/plan_rates.py measures yours);
 the GPU rates there are nominal assumptions, not measurements. docs/scale.md explains each
 line."""
 

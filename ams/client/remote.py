@@ -247,7 +247,13 @@ class RemoteShard:
     def _data_connection(self, deadline: float) -> Iterator[DataConnection]:
         """A pooled data connection, or a new one, for one attempt: pooled again after it if
         the shard's answers kept it in step (success, or a typed refusal), closed otherwise."""
-        conn = self._idle_connection() or self._new_connection(deadline)
+        conn = self._idle_connection()
+        if conn is None:
+            try:
+                conn = self._new_connection(deadline)
+            except OSError:
+                self.data_port = None  # ask again: a restarted shard has another port
+                raise
         try:
             yield conn
         except FrameError:  # a reply this client cannot read: the stream is lost

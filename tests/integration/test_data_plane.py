@@ -992,7 +992,7 @@ def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
     assert conn.shared is arena
     ids = torch.arange(0, 2 * 4096, 2)  # shard 0's: 1 MiB of rows
     answered = arena.result(4096, BIG_D, torch.float32)
-    conn.pull(table, [ids], 2, time.monotonic() + 30, (answered, None))
+    conn.pull(table, [ids], (answered, None), 2, time.monotonic() + 30)
     assert torch.equal(answered, reference.pull(table, ids))
     lost = arena.result(4096, BIG_D, torch.float32)
     where = arena.offset_of(lost)
@@ -1147,7 +1147,7 @@ def test_a_pull_waits_for_a_slow_shard_until_its_deadline(stopped_for):
     ids, out = torch.tensor([5, 0, 9]), torch.empty(3, D)
     stop(1.5)
     started = time.monotonic()
-    conn.pull("fc", [ids], 2, started + 1.8, (out, None))
+    conn.pull("fc", [ids], (out, None), 2, started + 1.8)
     assert time.monotonic() - started >= 1.4
     assert torch.equal(out, reference.pull("fc", ids))
     conn.close()
@@ -1162,7 +1162,7 @@ def test_a_call_past_its_deadline_is_deadline_exceeded(stopped_for):
     stop(1.5)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        conn.pull("fc", [torch.tensor([1])], 2, started + 0.8, (torch.empty(1, D), None))
+        conn.pull("fc", [torch.tensor([1])], (torch.empty(1, D), None), 2, started + 0.8)
     assert 0.7 <= time.monotonic() - started < 3.0
     conn.close()
 

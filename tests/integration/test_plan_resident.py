@@ -45,7 +45,7 @@ def test_rates_script_measures_what_the_planner_reads(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout)
-    shipped = json.loads((ROOT / "ams" / plan.RATES_FILE).read_text())
+    shipped = json.loads((ROOT / "ams" / "cluster" / plan.RATES_FILE).read_text())
     rates_file = tmp_path / "rates.json"
     rates_file.write_text(json.dumps({**shipped, **measured}))
     rates = load_rates(rates_file)
