@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from results import record, table_row
 
 import ams
 from ams.wire import PIECE_BYTES, SHARED_PIECE_BYTES
@@ -67,8 +68,9 @@ def main() -> int:
     mib = 1 << 20
     print(f"# d={args.dim}, table {args.table_rows:,} rows, {args.turns} turns of "
           f"{args.calls} calls; ms per call (medians), and the ratio to 2 MiB pieces\n")
-    print("| op | dtype | batch | shards | 2 MiB pieces | larger | larger / 2 MiB |")
-    print("|---|---|---:|---:|---:|---|---:|")
+    header = "| op | dtype | batch | shards | 2 MiB pieces | larger | larger / 2 MiB |"
+    print(f"{header}\n|---|---|---:|---:|---:|---|---:|")
+    rows = []
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="bench_pieces_") as tmp:
         for num_shards in args.shards:
@@ -112,11 +114,14 @@ def main() -> int:
                                  f"{SHARED_PIECE_BYTES // mib} MiB pieces")):
                             work(0)  # connections, buffers, first-touch pages
                             ms = timed_turns(args.calls, args.turns, variants, work)
-                            print(f"| {op} | {dtype} | {n:,} | {num_shards} | "
-                                  f"{ms['2 MiB']:.2f} | {ms['larger']:.2f} ({larger}) | "
-                                  f"{ms['larger'] / ms['2 MiB']:.2f} |", flush=True)
+                            line = (f"| {op} | {dtype} | {n:,} | {num_shards} | "
+                                    f"{ms['2 MiB']:.2f} | {ms['larger']:.2f} ({larger}) | "
+                                    f"{ms['larger'] / ms['2 MiB']:.2f} |")
+                            print(line, flush=True)
+                            rows.append(table_row(header, line))
                         direct(type(client).direct_pull_bytes)
                         pieces(SHARED_PIECE_BYTES)
+    record("bench_pieces", rows)
     return 0
 
 

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from results import record, table_row
 
 import ams.optim
 from ams import alloc
@@ -49,8 +50,9 @@ def main() -> int:
     print(f"{args.rows:,} rows, d = {args.dim}, momentum 0.9, weight decay 5e-4, batches of "
           f"{args.batch:,} unique random ids, {args.calls} pushes per update; M rows/s")
     print()
-    print("| rows | state | update | push M rows/s | vs torch |")
-    print("|---|---|---|---:|---:|")
+    header = "| rows | state | update | push M rows/s | vs torch |"
+    print(f"{header}\n|---|---|---|---:|---:|")
+    rows = []
     generator = torch.Generator().manual_seed(0)
     grads = torch.randn(args.batch, args.dim, generator=generator) * 1e-3
     for rows_dtype, state_dtype in CONFIGS:
@@ -73,8 +75,11 @@ def main() -> int:
         base = statistics.median(seconds["torch"])
         for path in paths:
             median = statistics.median(seconds[path])
-            print(f"| {rows_dtype} | {state_dtype} | {path} | {args.batch / median / 1e6:.2f} | "
-                  f"{base / median:.2f}x |", flush=True)
+            line = (f"| {rows_dtype} | {state_dtype} | {path} | "
+                    f"{args.batch / median / 1e6:.2f} | {base / median:.2f}x |")
+            print(line, flush=True)
+            rows.append(table_row(header, line))
+    record("bench_row_update", rows)
     return 0
 
 

@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from results import record, table_row
 
 from ams import alloc
 from ams.store import ShardStore, TableSpec
@@ -103,9 +104,10 @@ def main() -> int:
     print(f"{args.rows:,} rows, d = {args.dim}, momentum 0.9, batches of {args.batch:,} unique "
           f"random ids, {args.calls} calls per repeat, {args.repeats} repeats; M rows/s")
     print()
-    print("| dtype | mapping | on huge pages MiB | pull | push | pull vs baseline | "
-          "push vs baseline |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    header = ("| dtype | mapping | on huge pages MiB | pull | push | pull vs baseline | "
+              "push vs baseline |")
+    print(f"{header}\n|---|---|---:|---:|---:|---:|---:|")
+    rows = []
     generator = torch.Generator().manual_seed(0)
     for dtype in ("float32", "float16"):
         batches = [torch.randperm(args.rows, generator=generator)[:args.batch].sort().values
@@ -122,9 +124,12 @@ def main() -> int:
         base = {op: statistics.median(rates["shared (baseline)"][op]) for op in ("pull", "push")}
         for mapping in MAPPINGS:
             pull, push = (statistics.median(rates[mapping][op]) for op in ("pull", "push"))
-            print(f"| {dtype} | {mapping} | {huge[mapping]:,} | {pull / 1e6:.2f} | "
-                  f"{push / 1e6:.2f} | {pull / base['pull']:.2f}x | {push / base['push']:.2f}x |",
-                  flush=True)
+            line = (f"| {dtype} | {mapping} | {huge[mapping]:,} | {pull / 1e6:.2f} | "
+                    f"{push / 1e6:.2f} | {pull / base['pull']:.2f}x | "
+                    f"{push / base['push']:.2f}x |")
+            print(line, flush=True)
+            rows.append(table_row(header, line))
+    record("bench_table_pages", rows)
     return 0
 
 

@@ -18,6 +18,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def results_dir(tmp_path_factory, monkeypatch) -> Path:
+    """The benchmarks append their figures here (``XCLS_RESULTS_DIR``, inherited by the
+    processes they run in), never to the tracked files of ``benchmarks/results/``."""
+    path = tmp_path_factory.mktemp("results")
+    monkeypatch.setenv("XCLS_RESULTS_DIR", str(path))
+    return path
+
+
 def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -66,9 +75,10 @@ def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
         assert heads == ["full", "partial", "knn"], (ams_kind, done.stdout)
 
 
-def test_bench_table_pages_quick_times_both_mappings() -> None:
+def test_bench_table_pages_quick_times_both_mappings(results_dir) -> None:
     done = run_benchmark("bench_table_pages.py", "--quick")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert len((results_dir / "bench_table_pages.jsonl").read_text().splitlines()) == 4
     for dtype in ("float32", "float16"):
         rows = {cells[1]: cells for cells in table_rows(done.stdout, dtype)}
         assert set(rows) == {"shared (baseline)", "private (xcls)"}, done.stdout
