@@ -56,6 +56,7 @@ import grpc
 import numpy as np
 import redis
 import torch
+from results import record
 
 import ams
 from ams import sharding
@@ -497,6 +498,22 @@ def _row(op: str, dtype_name: str, n: int, num_shards: int, res: dict, dim: int)
             f"{res['xcls/redis']:.1f}x | {res['xcls/grpc']:.1f}x |")
 
 
+BACKEND_COLUMNS = {"in-proc": "in-proc", "xcls": "xcls", "xcls tcp": "tcp", "redis": "redis",
+                   "raw socket": "raw", "bare grpc": "grpc"}
+
+
+def _record_row(op: str, dtype_name: str, n: int, num_shards: int, res: dict) -> dict:
+    """A throughput row as data: M rows/s per backend, the ratios, the CPU of an xcls call."""
+    cpu = res["cpu"]
+    return {"op": op, "dtype": dtype_name, "batch": n, "shards": num_shards,
+            **{column: round(res[name] / 1e6, 2) for column, name in BACKEND_COLUMNS.items()},
+            "xcls/raw": round(res["xcls/raw"], 2), "tcp/raw": round(res["tcp/raw"], 2),
+            "xcls/redis": f"{res['xcls/redis']:.1f}x", "xcls/grpc": f"{res['xcls/grpc']:.1f}x",
+            "xcls wall ms": round(cpu["wall"], 2), "client CPU ms": round(cpu["client"], 2),
+            "shards CPU ms": round(cpu["shards"], 2),
+            "cores busy": round((cpu["client"] + cpu["shards"]) / cpu["wall"], 2)}
+
+
 TABLE_HEAD = ("| op | dtype | batch | shards | in-proc | xcls | xcls tcp | redis | raw socket | "
               "bare grpc | xcls/raw | tcp/raw | xcls/redis | xcls/grpc |\n"
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -597,12 +614,22 @@ def main() -> int:
               "ms\n\n| backend | p50 | p99 |\n|---|---:|---:|")
         for name, (p50, p99) in latency.items():
             print(f"| {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} |")
+    record("bench_ams", [_record_row(*r) for r in results], table="throughput")
+    record("bench_ams", [{"backend": name, "p50": round(p50 * 1e3, 3), "p99": round(p99 * 1e3, 3)}
+                         for latency in latencies for name, (p50, p99) in latency.items()],
+           table="1-row pull")
     if args.memory_rows:
         created, touched, payload = memory(args.memory_rows, args.dim)
         print(f"\nresident memory, {args.memory_rows:,} classes, fp16 rows + fp16 momentum, "
               f"d={args.dim}: payload {payload:.0f} B/class; after create_table "
               f"{created:.1f} B/class ({created / payload:.3f}x); momentum written "
               f"{touched:.1f} B/class ({touched / payload:.3f}x)")
+        record("bench_ams", [{"classes": args.memory_rows, "payload B/class": round(payload),
+                              "after create_table B/class": round(created, 1),
+                              "after create_table vs payload": round(created / payload, 3),
+                              "momentum written B/class": round(touched, 1),
+                              "momentum written vs payload": round(touched / payload, 3)}],
+               table="memory")
     print(f"\n# wall {time.monotonic() - start:.0f} s")
     return 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from results import record, table_row
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -148,11 +149,12 @@ def main() -> None:
 
     print(f"dtype={args.dtype} torch_threads={args.threads} repeats={args.repeats} "
           f"(features/s, best of repeats; get = all hits)")
-    print("| backend | dim | batch | put feat/s | get feat/s | backbone fwd feat/s | get/fwd |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind, dim, batch, put, get, fwd in rows:
-        print(f"| {kind} | {dim} | {batch} | {put:,.0f} | {get:,.0f} | {fwd:,.0f} | "
-              f"{get / fwd:,.1f}x |")
+    header = "| backend | dim | batch | put feat/s | get feat/s | backbone fwd feat/s | get/fwd |"
+    print(f"{header}\n|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"| {kind} | {dim} | {batch} | {put:,.0f} | {get:,.0f} | {fwd:,.0f} | "
+             f"{get / fwd:,.1f}x |" for kind, dim, batch, put, get, fwd in rows]
+    print("\n".join(lines))
+    record("bench_bridge", [table_row(header, line) for line in lines])
 
 
 if __name__ == "__main__":

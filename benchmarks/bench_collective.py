@@ -75,6 +75,7 @@ from bench_heads import (
     ms,
     round_robin,
 )
+from results import describe_device, markdown_rows, record
 from torch.nn.parallel import DistributedDataParallel
 
 import ams
@@ -363,6 +364,8 @@ def main() -> None:
         *result_table(results, args),
     ]
     print("\n".join(lines))
+    record("bench_collective", markdown_rows(result_table(results, args)),
+           device=describe_device(device))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results import record, table_row
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -107,6 +108,7 @@ def main() -> None:
     print("-" * len(header), flush=True)
     sizes = [float(b) for b in args.bucket_mb.split(",")]
     timings: dict[tuple[int, float, float], float] = {}
+    rows = []
     for world in (int(w) for w in args.ranks.split(",")):
         for density in (float(d) for d in args.densities.split(",")):
             for bucket_mb in sorted(sizes, reverse=True):
@@ -119,10 +121,13 @@ def main() -> None:
                 dense_ms = timings.get((world, 1.0, bucket_mb))
                 one_ms = timings.get((world, density, max(sizes)))
                 name = "dense" if density >= 1.0 else f"topk {density:.1%}"
-                print(f"{world:>5} | {name:>14} | {f'{bucket_mb:g} MB':>10} | {sent:>15,.0f} | "
-                      f"{dense / sent:>10.1f}x | {ms:>8.1f} | "
-                      f"{f'{dense_ms / ms:.2f}x' if dense_ms else '-':>8} | "
-                      f"{f'{one_ms / ms:.2f}x' if one_ms else '-':>13}", flush=True)
+                line = (f"{world:>5} | {name:>14} | {f'{bucket_mb:g} MB':>10} | "
+                        f"{sent:>15,.0f} | {dense / sent:>10.1f}x | {ms:>8.1f} | "
+                        f"{f'{dense_ms / ms:.2f}x' if dense_ms else '-':>8} | "
+                        f"{f'{one_ms / ms:.2f}x' if one_ms else '-':>13}")
+                print(line, flush=True)
+                rows.append(table_row(header, line))
+    record("bench_comm", rows)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import faiss
 import numpy as np
 import torch
+from results import describe_device, record, table_row
 
 from ams.graph import (
     IvfIndex,
@@ -122,6 +123,7 @@ def main() -> None:
           f"block={args.block_size}", flush=True)
     print(header)
     print("-" * len(header), flush=True)
+    figures = []
     for n in (int(s) for s in args.sizes.split(",")):
         rows = clustered(n, args.dim, args.seed)
 
@@ -151,9 +153,12 @@ def main() -> None:
             faiss_cells = (f"{faiss_s:.2f}", f"{xcls_s / faiss_s:.2f}", f"{faiss_cpu:.2f}",
                            f"{recall(rows, queries, faiss_ids[queries], kth):.4f}")
         faiss_s_cell, ratio_cell, faiss_cpu_cell, faiss_recall_cell = faiss_cells
-        print(f"{n:>9} | {xcls_s:>8.2f} | {faiss_s_cell:>8} | {ratio_cell:>10} | "
-              f"{xcls_cpu:>10.2f} | {faiss_cpu_cell:>11} | {xcls_recall:>11.4f} | "
-              f"{faiss_recall_cell:>12} | {xcls_mb:>8.0f}", flush=True)
+        line = (f"{n:>9} | {xcls_s:>8.2f} | {faiss_s_cell:>8} | {ratio_cell:>10} | "
+                f"{xcls_cpu:>10.2f} | {faiss_cpu_cell:>11} | {xcls_recall:>11.4f} | "
+                f"{faiss_recall_cell:>12} | {xcls_mb:>8.0f}")
+        print(line, flush=True)
+        figures.append(table_row(header, line))
+    record("bench_graph", figures, table="exact", device=describe_device(args.device))
 
 
 def timed(device: str, build: Callable[..., np.ndarray], /, *args: object, **kwargs: object
@@ -217,6 +222,7 @@ def bench_ivf(args: argparse.Namespace) -> None:
           f"rows: clustered, N/100 centres", flush=True)
     print(header)
     print("-" * len(header), flush=True)
+    figures = []
     for n in (int(s) for s in args.sizes.split(",")):
         rows = clustered(n, args.dim, args.seed)
         nlist = resolve_nlist(args.nlist, n)
@@ -241,9 +247,11 @@ def bench_ivf(args: argparse.Namespace) -> None:
         else:
             cells += ["-", "-"]
         widths = (8, 9, 10, 7, 8, 11, 8, 12)
-        print(f"{n:>9} | {nlist:>6} | {min(args.nprobe, nlist):>6} | "
-              + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)),
-              flush=True)
+        line = (f"{n:>9} | {nlist:>6} | {min(args.nprobe, nlist):>6} | "
+                + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        print(line, flush=True)
+        figures.append(table_row(header, line))
+    record("bench_graph", figures, table="ivf", device=describe_device(args.device))
 
 
 if __name__ == "__main__":

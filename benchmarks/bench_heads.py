@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from results import describe_device, markdown_rows, record
 
 import ams
 from ams.client.sharded import ShardedClient
@@ -440,6 +441,12 @@ def main() -> None:
                   "(prepare then compute, no prefetch overlap):", "",
                   *step_table(steps, args.step_batch)]
     print("\n".join(lines))
+    device = describe_device(args.device)
+    record("bench_heads", markdown_rows(graph_table(builds)), table="graph", device=device)
+    record("bench_heads", markdown_rows(head_table(heads)), table="head alone", device=device)
+    if steps:
+        record("bench_heads", markdown_rows(step_table(steps, args.step_batch)),
+               table="whole step", device=device)
 
 
 if __name__ == "__main__":

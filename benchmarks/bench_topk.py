@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from results import describe_device, record, table_row
 
 from workers.comm import TopkMethod, topk
 
@@ -61,6 +62,7 @@ def main() -> None:
               f"{'same set':>8}")
     print(header)
     print("-" * len(header), flush=True)
+    rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
@@ -77,9 +79,13 @@ def main() -> None:
                     same &= (torch.equal(values.sort().values, reference)
                              and torch.equal(x[indices], values))
                     cells.append(ms)
-                print(f"{n:>11,} | {dtype_name:>8} | {density:>7.2%} | {k:>7,} | {base:>13.2f} | "
-                      f"{cells[0]:>9.2f} | {cells[1]:>9.2f} | {base / cells[0]:>7.1f}x | "
-                      f"{base / cells[1]:>7.1f}x | {'yes' if same else 'NO':>8}", flush=True)
+                line = (f"{n:>11,} | {dtype_name:>8} | {density:>7.2%} | {k:>7,} | "
+                        f"{base:>13.2f} | {cells[0]:>9.2f} | {cells[1]:>9.2f} | "
+                        f"{base / cells[0]:>7.1f}x | {base / cells[1]:>7.1f}x | "
+                        f"{'yes' if same else 'NO':>8}")
+                print(line, flush=True)
+                rows.append(table_row(header, line))
+    record("bench_topk", rows, device=describe_device(device))
 
 
 if __name__ == "__main__":

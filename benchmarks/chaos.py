@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -426,6 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| backbone tensors differing from the reference | - | {tensors_differing} of "
           f"{tensors} |")
     print(f"| top-1 | {pct(top_ref)} | {pct(top_chaos)} |")
+    record("chaos", [{
+        "job": args.job, "steps": args.steps, "faults injected": len(chaos.faults),
+        "faults": "; ".join(chaos.faults),
+        "shard restarts": count(r"shard_restarted", chaos.log),
+        "rollbacks": count(r"rollback restart=", chaos.log),
+        "wall s, reference": round(reference.seconds), "wall s, chaos": round(chaos.seconds),
+        "time lost to faults s": round(chaos.seconds - reference.seconds),
+        "rows differing": differing, "max abs diff": float(f"{largest:.3g}"),
+        "backbone tensors differing": f"{tensors_differing} of {tensors}",
+        "top-1 %, reference": None if top_ref is None else round(100 * top_ref, 2),
+        "top-1 %, chaos": None if top_chaos is None else round(100 * top_chaos, 2)}])
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

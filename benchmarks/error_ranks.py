@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results import record, table_row
 
 from ams.graph import knn
 from workers.data.lmdb_dataset import LmdbImageDataset
@@ -50,15 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     labels = torch.as_tensor(test.labels(), dtype=torch.int64)
     depth = BUCKETS[-1][1]
     head = " | ".join(f"rank {lo}" if lo == hi else f"rank {lo}-{hi}" for lo, hi in BUCKETS)
-    print(f"| model | top-1 | errors | {head} | rank > {depth} |")
+    header = f"| model | top-1 | errors | {head} | rank > {depth} |"
+    print(header)
     print("|---" + "|---:" * (len(BUCKETS) + 3) + "|")
+    rows = []
     for path in args.exports:
         clf = Classifier.load(path)
         errors, rank = error_ranks(clf, images, labels, depth)
         counts = [int(((rank >= lo) & (rank <= hi)).sum()) for lo, hi in BUCKETS]
         top1 = 100 * (1 - errors / len(labels))
-        print(f"| {path} | {top1:.2f} % | {errors} | "
-              + " | ".join(map(str, counts)) + f" | {int((rank == 0).sum())} |")
+        line = (f"| {path} | {top1:.2f} % | {errors} | "
+                + " | ".join(map(str, counts)) + f" | {int((rank == 0).sum())} |")
+        print(line)
+        rows.append({**table_row(header, line), "top-1": round(top1, 2)})
+    record("error_ranks", rows)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from results import record, table_row
 
 from xcls.config import load_config
 from xcls.run import build_run
@@ -104,14 +105,17 @@ def main() -> None:
             row = run_one(args, Path(tmp) / f"run{i}", gear)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| gear | ttl s | m | no-grad fwd / sample | fwd+bwd / sample | s / epoch | "
-          "top-1 % | top-5 % | top-1 % at epoch ends (train s, %) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header = ("| gear | ttl s | m | no-grad fwd / sample | fwd+bwd / sample | s / epoch | "
+              "top-1 % | top-5 % | top-1 % at epoch ends (train s, %) |")
+    print(f"\n{header}\n|---|---|---|---|---|---|---|---|---|")
+    lines = []
     for r in rows:
         curve = " ".join(f"({t:g}, {a:g})" for t, a in r["top1_curve"])
-        print(f"| {'on' if r['gear'] else 'off'} | {r['ttl']} | {r['m']} | "
-              f"{r['fwd_nograd_per_sample']} | {r['fwd_bwd_per_sample']} | "
-              f"{r['seconds_per_epoch']} | {r['top1']} | {r['top5']} | {curve} |")
+        lines.append(f"| {'on' if r['gear'] else 'off'} | {r['ttl']} | {r['m']} | "
+                     f"{r['fwd_nograd_per_sample']} | {r['fwd_bwd_per_sample']} | "
+                     f"{r['seconds_per_epoch']} | {r['top1']} | {r['top5']} | {curve} |")
+    print("\n".join(lines))
+    record("gear_study", [table_row(header, line) for line in lines])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

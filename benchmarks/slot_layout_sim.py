@@ -29,6 +29,7 @@ from collections import deque
 
 import numpy as np
 import torch
+from results import record, table_row
 
 from ams.shard.slots import RowSlots, slot_capacity
 
@@ -125,22 +126,31 @@ def main() -> None:
 
     print(f"# {args.classes:,} classes, {args.shards} shards, k = {args.k}, batch {args.batch}, "
           f"clusters of {args.cluster}, {rows_per_page} rows a page, {args.steps} steps")
-    print("| slots | pushed rows take new slots in | pages per active row, first "
-          f"{early} steps | last {late} steps |")
-    print("|---|---|---:|---:|")
+    header = ("| slots | pushed rows take new slots in | pages per active row, first "
+              f"{early} steps | last {late} steps |")
+    print(f"{header}\n|---|---|---:|---:|")
+    rows = []
     census = None
     for name, by_rank, keep in (("class order", False, False), ("graph order", True, False),
                                 ("graph order", True, True)):
         maps = slot_maps(by_rank)
         figures = pages_per_active_row(graph, args.shards, maps, ranks if keep else None,
                                        rows_per_page, args.batch, args.steps, args.seed + 1)
-        print(f"| {name} | {'graph order' if keep else 'position order'} | "
-              f"{figures[:early].mean():.3f} | {figures[-late:].mean():.3f} |", flush=True)
+        line = (f"| {name} | {'graph order' if keep else 'position order'} | "
+                f"{figures[:early].mean():.3f} | {figures[-late:].mean():.3f} |")
+        print(line, flush=True)
+        rows.append(table_row(header, line))
         if census is None:
             census = free_slots_per_page(maps, rows_per_page)
     print(f"\nFree slots a page after the steps in class order: mean {census.mean():.2f} of "
           f"{rows_per_page}, at most {census.max()}; pages with no live row: "
           f"{int((census == rows_per_page).sum()):,} of {census.size:,}")
+    record("slot_layout_sim", rows, table="pages")
+    record("slot_layout_sim", [{"order": "class order", "pages": census.size,
+                                "free slots a page, mean": round(float(census.mean()), 2),
+                                "free slots a page, max": int(census.max()),
+                                "pages with no live row": int((census == rows_per_page).sum()),
+                                "slots a page": rows_per_page}], table="free slots")
 
 
 if __name__ == "__main__":

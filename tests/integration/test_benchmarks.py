@@ -17,6 +17,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def results_dir(tmp_path_factory, monkeypatch) -> Path:
+    """The benchmarks append their figures here (``XCLS_RESULTS_DIR``, inherited by the
+    processes they run in), never to the tracked files of ``benchmarks/results/``."""
+    path = tmp_path_factory.mktemp("results")
+    monkeypatch.setenv("XCLS_RESULTS_DIR", str(path))
+    return path
+
+
 def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,258 @@
+"""The accuracy tables, rendered from ``benchmarks/results/accuracy.csv``.
+
+One CSV row is one training run (``COLUMNS``): percent figures as numbers (97.30), an empty
+cell where a figure was not measured, ``budget`` the active classes per step. ``notes`` holds
+``; ``-separated entries: an entry ``key=value`` is a setting that differs from the study's
+defaults (a config key such as ``optim.head_weight_decay=5e-4``, or a named code variant such as
+``decay_clock=off``), any other entry is a remark. Runs with the same setting are one row of a
+table: every seed's top-1, the mean and the spread, the commits.
+
+A change to the training code can move every figure, so runs are compared only within one span
+of training code: between two of the commits named in ``TRAINING_CODE_CHANGES`` and
+``CURRENT_TRAINING_CODE`` (by git ancestry, ``git merge-base --is-ancestor``). The README shows
+only runs measured at ``CURRENT_TRAINING_CODE`` or later.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budget", "k",
+           "random_share", "seed", "top1", "top5", "class_means_top1", "seconds_per_epoch",
+           "notes")
+HEADS = ("full", "knn", "partial", "knn-ivf", "knn-touched")
+
+# Move this to the newest commit whenever a change alters training results (the row update's
+# rounding, the selection's draws, a default), and add the commit it held to
+# TRAINING_CODE_CHANGES: the README then shows only runs of the code as it is.
+CURRENT_TRAINING_CODE = "3978c01"
+# Earlier commits after which training gave other figures, oldest first, with what changed.
+TRAINING_CODE_CHANGES = (
+    ("92ef1bb", "the shard's row step rounded as w.sub_(g, alpha=lr), not w - (lr·g)"),
+    ("7d33b40", "the uniform negatives drawn by one sort of the draws"),
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of accuracy.csv."""
+
+    date: str
+    commit: str
+    device: str
+    classes: int
+    epochs: float | None
+    head: str
+    budget: int
+    k: int | None
+    random_share: float | None
+    seed: int | None
+    top1: float
+    top5: float | None
+    class_means_top1: float | None
+    seconds_per_epoch: float | None
+    settings: tuple[str, ...]
+    remarks: tuple[str, ...]
+
+
+def _number(text: str, kind: type = float) -> float | int | None:
+    return kind(text) if text.strip() else None
+
+
+def load_runs(path: Path) -> list[Run]:
+    """The rows of an accuracy CSV; a row that breaks the schema is an error naming its line."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != COLUMNS:
+            raise ValueError(f"{path}: the columns must be {','.join(COLUMNS)}")
+        runs = []
+        for line, row in enumerate(reader, 2):
+            try:
+                entries = [e.strip() for e in row["notes"].split(";") if e.strip()]
+                if row["head"] not in HEADS:
+                    raise ValueError(f"head {row['head']!r} is not one of {', '.join(HEADS)}")
+                runs.append(Run(
+                    row["date"], row["commit"], row["device"], int(row["classes"]),
+                    _number(row["epochs"]), row["head"], int(row["budget"]),
+                    _number(row["k"], int), _number(row["random_share"]),
+                    _number(row["seed"], int), float(row["top1"]), _number(row["top5"]),
+                    _number(row["class_means_top1"]), _number(row["seconds_per_epoch"]),
+                    tuple(e for e in entries if "=" in e),
+                    tuple(e for e in entries if "=" not in e)))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}:{line}: {err}") from err
+    return runs
+
+
+@cache
+def _descends(commit: str, ancestor: str) -> bool:
+    """Whether ``commit`` is ``ancestor`` or one of its descendants."""
+    done = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", ancestor,
+                           commit.removesuffix("-dirty")], capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        raise ValueError(f"commit {commit} or {ancestor} is not in this repository's history "
+                         f"({done.stderr.strip()})")
+    return done.returncode == 0
+
+
+def _marks() -> list[str]:
+    return [c for c, _ in TRAINING_CODE_CHANGES] + [CURRENT_TRAINING_CODE]
+
+
+def _span(commit: str) -> int:
+    """How many of the training code's marks ``commit`` descends from (0: before the first)."""
+    marks = _marks()
+    return next((i + 1 for i in reversed(range(len(marks))) if _descends(commit, marks[i])), 0)
+
+
+def code_span(commit: str) -> str:
+    """The span of training code ``commit`` falls in, e.g. "92ef1bb–7d33b40" or "≥ 3978c01"."""
+    marks, span = _marks(), _span(commit)
+    if span == 0:
+        return f"< {marks[0]}"
+    return f"≥ {marks[-1]}" if span == len(marks) else f"{marks[span - 1]}–{marks[span]}"
+
+
+def is_current(run: Run) -> bool:
+    """Whether ``run`` measured the current training code."""
+    return _descends(run.commit, CURRENT_TRAINING_CODE)
+
+
+def newest_spans(runs: Iterable[Run]) -> list[Run]:
+    """Per setting, head and machine, only the runs of the newest span of code measured."""
+    runs = list(runs)
+
+    def setting(r: Run) -> tuple:
+        return (r.settings, r.classes, r.epochs, r.head, r.budget, r.k, r.random_share, r.device)
+
+    newest: dict[tuple, int] = {}
+    for r in runs:
+        newest[setting(r)] = max(newest.get(setting(r), 0), _span(r.commit))
+    return [r for r in runs if _span(r.commit) == newest[setting(r)]]
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _group_key(run: Run) -> tuple:
+    return (run.settings, run.classes, run.epochs or 0, HEADS.index(run.head), run.budget,
+            run.k or 0, run.random_share or 0, run.device, _span(run.commit), run.seed is None)
+
+
+def _cells(runs: list[Run]) -> list[str]:
+    """Every seed's top-1, the mean, the spread, the class-means mean and the commits of one
+    group of runs (a run without a seed is a mean recorded as such, shown with its remark)."""
+    seeds = ", ".join(f"{r.seed}: {r.top1:.2f}" if r.seed is not None
+                      else f"{r.top1:.2f} ({'; '.join(r.remarks)})" for r in runs)
+    top1 = [r.top1 for r in runs]
+    spread = f"{min(top1):.2f}–{max(top1):.2f}" if len(top1) > 1 else ""
+    means = [r.class_means_top1 for r in runs if r.class_means_top1 is not None]
+    mean = _fmt(statistics.mean(means)) if means else ""
+    if means and len(means) < len(runs):
+        mean += f" ({len(means)} of {len(runs)})"
+    commits = ", ".join(dict.fromkeys(r.commit for r in runs))
+    return [seeds, _fmt(statistics.mean(top1)), spread, mean, commits]
+
+
+def _groups(runs: Iterable[Run]) -> list[list[Run]]:
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+    return [sorted(g, key=lambda r: (r.seed is None, r.seed or 0))
+            for _, g in sorted(groups.items(), key=lambda kv: kv[0])]
+
+
+def _setting(run: Run) -> list[str]:
+    epochs = "" if run.epochs is None else f"{run.epochs:g}"
+    return [f"{run.classes:,}", epochs, f"{run.budget:,}", run.head,
+            "" if run.k is None else str(run.k),
+            "" if run.random_share is None else f"{run.random_share:g}"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+SEED_COLUMNS = ["top-1 by seed", "mean", "min–max", "class means, mean", "commits"]
+
+
+def seeds_table(runs: Iterable[Run], *, settings: bool) -> str:
+    """Per setting and head: every seed's top-1, the mean, the spread and the commits. With
+    ``settings`` the runs with settings of their own, else those at the study's defaults."""
+    chosen = [r for r in runs if bool(r.settings) == settings]
+    header = ["classes", "epochs", "budget", "head", "k", "random share", "machine", "code",
+              *SEED_COLUMNS]
+    if settings:
+        header.insert(0, "settings")
+    rows = []
+    for group in _groups(chosen):
+        first = group[0]
+        row = [*_setting(first), first.device, code_span(first.commit), *_cells(group)]
+        rows.append(["; ".join(first.settings), *row] if settings else row)
+    return _table(header, rows)
+
+
+def demo_table(runs: Iterable[Run]) -> str:
+    """The demo's runs (those whose settings name the demo's config), per span of code."""
+    return seeds_table([r for r in runs if any(s.startswith("config=") for s in r.settings)],
+                       settings=True)
+
+
+def _summary(runs: list[Run]) -> str:
+    """"mean (n seeds, min–max)" of one head's runs in one setting."""
+    top1 = [r.top1 for r in runs]
+    spread = f", {min(top1):.2f}–{max(top1):.2f}" if len(top1) > 1 else ""
+    return f"{statistics.mean(top1):.2f} ({len(top1)} seed{'s' * (len(top1) > 1)}{spread})"
+
+
+def readme_table(runs: Iterable[Run]) -> str:
+    """The runs of the current training code at the study's defaults or the demo's config, a
+    row per setting and sampled budget with each head's mean top-1 (full's, the reference, in
+    each of its setting's rows); then the settings that await runs on the current code."""
+    shown = [r for r in runs if r.head in ("full", "knn", "partial")
+             and (not r.settings or any(s.startswith("config=") for s in r.settings))]
+    current = [r for r in shown if is_current(r)]
+
+    def setting(r: Run) -> tuple:
+        return (r.classes, r.epochs or 0, r.settings, r.device)
+
+    budgets = {(setting(r), r.budget) for r in current if r.head != "full"}
+    budgets |= {(setting(r), None) for r in current
+                if setting(r) not in {key for key, _ in budgets}}
+    rows = []
+    for key, budget in sorted(budgets, key=lambda kb: (kb[0], kb[1] or 0)):
+        classes, epochs, settings, device = key
+        cells = []
+        for head in ("full", "knn", "partial"):
+            mine = [r for r in current if setting(r) == key and r.head == head
+                    and (head == "full" or r.budget == budget)]
+            cells.append(_summary(mine) if mine else "—")
+        commits = dict.fromkeys(r.commit for r in current if setting(r) == key
+                                and (r.head == "full" or r.budget == budget))
+        rows.append([f"{classes:,}", f"{epochs:g}", "" if budget is None else f"{budget:,}",
+                     "; ".join(settings) or "study defaults", *cells, device,
+                     ", ".join(commits)])
+    done = {(r.classes, r.epochs or 0, r.settings) for r in current}
+    awaiting = dict.fromkeys((r.classes, r.epochs or 0, r.settings)
+                             for r in sorted(shown, key=lambda r: (r.classes, r.epochs or 0))
+                             if (r.classes, r.epochs or 0, r.settings) not in done)
+    lines = []
+    if rows:
+        lines.append(_table(["classes", "epochs", "budget", "setting", "full", "knn", "partial",
+                             "machine", "commits"], rows))
+    if awaiting:
+        names = "; ".join(f"{c:,} classes × {e:g} epoch{'s' * (e != 1)}"
+                          + (f" ({'; '.join(s)})" if s else "") for c, e, s in awaiting)
+        lines.append(f"Awaiting runs on the current training code ({CURRENT_TRAINING_CODE}): "
+                     f"{names}.")
+    return "\n\n".join(lines)

@@ -1,0 +1,141 @@
+"""The pages rendered from ``benchmarks/results/`` are current, and a changed record makes them
+stale: RESULTS.md, the README's tables and docs/accuracy.md's tables are generated, never typed.
+
+In-process and offline; the accuracy tables ask git which commits descend from which, so the
+checks need the repository's history (a shallow clone skips them).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import accuracy_tables  # noqa: E402
+import render_results  # noqa: E402
+import results  # noqa: E402
+
+GENERATED = [Path("benchmarks/RESULTS.md"), Path("README.md"), Path("docs/accuracy.md")]
+
+
+def _history() -> bool:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                          capture_output=True, text=True)
+    return done.returncode == 0 and done.stdout.strip() == "false"
+
+
+needs_history = pytest.mark.skipif(not _history(), reason="needs the git history")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the generated pages and the results files they come from."""
+    for page in GENERATED:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / page, tmp_path / page)
+    shutil.copytree(ROOT / render_results.RESULTS, tmp_path / render_results.RESULTS)
+    return tmp_path
+
+
+@needs_history
+def test_the_generated_pages_are_current() -> None:
+    assert render_results.stale(ROOT) == [], \
+        "run: python benchmarks/render_results.py (and commit the pages it rewrites)"
+
+
+@needs_history
+def test_a_changed_benchmark_record_makes_results_and_readme_stale(tree: Path, capsys) -> None:
+    path = tree / render_results.RESULTS / "bench_heads.jsonl"
+    lines = path.read_text().splitlines()
+    changed = []
+    for line in lines:
+        record = json.loads(line)
+        if record["figures"].get("speed-up vs full") == "447.2x":
+            record["figures"]["speed-up vs full"] = "450.0x"
+        changed.append(json.dumps(record, ensure_ascii=False))
+    assert changed != lines
+    path.write_text("\n".join(changed) + "\n")
+
+    assert render_results.stale(tree) == [Path("benchmarks/RESULTS.md"), Path("README.md")]
+    assert render_results.main(["--check"], root=tree) == 1
+    err = capsys.readouterr().err
+    assert "benchmarks/RESULTS.md" in err and "README.md" in err
+    assert render_results.main([], root=tree) == 0
+    assert render_results.main(["--check"], root=tree) == 0
+    assert "450.0x" in (tree / "README.md").read_text()
+
+
+@needs_history
+def test_a_changed_accuracy_row_makes_accuracy_md_stale(tree: Path) -> None:
+    path = tree / render_results.RESULTS / "accuracy.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    first = next(r for r in rows if not r["notes"] and r["head"] == "full")
+    first["top1"] = f"{float(first['top1']) - 1:.2f}"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, accuracy_tables.COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    assert Path("docs/accuracy.md") in render_results.stale(tree)
+
+
+def test_an_unknown_block_is_refused() -> None:
+    text = "<!-- results:nothing-like-it -->\n<!-- /results -->\n"
+    with pytest.raises(ValueError, match="nothing-like-it"):
+        render_results.fill_blocks(text, "README.md", {"heads": lambda: ""})
+
+
+def test_the_accuracy_file_keeps_its_schema() -> None:
+    with (ROOT / render_results.RESULTS / "accuracy.csv").open(newline="") as f:
+        assert tuple(next(csv.reader(f))) == accuracy_tables.COLUMNS
+    runs = accuracy_tables.load_runs(ROOT / render_results.RESULTS / "accuracy.csv")
+    assert runs and all(0 < r.top1 <= 100 for r in runs)
+
+
+def test_a_row_off_the_schema_is_an_error_naming_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "accuracy.csv"
+    row = "2026-11-25,abc1234,2-core CPU VM,100,2,softmax,10,,,0,90.00,,,,"
+    path.write_text(",".join(accuracy_tables.COLUMNS) + "\n" + row + "\n")
+    with pytest.raises(ValueError, match=r"accuracy.csv:2: head 'softmax'"):
+        accuracy_tables.load_runs(path)
+
+
+def test_record_appends_to_the_results_dir_it_is_given(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
+    path = results.record("bench_x", [{"N": 1000, "ms": 1.5}, {"N": 2000, "ms": 2.5}],
+                          table="step", device="test device")
+    results.record("bench_x", [{"N": 4000, "ms": 3.5}], table="step", device="test device")
+    assert path == tmp_path / "bench_x.jsonl"
+    records = results.load(path)
+    assert [r.figures for r in records] == [{"N": 1000, "ms": 1.5}, {"N": 2000, "ms": 2.5},
+                                            {"N": 4000, "ms": 3.5}]
+    assert len({r.run for r in records}) == 1  # one process, one run
+    first = records[0]
+    assert first.device == "test device" and first.table == "step"
+    assert first.command.startswith("python ") and first.commit and first.date[:4].isdigit()
+
+
+def test_a_later_run_replaces_the_shown_rows_of_its_machine_and_command() -> None:
+    def rec(date: str, device: str, ms: float) -> results.Record:
+        return results.Record(date, "abc1234", device, "python benchmarks/b.py", "", {"ms": ms})
+
+    old, new, other = rec("2026-01-01", "cpu", 1.0), rec("2026-01-02", "cpu", 2.0), \
+        rec("2026-01-01", "gpu", 3.0)
+    assert render_results.current([old, other, new]) == [other, new]
+
+
+def test_printed_tables_parse_into_figures() -> None:
+    rows = results.markdown_rows(["| N | head | ms/step | speed-up |", "|---:|---|---:|---:|",
+                                  "| 1,000,000 | knn | 36.6 | 447.2x |", "| 5 | full | — | - |"])
+    assert rows == [{"N": 1_000_000, "head": "knn", "ms/step": 36.6, "speed-up": "447.2x"},
+                    {"N": 5, "head": "full", "ms/step": None, "speed-up": None}]
+    assert results.table_row("   n |  dtype", "  25,000 | float16") == {"n": 25_000,
+                                                                       "dtype": "float16"}
