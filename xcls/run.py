@@ -81,7 +81,7 @@ def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
     import torch
 
     from workers.backbones import build_backbone
-    from workers.lars import LARS, lars_param_groups
+    from workers.optimizers import build_optimizer
 
     torch.manual_seed(cfg.train.seed)
     try:
@@ -92,13 +92,8 @@ def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
     # A DistributedDataParallel wrapper shares these parameter objects, so this optimizer
     # also steps a wrapped backbone.
     o = cfg.optim
-    if o.name == "lars":
-        optimizer: torch.optim.Optimizer = LARS(
-            lars_param_groups(backbone, o.weight_decay), lr=o.lr, momentum=o.momentum,
-            weight_decay=o.weight_decay, eta=o.lars_eta)
-    else:
-        optimizer = torch.optim.SGD(backbone.parameters(), lr=o.lr, momentum=o.momentum,
-                                    weight_decay=o.weight_decay)
+    optimizer = build_optimizer(o.name, backbone, lr=o.lr, momentum=o.momentum,
+                                weight_decay=o.weight_decay, lars_eta=o.lars_eta)
     return backbone, optimizer
 
 
@@ -256,13 +251,14 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
     compressor takes over ``optimizer``'s momentum and weight decay (momentum correction runs
     before the gradients are sparsified, so the optimizer must not apply them again)."""
     from workers.comm import Compression, TopkCompressor
+    from workers.optimizers import OptimizerKind
 
     if cfg.comm.compression == Compression.NONE:
         return None
     if cfg.gear.enabled:
         raise ConfigError("comm.compression: gear mode steps the backbone in the slow gear, "
                           "which takes no compressed gradients; set comm.compression=none")
-    if cfg.optim.name == "lars":
+    if cfg.optim.name == OptimizerKind.LARS:
         raise ConfigError("comm.compression: top-k moves the momentum into the hook, ahead of "
                           "LARS's trust ratios, which would then scale velocities; use "
                           "optim.name=sgd with compression")
