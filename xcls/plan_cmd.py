@@ -11,7 +11,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from xcls.config import ConfigError, ExperimentConfig, load_config
+from workers.settings import ExperimentConfig
+from xcls.config import ConfigError, load_config
 
 if TYPE_CHECKING:  # the command line imports torch only when a command runs
     from ams.plan import GraphBuild, Job, Rates, ShardMemory, StepTraffic

@@ -12,14 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from xcls.config import (
-    REDACTED,
-    ConfigError,
-    ExperimentConfig,
-    GearConfig,
-    redact_url_password,
-    to_toml,
-)
+from workers.settings import ExperimentConfig, GearConfig
+from xcls.config import REDACTED, ConfigError, redact_url_password, to_toml
 from xcls.secret_files import read_secret
 
 if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
