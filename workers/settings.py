@@ -3,7 +3,8 @@ type, its constraints (``workers.field_marks``) and its documentation, the strin
 
 This is their one home: ``xcls.config`` reads a TOML file into an ``ExperimentConfig`` (refusing
 what a field's annotation does not admit), run assembly (``xcls.run``) builds the parts from it,
-and ``ams.plan.Job`` is made from it by ``xcls.plan_cmd.build_job``.
+and the trainer takes it whole (``workers.trainer``); ``ams.plan.Job`` is made from it by
+``xcls.plan_cmd.build_job``.
 
 A choice is a ``StrEnum`` of the library that acts on it, each member with a one-line comment.
 Those libraries import torch, which the command line loads only once a command runs, so this

@@ -106,7 +106,7 @@ def build_run(cfg: ExperimentConfig,
     from workers.data.lmdb_dataset import LmdbImageDataset
     from workers.heads import HeadKind, Placement, RowHead, build_head
     from workers.losses import CombinedMarginLoss
-    from workers.trainer import LoopOptions, Trainer
+    from workers.trainer import Trainer
 
     rank, world, device = placement or (0, 1, training_device(cfg))
     if cfg.train.threads:
@@ -186,22 +186,11 @@ def build_run(cfg: ExperimentConfig,
             nprobe=cfg.graph.nprobe, device=cfg.graph.device or str(device),
             seed=cfg.train.seed).update
 
-    options = LoopOptions(
-        out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
-        batch_size=cfg.train.batch_schedule or cfg.data.batch_size,
-        batch_lr_scaling=cfg.train.batch_lr_scaling, num_workers=cfg.data.num_workers,
-        prefetch_depth=cfg.train.prefetch_depth, lr=cfg.optim.lr,
-        head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
-        schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
-        eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
-        rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, flip=cfg.data.flip,
-        amp=cfg.train.amp,
-        resume=cfg.train.resume, keep_checkpoints=cfg.train.keep_checkpoints)
     gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, (rank, world))
     try:
-        trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
+        trainer = Trainer(cfg=cfg, client=client, backbone=model,
                           optimizer=optimizer, head=head, train_set=train_set,
-                          test_set=test_set, options=options, device=device,
+                          test_set=test_set, device=device,
                           build_graph=build_graph, rank=rank, world=world, gear=gear,
                           compressor=compressor, pair_sets=pair_sets)
     except ValueError as e:
