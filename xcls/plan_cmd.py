@@ -138,6 +138,7 @@ def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
     from ams.plan import MAX_CLASSES, MAX_COUNT, Job
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import read_metadata
+    from workers.heads import HeadKind
 
     if args.classes is not None:
         classes = parse_count(args.classes, "--classes", MAX_CLASSES - 1)
@@ -163,7 +164,7 @@ def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
             hosts = len({parse_address(a)[0] for a in cfg.ams.addresses}) or 1
         except AmsError as e:
             raise ConfigError(f"ams.addresses: {e}") from None
-    knn = cfg.head.kind == "knn"
+    knn = cfg.head.kind == HeadKind.KNN
     return Job(
         num_classes=classes, dim=cfg.model.dim, dtype=str(cfg.ams.dtype),
         state_dtype=str(cfg.ams.state_dtype), momentum=cfg.optim.head_momentum, shards=shards,
