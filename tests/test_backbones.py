@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.backbones import BACKBONES, build_backbone
+from workers.backbones import BackboneKind, build_backbone
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_bad_build_arguments(name, dim, in_channels, image_size, message):
 
 
 def test_backbone_names_are_listed():
-    assert set(BACKBONES) == {"resnet_small", "iresnet50"}
+    assert set(BackboneKind) == {"resnet_small", "iresnet50"}
 
 
 def test_resnet_small_overfits_a_tiny_batch():

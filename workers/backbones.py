@@ -14,6 +14,8 @@ with global pooling, not at all).
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 from torch import nn
 
@@ -186,21 +188,26 @@ class IResNet(Backbone):
         return _embedding_layer(flat, self.fc, self.features)
 
 
-BACKBONES = ("resnet_small", "iresnet50")
+class BackboneKind(StrEnum):
+    """The embedding networks a config can pick."""
+
+    RESNET_SMALL = "resnet_small"  # a small ResNet for 16-64 px images (glyphs, thumbnails)
+    IRESNET50 = "iresnet50"  # insightface's IResNet-50 for 112x112 faces
 
 
-def build_backbone(name: str, dim: int, in_channels: int, image_size: int) -> Backbone:
+def build_backbone(name: BackboneKind | str, dim: int, in_channels: int,
+                   image_size: int) -> Backbone:
     """The backbone called ``name``: images (B, in_channels, image_size, image_size) float ->
     embeddings (B, dim) float32.
 
-    Raises ``ValueError`` for an unknown name (listing :data:`BACKBONES`), a non-positive
+    Raises ``ValueError`` for an unknown name (listing :class:`BackboneKind`), a non-positive
     ``dim``/``in_channels``, or an image size the network is not built for.
     """
     if dim <= 0 or in_channels <= 0:
         raise ValueError(f"dim and in_channels must be positive, got dim={dim}, "
                          f"in_channels={in_channels}")
-    if name == "resnet_small":
+    if name == BackboneKind.RESNET_SMALL:
         return ResNetSmall(dim, in_channels, image_size)
-    if name == "iresnet50":
+    if name == BackboneKind.IRESNET50:
         return IResNet((3, 4, 14, 3), dim, in_channels, image_size)
-    raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(BACKBONES)}")
+    raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(BackboneKind)}")

@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -46,13 +47,23 @@ def address_toward(peer: str) -> str:
         raise ValueError(f"no route to {peer!r} to tell this host's address by: {e}") from None
 
 
-def worker_device(setting: str, local_rank: int) -> torch.device:
+class DeviceSetting(StrEnum):
+    """Where a worker computes."""
+
+    AUTO = "auto"  # the GPU of its local rank when CUDA is available, else the CPU
+    CPU = "cpu"  # the CPU, even with a GPU at hand
+    CUDA = "cuda"  # the GPU of its local rank; an error without one
+
+
+def worker_device(setting: DeviceSetting | str, local_rank: int) -> torch.device:
     """The device a worker computes on, for ``setting`` "cpu", "cuda" or "auto" (CUDA when
     there is one): ``cuda:<local_rank>``, made the current CUDA device, or ``cpu``. Raises
     ValueError for "cuda" without CUDA, or a local rank past the GPUs this host has."""
-    if setting not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"{setting!r}: use auto, cpu or cuda")
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+    if setting not in list(DeviceSetting):
+        *others, last = DeviceSetting
+        raise ValueError(f"{setting!r}: use {', '.join(others)} or {last}")
+    if setting == DeviceSetting.CPU or (setting == DeviceSetting.AUTO
+                                        and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("'cuda' but no CUDA device is available")

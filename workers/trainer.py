@@ -48,6 +48,7 @@ from workers.prefetch import Prefetcher, PreparedBatch
 from workers.row_update import RowUpdater
 from workers.run_log import RunLog
 from workers.schedule import lr_at
+from workers.settings import ExperimentConfig
 from workers.termination import TerminationRequest
 
 log = logging.getLogger(__name__)
@@ -55,33 +56,6 @@ log = logging.getLogger(__name__)
 # Classes whose neighbor lists are compared across a rebuild (a sample: the full lists of
 # 100M classes would not fit, and the share is all that is reported).
 GRAPH_PROBE_CLASSES = 4096
-
-
-@dataclass
-class LoopOptions:
-    """How long and how to run the loop (all steps count global optimizer steps)."""
-
-    out_dir: Path
-    epochs: int = 10
-    max_steps: int = 0
-    batch_size: int | list[int] = 256  # per rank; a list: the growing batch of each epoch
-    # with a growing batch, scale the learning rates with it (linear scaling rule)
-    batch_lr_scaling: bool = True
-    num_workers: int = 2
-    prefetch_depth: int = 1
-    lr: float = 0.1
-    head_lr: float = 0.1
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    log_every: int = 50
-    eval_every: int = 0
-    checkpoint_every: int = 0
-    rebuild_every: int = 0
-    seed: int = 0
-    flip: bool = False  # mirror images are the same class: training flips, verification adds
-    amp: bool = True
-    resume: bool = True
-    keep_checkpoints: int = 2
 
 
 @dataclass
@@ -125,49 +99,56 @@ class _Window:
 
 
 class Trainer:
-    """Runs ``LoopOptions`` over built components.
+    """Runs the loop of ``cfg`` over built components.
 
-    client: the AMS client (embedded or remote); table: the class-row table; backbone: the
-    (possibly DDP-wrapped) embedding network; optimizer: over the backbone's parameters;
-    head: full / partial / knn; build_graph: ``build_graph(step)`` builds or refreshes the
-    neighbor graph and reports it (``ams.graph.build.GraphUpdater.update``; None when the head
-    needs none); rank/world: torch.distributed position; gear: gear mode
-    (``workers.gear``), None for plain training; compressor: the top-k gradient compression
-    hook registered on the DDP wrapper, whose residuals are checkpointed per rank (None:
-    dense all-reduce).
+    cfg: the run's settings, of which the loop reads ``train`` (length, cadences, checkpoints,
+    out_dir), ``data`` (batch size, loader processes, flips), ``optim`` (learning rates and
+    their schedule), ``graph.rebuild_every`` and ``ams.table``; every step counts global
+    optimizer steps. client: the AMS client (embedded or remote); backbone: the (possibly
+    DDP-wrapped) embedding network; optimizer: over the backbone's parameters; head: full /
+    partial / knn; build_graph: ``build_graph(step)`` builds or refreshes the neighbor graph
+    and reports it (``ams.graph.build.GraphUpdater.update``; None when the head needs none);
+    rank/world: torch.distributed position; gear: gear mode (``workers.gear``), None for plain
+    training; compressor: the top-k gradient compression hook registered on the DDP wrapper,
+    whose residuals are checkpointed per rank (None: dense all-reduce).
     """
 
-    def __init__(self, *, client: ShardedClient, table: str, backbone: nn.Module,
+    def __init__(self, *, cfg: ExperimentConfig, client: ShardedClient, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, head: RowHead, train_set: Dataset,
-                 test_set: Dataset | None, options: LoopOptions, device: torch.device,
+                 test_set: Dataset | None, device: torch.device,
                  build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
                  world: int = 1, gear: Gear | None = None,
                  compressor: TopkCompressor | None = None,
                  pair_sets: dict[str, Dataset] | None = None) -> None:
-        self.client, self.table = client, table
+        self.cfg = cfg
+        self.client, self.table = client, cfg.ams.table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
         self.train_set, self.test_set = train_set, test_set
-        self.options, self.device = options, device
+        self.device = device
+        self.out_dir = Path(cfg.train.out_dir)
         self.build_graph = build_graph
         self.rank, self.world = rank, world
         self.gear = gear
         self.compressor = compressor
         watch_gear(gear)  # its cache and accumulator counters, read at scrape time
-        self.plan = BatchPlan(len(train_set), options.batch_size, rank, world, options.seed)
-        self._epoch_of_step = self.plan.epoch_of_steps(options.epochs)
+        # per rank; a batch_schedule grows it epoch by epoch
+        batch_size = cfg.train.batch_schedule or cfg.data.batch_size
+        self.plan = BatchPlan(len(train_set), batch_size, rank, world, cfg.train.seed)
+        self._epoch_of_step = self.plan.epoch_of_steps(cfg.train.epochs)
         total = len(self._epoch_of_step)
-        self.total_steps = min(total, options.max_steps) if options.max_steps else total
+        self.total_steps = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
         combine = head.combine_row_grads
-        self.rows = RowUpdater(client, table, [self._head_lr(t) for t in range(self.total_steps)],
+        self.rows = RowUpdater(client, self.table,
+                               [self._head_lr(t) for t in range(self.total_steps)],
                                rank=rank if combine else 0, world=world if combine else 1)
-        self._amp = options.amp and device.type == "cuda"
+        self._amp = cfg.train.amp and device.type == "cuda"
         self._scaler = torch.amp.GradScaler("cuda") if self._amp else None
-        self.evaluator = Evaluator(client, table, self._unwrapped(), device,
-                                   num_classes=head.num_classes, dim=client.spec(table).dim,
+        self.evaluator = Evaluator(client, self.table, self._unwrapped(), device,
+                                   num_classes=head.num_classes, dim=client.spec(self.table).dim,
                                    train_set=train_set, test_set=test_set,
-                                   pair_sets=pair_sets, verify_flipped=options.flip,
+                                   pair_sets=pair_sets, verify_flipped=cfg.data.flip,
                                    amp=self._amp, show_progress=rank == 0)
-        self.run_log = RunLog(options.out_dir, enabled=rank == 0)
+        self.run_log = RunLog(self.out_dir, enabled=rank == 0)
         self.step = 0
         self.position = (0, 0)  # (epoch, samples consumed in it)
         self._resumed: dict | None = None  # this rank's private checkpoint part
@@ -182,7 +163,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         # resume from the newest checkpoint; a graph before the first knn step
-        Path(self.options.out_dir).mkdir(parents=True, exist_ok=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         fresh = not self.try_resume()
         resumed = self._resumed or {}
         if self.gear is not None:
@@ -209,14 +190,14 @@ class Trainer:
         def batches() -> Iterator[Batch]:
             for u, (e, batch) in enumerate(self._epoch_batches(), start=self.step):
                 epoch_of[u] = e
-                if self.options.flip:
+                if self.cfg.data.flip:
                     ids, images, labels = batch
-                    images = flip_horizontally(images, seed=self.options.seed, rank=self.rank,
+                    images = flip_horizontally(images, seed=self.cfg.train.seed, rank=self.rank,
                                                step=u)
                     batch = (ids, images, labels)
                 yield batch
 
-        self._prefetcher = Prefetcher(batches(), self.head.prepare, self.options.prefetch_depth,
+        self._prefetcher = Prefetcher(batches(), self.head.prepare, self.cfg.train.prefetch_depth,
                                       self.step, resumed.get("prepared"))
         bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True, desc="train",
                    disable=not (self.rank == 0 and sys.stderr.isatty()))
@@ -238,7 +219,7 @@ class Trainer:
                     bar.update(1)
 
                     # timing and logging
-                    if self.step % self.options.log_every == 0 or self.step == self.total_steps:
+                    if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps:
                         row = self._log_window(epoch, out, window)
                         result.history.append(row)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", ips=f"{row['images_per_s']:.0f}")
@@ -304,26 +285,28 @@ class Trainer:
         return out
 
     def _lr(self, step: int) -> float:
-        return lr_at(step, self.options.lr, self.options.warmup_steps, self.total_steps,
-                     self.options.schedule) * self._batch_scale(step)
+        o = self.cfg.optim
+        return lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.schedule) \
+            * self._batch_scale(step)
 
     def _head_lr(self, step: int) -> float:
-        return lr_at(step, self.options.head_lr, self.options.warmup_steps, self.total_steps,
-                     self.options.schedule) * self._batch_scale(step)
+        o = self.cfg.optim
+        return lr_at(step, o.effective_head_lr(), o.warmup_steps, self.total_steps,
+                     o.schedule) * self._batch_scale(step)
 
     def _batch_scale(self, step: int) -> float:
         """The step's batch over the first epoch's, when the learning rates follow a growing
         batch (1 otherwise)."""
-        if not self.options.batch_lr_scaling or step >= len(self._epoch_of_step):
+        if not self.cfg.train.batch_lr_scaling or step >= len(self._epoch_of_step):
             return 1.0
         return self.plan.batch_size_at(self._epoch_of_step[step]) / self.plan.batch_size
 
     def _epoch_batches(self) -> Iterator[tuple[int, Batch]]:
         """(epoch, batch) from the current position to the end of training."""
         epoch, consumed = self.position
-        for e in range(epoch, self.options.epochs):
+        for e in range(epoch, self.cfg.train.epochs):
             for batch in self.plan.loader(self.train_set, e, consumed if e == epoch else 0,
-                                          self.options.num_workers):
+                                          self.cfg.data.num_workers):
                 yield e, batch
             consumed = 0
 
@@ -354,11 +337,11 @@ class Trainer:
         def due(every: int) -> bool:
             return (every and self.step % every == 0) or (not every and end_of_epoch)
 
-        if self.build_graph is not None and not last and due(self.options.rebuild_every):
+        if self.build_graph is not None and not last and due(self.cfg.graph.rebuild_every):
             self._rebuild_graph()
-        if due(self.options.checkpoint_every) or last:
+        if due(self.cfg.train.checkpoint_every) or last:
             self.save_checkpoint()
-        if due(self.options.eval_every) or last:
+        if due(self.cfg.train.eval_every) or last:
             self._evaluate(result)
 
     def _evaluate(self, result: TrainResult) -> None:
@@ -411,7 +394,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Worker state + AMS snapshot of this step (rank 0 publishes; all ranks write their
         private part first)."""
-        out = Path(self.options.out_dir)
+        out = self.out_dir
         checkpoint.save_rank(out, self.step, self.rank, {
             # plain tensors only: checkpoints are read with torch.load(weights_only=True)
             "prepared": [a.to_dict() for a in self._prefetcher.pending()]
@@ -431,7 +414,7 @@ class Trainer:
                 "scaler": self._scaler.state_dict() if self._scaler else None,
                 "world": self.world,
             })
-            checkpoint.prune(out, self.options.keep_checkpoints)
+            checkpoint.prune(out, self.cfg.train.keep_checkpoints)
             log.info("checkpoint step=%d dir=%s", self.step,
                      checkpoint.checkpoint_dir(out, self.step))
         self._barrier()
@@ -441,8 +424,8 @@ class Trainer:
         """Continue from the newest checkpoint in out_dir (and the AMS snapshot of its step).
         This rank's private part (prepared batches, sampler and gear state) is used only when
         the worker count is the one it was saved with."""
-        out = Path(self.options.out_dir)
-        step = checkpoint.latest_step(out) if self.options.resume else None
+        out = self.out_dir
+        step = checkpoint.latest_step(out) if self.cfg.train.resume else None
         if step is None:
             return False
         shared, private = checkpoint.load(out, step, self.rank)

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from xcls.config import ConfigError, ExperimentConfig, load_config
+from workers.settings import ExperimentConfig
+from xcls.config import ConfigError, load_config
 from xcls.shards import (
     Child,
     ShardProcess,

@@ -1,8 +1,11 @@
-"""Experiment configuration: one TOML file per experiment, read into typed dataclasses.
+"""Experiment configuration: one TOML file per experiment, read into the typed sections of
+``workers.settings``.
 
-Unknown keys and wrong types are rejected with the dotted key in the message; ``--set a.b=c``
-overrides any field. Library code never reads this tree: the command line unpacks it into
-explicit arguments.
+Each field is checked as it is read, against its annotation: its type, its enum's members for a
+choice (the field then holds the member), the constraints of ``workers.field_marks``. Unknown
+keys, wrong types and refused values are errors in one line naming the dotted key, the value
+and what is allowed; ``--set a.b=c`` overrides any field. What ties fields together is checked
+last (``check_across_fields``).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import tomllib
 import types
 import typing
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from ams.errors import clip, shorten
+from workers.field_marks import OR_EMPTY, URL_PASSWORD_SECRET, Constraint
+from workers.settings import ExperimentConfig, choice_enums
 
 
 class ConfigError(ValueError):
@@ -31,321 +36,38 @@ class ConfigError(ValueError):
 
 # What a secret becomes wherever a config is written out (config.toml, exports, 'config print').
 REDACTED = "***"
-# Field metadata: the password part of this URL field is a secret.
-URL_PASSWORD_SECRET = types.MappingProxyType({"secret": "url_password"})
-
-
-@dataclass
-class DataConfig:
-    train: str = ""
-    """LMDB image dataset to train on (``xcls data glyphs|folder|rec`` writes one)."""
-    test: str = ""
-    """LMDB dataset for evaluation (empty: no evaluation)."""
-    batch_size: int = 256
-    """samples per step per worker"""
-    num_workers: int = 2
-    """DataLoader worker processes (0: load in the training process)"""
-    flip: bool = False
-    """mirror images are the same class: each training image is mirrored left-right with
-    probability 1/2, and verification adds each pair image's mirror embedding to its own, as
-    insightface scores LFW (faces, products; not for glyphs, whose mirror image is another
-    character or none)"""
-    verification: list[str] = field(default_factory=list)
-    """pair sets ('xcls data bin': LFW, CFP-FP, AgeDB-30) whose face-verification accuracy
-    each evaluation reports as verify_<directory name>: 10-fold, at the best cosine threshold,
-    as insightface reports it"""
-
-
-@dataclass
-class ModelConfig:
-    backbone: str = "resnet_small"
-    """resnet_small (32-64 px) or iresnet50 (112 px faces)"""
-    dim: int = 128
-    """embedding width = class-row width"""
-
-
-@dataclass
-class HeadConfig:
-    kind: str = "knn"
-    """which classes are active per step: full | partial | knn (workers.heads.HeadKind)"""
-    placement: str = "ams"
-    """where the class rows live: ams (the model server: in process, or the shards of
-    ams.addresses / ams.scheduler) | collective (sliced over the worker ranks, rank r
-    holding the classes c % W == r in its own memory, softmax computed model-parallel; no
-    server on the step's path; for tables whose rows and optimizer state fit the workers,
-    up to a few tens of millions of classes per host; workers.collective)"""
-    sample_rate: float = 0.1
-    """partial: fraction of all classes active per step, in (0, 1] (collective: of each
-    rank's slice, PartialFC's scheme)"""
-    k: int = 16
-    """knn: neighbors per label taken into the active set, > 0 and <= graph.k"""
-    budget: int = 0
-    """knn: active classes per step, >= 0 (0: sample_rate * num_classes, so knn and partial
-    compare at equal size)"""
-    random_share: float = 0.5
-    """knn: fraction of the negative slots (budget minus the batch's labels) given to uniform
-    random classes, in [0, 1]; the rest go to the labels' neighbors by rank. 0 is KNN
-    softmax's own selection (docs/accuracy.md compares the two)"""
-    logq_correction: bool = True
-    """partial, knn: weight each uniformly drawn class's logit by the number of left-over
-    classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one
-    without bias; classes taken for sure (labels, neighbors) are unweighted. Off is
-    PartialFC's (and KNN softmax's) plain softmax over the active classes (docs/accuracy.md)"""
-    margin: str = "cosface"
-    """margin on the target logit: arcface | cosface | softmax (no margin;
-    workers.losses.Margin)"""
-    scale: float = 32.0
-    """logit scale s, > 0"""
-
-
-@dataclass
-class OptimConfig:
-    name: str = "sgd"
-    """the backbone's optimizer: sgd (momentum SGD) | lars (momentum SGD with each weight
-    tensor's step scaled by its trust ratio, lars_eta * |w| / (|g| + weight_decay * |w|);
-    biases and norms excluded: no decay, no trust ratio; for large global batches;
-    workers.lars)"""
-    lars_eta: float = 0.001
-    """lars: the trust coefficient, > 0"""
-    lr: float = 0.1
-    """peak learning rate of the backbone, >= 0"""
-    head_lr: float = 0.0
-    """peak learning rate of the class rows, >= 0 (0: lr * (1 - head_momentum) / (1 -
-    momentum), so a row moves as far per unit of gradient as a backbone weight does under
-    momentum)"""
-    head_momentum: float = 0.0
-    """momentum of the class rows' sparse SGD in the AMS, in [0, 1). A sampled head's row is
-    active in few steps and sparse momentum moves it only then, so with momentum m a gradient
-    takes effect over the row's next 1/(1-m) activations; at 0 a row takes its whole step at
-    once (docs/accuracy.md)"""
-    momentum: float = 0.9
-    """momentum of the backbone's SGD, in [0, 1)"""
-    weight_decay: float = 5e-4
-    """weight decay of the backbone's SGD, >= 0"""
-    head_weight_decay: float = 5e-3
-    """weight decay of the class rows, >= 0, applied by the AMS to every row in every step
-    (rows that sit out steps take what they owe at their next push, see
-    workers.row_update); the rows' peak lr times it must stay below 1. Gear mode with
-    features cached for a whole run is more stable at 5e-4 (docs/accuracy.md)"""
-    warmup_steps: int = 100
-    """steps of linear warmup from 0 to the peak learning rates, >= 0"""
-    schedule: str = "cosine"
-    """after warmup: cosine (to 0 at the last step) | constant"""
-
-    def effective_head_lr(self) -> float:
-        """The class rows' peak learning rate: ``head_lr``, or when 0 the rows' step that
-        matches the backbone's steady-state momentum step."""
-        return self.head_lr or self.lr * (1 - self.head_momentum) / (1 - self.momentum)
-
-
-@dataclass
-class AmsConfig:
-    addresses: list[str] = field(default_factory=list)
-    """shard host:port list in shard order; empty: shards run in this process"""
-    local_shards: int = 2
-    """embedded mode: number of in-process shards"""
-    table: str = "fc"
-    dtype: str = "float32"
-    """row dtype: float32 | float16 | bfloat16 (ams.dtypes.RowDtype)"""
-    state_dtype: str = ""
-    """momentum dtype: float32 | float16 | bfloat16 (empty: same as dtype)"""
-    storage: str = "memory"
-    """where the shards keep rows, momentum and decay clocks: memory | mmap
-    (ams.shard.storage.StorageKind). mmap: files under the shards' data dir (embedded:
-    train.out_dir/ams/tables), mapped into memory and paged by the OS, for tables larger
-    than RAM; kept across a clean stop, discarded after a crash (the run resumes from its
-    snapshot)"""
-    token_file: str = ""
-    """file with the shards' shared secret (empty: none)"""
-    tls_ca_file: str = ""
-    """PEM certificate of the authority that signed the shards' TLS certificates ('xcls serve
-    shard --tls-cert'); empty: the shards are reached in plaintext"""
-    scheduler: str = ""
-    """host:port of an 'xcls serve scheduler' to find the shards through and keep a lease with,
-    instead of addresses (a lost shard or worker then rolls training back); empty: none"""
-    shared_memory: bool = True
-    """rows of 1 MiB or more to and from a shard on this host (same pid namespace) bypass the
-    socket through memory both processes map (ams.dataplane.shm; never with TLS); false: always
-    in the data plane's frames"""
-
-
-@dataclass
-class GraphConfig:
-    k: int = 32
-    """neighbors kept per class in the graph, > 0 and >= head.k"""
-    rebuild_every: int = 0
-    """steps between graph rebuilds, >= 0 (0: once per epoch). Each rebuild writes the share
-    of neighbors it replaced to OUT/graph.csv ("turnover"): how stale the lists the knn head
-    took were (docs/accuracy.md)"""
-    device: str = ""
-    """where to build (empty: the training device)"""
-    method: str = "exact"
-    """how a full build finds the neighbors: exact (every pair scored, O(N^2 d)) | ivf (faiss
-    inverted lists over float16 rows, about O(N^1.5 d); each build logs and writes to
-    OUT/graph.csv the recall of 1,000 sampled lists against an exact search)
-    (ams.graph.GraphMethod)"""
-    nlist: int = 0
-    """ivf: k-means lists the rows are split into (0: about 4 sqrt(N), see
-    ams.graph.resolve_nlist)"""
-    nprobe: int = 8
-    """ivf: lists each class scans for its neighbors, <= nlist when nlist is given; more:
-    higher recall, longer builds"""
-    refresh: str = "full"
-    """what a rebuild recomputes: full (every list) | touched (after a full build, only the
-    lists of the classes pushed since, exactly; cheaper when few classes move between
-    rebuilds) (ams.graph.GraphRefresh, ams.graph.build.GraphUpdater)"""
-    full_every: int = 10
-    """refresh = touched: a full build after this many touched refreshes (0: never), since an
-    untouched class keeps its list while its neighbors move"""
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    max_steps: int = 0
-    """stop after this many steps (0: run all epochs)"""
-    batch_schedule: list[int] = field(default_factory=list)
-    """a batch that grows during training: the per-rank batch of each epoch, e.g. [64, 96,
-    128, 192, 256] (epochs past the list keep its last entry; each > 0); empty: data.batch_size
-    throughout. With optim.name = lars and optim.schedule = constant this is the fast
-    continuous convergence strategy (docs/accuracy.md)"""
-    batch_lr_scaling: bool = True
-    """with a batch_schedule, multiply each step's learning rates (backbone and rows) by its
-    batch over the first epoch's (the linear scaling rule); false keeps them as optim says
-    (growing the batch then stands in for decaying the learning rate)"""
-    seed: int = 0
-    prefetch_depth: int = 1
-    """batches whose active rows are pulled ahead (0: strict, pull after the last push)"""
-    amp: bool = True
-    """mixed precision on CUDA (ignored on CPU)"""
-    device: str = "auto"
-    """auto (CUDA when there is one) | cpu | cuda; each worker takes the GPU of its LOCAL_RANK"""
-    threads: int = 0
-    """torch CPU threads, at most 1024 (0: torch's default)"""
-    out_dir: str = "runs/experiment"
-    """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
-    log_every: int = 50
-    eval_every: int = 0
-    """steps between evaluations (0: at each epoch end)"""
-    checkpoint_every: int = 0
-    """steps between checkpoints (0: at each epoch end)"""
-    keep_checkpoints: int = 2
-    """newest checkpoints kept, >= 1; the AMS keeps one snapshot more (the newest may lack
-    its checkpoint after a crash between the two)"""
-    resume: bool = True
-    """continue from the newest checkpoint in out_dir if there is one"""
-
-    @property
-    def snapshots_to_keep(self) -> int:
-        """AMS snapshots a run keeps: one per kept checkpoint, plus one for a snapshot whose
-        checkpoint was never written (a crash between the two)."""
-        return self.keep_checkpoints + 1
-
-
-@dataclass
-class GearConfig:
-    enabled: bool = False
-    ttl: float = 0.0
-    """seconds a cached feature stays usable (0: never reuse)"""
-    m: int = 1
-    """gradients per sample averaged before the slow gear applies them"""
-    backend: str = "memory"
-    """where the feature cache and gradient sums live: memory | lmdb | redis
-    (bridge.GearBackend)"""
-    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=URL_PASSWORD_SECRET)
-    """redis://[user[:password]@]host[:port][/db]. A password here is never written out:
-    OUT/config.toml, exports and 'xcls config print' show it as ***, so a run resumed from
-    such a file needs redis_password_file (or the password put back in the URL)"""
-    redis_password_file: str = ""
-    """file holding the Redis password (empty: the URL's, if any); keeps the secret out of
-    every config, on disk or on a command line"""
-    prefix: str = "xcls"
-    """job name: every Redis key of the job starts with it (no ':')"""
-    slow: str = "local"
-    """local: the slow gear runs in the trainer after each step | external: separate
-    'xcls gear slow' processes, redis backend only (workers.gear.SlowGearMode)"""
-    slow_batch: int = 256
-    """most mean gradients the slow gear applies in one backbone step"""
-    cache_mb: int = 512
-    """memory/lmdb backend: feature cache bound in MiB (lmdb lives in train.out_dir/gear_cache)"""
-    sync_every: int = 10
-    """slow=external: trainer steps between checks for newer published backbone weights"""
-    publish_every: int = 10
-    """slow=external: slow-gear backbone steps between weight publications"""
-
-
-@dataclass
-class CommConfig:
-    compression: str = "none"
-    """how the backbone's gradients travel between workers: none (DDP's dense all-reduce) |
-    topk (each layer's largest entries, with error feedback and momentum correction,
-    workers.comm; optim.momentum then runs in it, not in the optimizer). CPU or fp32 only:
-    not with train.amp on CUDA"""
-    density: float = 0.01
-    """topk: share of each layer's entries sent per step, in (0, 1]; from 2/3 on a layer is
-    sent dense (fewer bytes than index-value pairs)"""
-    warmup_steps: int = 0
-    """topk: steps over which the share falls geometrically from 1 (dense) to comm.density,
-    as deep gradient compression warms up, >= 0 (0: comm.density from the first step; a
-    tenth of the run is what docs/accuracy.md measured level with dense)"""
-    dense_below: int = 128
-    """topk: layers with fewer entries (biases, norms) are always sent dense, >= 0"""
-
-
-@dataclass
-class ExperimentConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    head: HeadConfig = field(default_factory=HeadConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ams: AmsConfig = field(default_factory=AmsConfig)
-    graph: GraphConfig = field(default_factory=GraphConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    gear: GearConfig = field(default_factory=GearConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-
-
-CHOICES = {
-    "optim.name": ("sgd", "lars"),
-    "optim.schedule": ("cosine", "constant"),
-    "train.device": ("auto", "cpu", "cuda"),
-}
-
-
-def enum_fields() -> dict[str, type[StrEnum]]:
-    """Fields whose values are a library Enum's members: a config holds the member after
-    validation. Imported when a config is validated, not when the command line starts
-    (the libraries import torch)."""
-    from ams.dtypes import RowDtype
-    from ams.graph import GraphMethod, GraphRefresh
-    from ams.shard.storage import StorageKind
-    from bridge import GearBackend
-    from workers.comm import Compression
-    from workers.gear import SlowGearMode
-    from workers.heads import HeadKind, Placement
-    from workers.losses import Margin
-
-    return {"head.kind": HeadKind, "head.placement": Placement, "head.margin": Margin,
-            "ams.dtype": RowDtype,
-            "graph.method": GraphMethod, "graph.refresh": GraphRefresh,
-            "ams.state_dtype": RowDtype, "ams.storage": StorageKind,
-            "gear.backend": GearBackend, "gear.slow": SlowGearMode,
-            "comm.compression": Compression}
 FLOAT32_MAX = 3.4028234663852886e38
-MAX_THREADS = 1024
 # An experiment file is a few KiB; the bound keeps a wrong path (/dev/zero, a dataset) from
 # being read whole.
 MAX_CONFIG_BYTES = 1 << 20
-POSITIVE = {"data.batch_size", "model.dim", "head.k", "graph.k", "train.epochs",
-            "train.log_every", "train.keep_checkpoints", "head.scale", "ams.local_shards",
-            "gear.m", "gear.slow_batch", "gear.cache_mb", "gear.sync_every",
-            "gear.publish_every", "graph.nprobe"}
-NON_NEGATIVE = {"data.num_workers", "head.budget", "optim.lr", "optim.head_lr",
-                "optim.weight_decay", "optim.head_weight_decay", "optim.warmup_steps",
-                "graph.rebuild_every", "graph.nlist", "graph.full_every",
-                "train.max_steps", "train.seed", "train.prefetch_depth", "train.threads",
-                "train.eval_every", "train.checkpoint_every", "gear.ttl",
-                "comm.warmup_steps", "comm.dense_below"}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A field as its annotation describes it. kind: the type of the value a file gives
+    (``str`` for a choice, the section's dataclass for a section); choices: the enum a choice's
+    value must be a member of (None: not a choice); marks: its ``workers.field_marks``."""
+
+    kind: Any
+    choices: type[StrEnum] | None
+    marks: tuple[Any, ...]
+
+
+@functools.cache
+def field_specs(cls: type) -> dict[str, FieldSpec]:
+    """Each field of the dataclass ``cls`` by name, in declaration order, as its annotation
+    describes it."""
+    hints = typing.get_type_hints(cls, localns=choice_enums(), include_extras=True)
+    specs = {}
+    for f in dataclasses.fields(cls):
+        hint, marks = hints[f.name], ()
+        if typing.get_origin(hint) is Annotated:
+            hint, *marks = typing.get_args(hint)
+        if isinstance(hint, type) and issubclass(hint, StrEnum):
+            specs[f.name] = FieldSpec(str, hint, tuple(marks))
+        else:
+            specs[f.name] = FieldSpec(hint, None, tuple(marks))
+    return specs
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
@@ -381,112 +103,75 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {kind}")  # pragma: no cover
 
 
+def _field_value(value: Any, spec: FieldSpec, key: str) -> Any:
+    """``value`` for the field at ``key``, checked against ``spec``: of its type, one of its
+    choices (the enum's member in its place), admitted by each of its constraints."""
+    value = _coerce(value, spec.kind, key)
+    if value == "" and OR_EMPTY in spec.marks:
+        return value
+    if spec.choices is not None:
+        if value not in list(spec.choices):
+            raise ConfigError(f"{key}: {shorten(value)} is not one of "
+                              f"{', '.join(repr(str(m)) for m in spec.choices)}")
+        value = spec.choices(value)
+    for mark in spec.marks:
+        if isinstance(mark, Constraint) and (problem := mark.problem(value)) is not None:
+            raise ConfigError(f"{key}: {problem}, got {shorten(value)}")
+    return value
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    """An instance of ``cls`` from the table ``data`` (at ``prefix``), every field checked,
+    defaults included."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a table, got {shorten(data)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    specs = field_specs(cls)
+    unknown = sorted(set(data) - set(specs))
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"unknown key {clip(where + unknown[0])} "
-                          f"(known: {', '.join(sorted(names))})")
-    kwargs = {}
-    for name, value in data.items():
+                          f"(known: {', '.join(sorted(specs))})")
+    defaults = cls()
+    values = {}
+    for name, spec in specs.items():
         key = f"{prefix}.{name}" if prefix else name
-        kind = hints[name]
-        if dataclasses.is_dataclass(kind):
-            kwargs[name] = _build(kind, value, key)
+        if dataclasses.is_dataclass(spec.kind):
+            values[name] = _build(spec.kind, data.get(name, {}), key)
         else:
-            kwargs[name] = _coerce(value, kind, key)
-    return cls(**kwargs)
+            values[name] = _field_value(data[name] if name in data else getattr(defaults, name),
+                                        spec, key)
+    return cls(**values)
 
 
-def validate(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Range and choice checks that a type alone does not express."""
-    for key, allowed in CHOICES.items():
-        value = get_value(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}: {shorten(value)} is not one of "
-                              f"{', '.join(map(repr, allowed))}")
-    for key, enum in enum_fields().items():
-        value = get_value(cfg, key)
-        if key == "ams.state_dtype" and value == "":
-            continue  # the rows' dtype
-        if value not in list(enum):
-            raise ConfigError(f"{key}: {shorten(value)} is not one of "
-                              f"{', '.join(repr(str(m)) for m in enum)}")
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, enum(value))
-    for key in POSITIVE:
-        if get_value(cfg, key) <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {get_value(cfg, key)}")
-    for key in NON_NEGATIVE:
-        if get_value(cfg, key) < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {get_value(cfg, key)}")
-    if cfg.train.threads > MAX_THREADS:  # torch starts them all, and a process has a limit
-        raise ConfigError(f"train.threads: must be at most {MAX_THREADS}, got "
-                          f"{cfg.train.threads}")
-    if not 0 < cfg.head.sample_rate <= 1:
-        raise ConfigError(f"head.sample_rate: must be in (0, 1], got {cfg.head.sample_rate}")
-    if not 0 <= cfg.head.random_share <= 1:
-        raise ConfigError(f"head.random_share: must be in [0, 1], got {cfg.head.random_share}")
+def check_across_fields(cfg: ExperimentConfig) -> None:
+    """What ties fields together; each field on its own was checked when it was read."""
+    from bridge import GearBackend
+    from workers.gear import SlowGearMode
+    from workers.heads import HeadKind, Placement
+
     if cfg.graph.nlist and cfg.graph.nprobe > cfg.graph.nlist:
         raise ConfigError(f"graph.nprobe={cfg.graph.nprobe} exceeds graph.nlist="
                           f"{cfg.graph.nlist}: a class cannot scan more lists than there are")
-    if cfg.head.kind == "knn" and cfg.head.k > cfg.graph.k:
+    if cfg.head.kind == HeadKind.KNN and cfg.head.k > cfg.graph.k:
         raise ConfigError(f"head.k={cfg.head.k} exceeds graph.k={cfg.graph.k}: the graph must "
                           "keep at least as many neighbors as the head takes")
-    if cfg.gear.slow == "external" and cfg.gear.backend != "redis":
+    if cfg.gear.slow == SlowGearMode.EXTERNAL and cfg.gear.backend != GearBackend.REDIS:
         raise ConfigError("gear.slow: 'external' slow gears read the Redis stream; set "
                           "gear.backend=redis")
-    if not cfg.gear.prefix or ":" in cfg.gear.prefix:
-        raise ConfigError(f"gear.prefix: must be a non-empty name without ':', "
-                          f"got {shorten(cfg.gear.prefix)}")
-    _check_scheduler(cfg.ams)
-    if cfg.head.placement == "collective":
+    if cfg.ams.scheduler and cfg.ams.addresses:
+        raise ConfigError("ams.scheduler: the shards come from the scheduler; leave "
+                          "ams.addresses empty")
+    if cfg.head.placement == Placement.COLLECTIVE:
         if cfg.ams.addresses or cfg.ams.scheduler:
             raise ConfigError("head.placement: 'collective' keeps the rows in the workers; "
                               "leave ams.addresses and ams.scheduler empty (or use "
                               "placement 'ams')")
         if cfg.gear.enabled:
             raise ConfigError("head.placement: gear mode trains with placement 'ams' only")
-    if not 0 < cfg.comm.density <= 1:
-        raise ConfigError(f"comm.density: must be in (0, 1], got {cfg.comm.density}")
-    if any(b <= 0 for b in cfg.train.batch_schedule):
-        raise ConfigError(f"train.batch_schedule: every batch must be > 0, got "
-                          f"{shorten(cfg.train.batch_schedule)}")
-    if cfg.optim.lars_eta <= 0:
-        raise ConfigError(f"optim.lars_eta: must be > 0, got {cfg.optim.lars_eta}")
-    if not 0 <= cfg.optim.momentum < 1:
-        raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
-    if not 0 <= cfg.optim.head_momentum < 1:
-        raise ConfigError(f"optim.head_momentum: must be in [0, 1), got "
-                          f"{cfg.optim.head_momentum}")
     if cfg.optim.effective_head_lr() * cfg.optim.head_weight_decay >= 1:
         raise ConfigError(f"optim.head_weight_decay: the class rows' lr "
                           f"{cfg.optim.effective_head_lr():g} x head_weight_decay "
                           f"{cfg.optim.head_weight_decay:g} must be below 1")
-    return cfg
-
-
-def _check_scheduler(ams: AmsConfig) -> None:
-    """ams.scheduler is a host:port, and the shards come from it or from ams.addresses."""
-    if not ams.scheduler:
-        return
-    if ams.addresses:
-        raise ConfigError("ams.scheduler: the shards come from the scheduler; leave "
-                          "ams.addresses empty")
-    host, _, port = ams.scheduler.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"ams.scheduler: expected host:port, got {shorten(ams.scheduler)}")
-
-
-def get_value(cfg: Any, dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _parse_override(text: str, kind: Any, key: str) -> Any:
@@ -515,12 +200,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         cls: Any = ExperimentConfig
         node = data
         for i, part in enumerate(parts):
-            fields = {f.name: f for f in dataclasses.fields(cls)}
+            specs = field_specs(cls)
             key = ".".join(parts[:i + 1])
-            if part not in fields:
+            if part not in specs:
                 raise ConfigError(f"--set {clip(dotted)}: unknown key {clip(key)} "
-                                  f"(known: {', '.join(sorted(fields))})")
-            kind = typing.get_type_hints(cls)[part]
+                                  f"(known: {', '.join(sorted(specs))})")
+            kind = specs[part].kind
             if dataclasses.is_dataclass(kind):
                 if i == len(parts) - 1:
                     raise ConfigError(f"--set {clip(dotted)}: {key} is a section, name a field "
@@ -542,7 +227,7 @@ def example_configs() -> list[Path]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a TOML experiment file (None: all defaults), apply overrides, validate."""
+    """Read a TOML experiment file (None: all defaults), apply overrides, check every field."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -563,7 +248,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         except RecursionError:
             raise ConfigError(f"config {p} is not valid TOML: nested too deep") from None
     data = apply_overrides(data, overrides or [])
-    return validate(_build(ExperimentConfig, data, ""))
+    cfg = _build(ExperimentConfig, data, "")
+    check_across_fields(cfg)
+    return cfg
 
 
 def to_toml(cfg: ExperimentConfig) -> str:
@@ -575,19 +262,14 @@ def to_toml(cfg: ExperimentConfig) -> str:
         part = getattr(cfg, section.name)
         docs = field_docs(type(part))
         lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(part):
-            lines.extend(f"# {line}".rstrip() for line in docs.get(f.name, "").splitlines())
-            lines.append(f"{f.name} = {_toml_value(redacted(getattr(part, f.name), f))}")
+        for name, spec in field_specs(type(part)).items():
+            lines.extend(f"# {line}".rstrip() for line in docs.get(name, "").splitlines())
+            value = getattr(part, name)
+            if URL_PASSWORD_SECRET in spec.marks:
+                value = redact_url_password(value)
+            lines.append(f"{name} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def redacted(value: Any, f: dataclasses.Field) -> Any:
-    """``value`` of field ``f`` as it may be written out: with a secret field's secret part
-    replaced by ``REDACTED``."""
-    if f.metadata.get("secret") == "url_password":
-        return redact_url_password(value)
-    return value
 
 
 def redact_url_password(url: str) -> str:
@@ -608,7 +290,7 @@ def redact_url_password(url: str) -> str:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's documentation: the string literal written under it in the class body
-    (the dataclass convention this module follows), keyed by field name."""
+    (the convention of ``workers.settings``), keyed by field name."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):  # installed without its sources: print the bare values

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.settings import ExperimentConfig
 from xcls.cli_help import DefaultsHelpFormatter
-from xcls.config import ConfigError, ExperimentConfig, load_config
+from xcls.config import ConfigError, load_config
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import build_slow_worker, worker_placement
 

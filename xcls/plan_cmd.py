@@ -11,7 +11,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from xcls.config import ConfigError, ExperimentConfig, load_config
+from workers.settings import ExperimentConfig
+from xcls.config import ConfigError, load_config
 
 if TYPE_CHECKING:  # the command line imports torch only when a command runs
     from ams.cluster.plan import GraphBuild, Job, Rates, ShardMemory, StepTraffic
@@ -137,6 +138,7 @@ def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
     from ams.errors import AmsError
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import read_metadata
+    from workers.heads import HeadKind
 
     if args.classes is not None:
         classes = parse_count(args.classes, "--classes", MAX_CLASSES - 1)
@@ -162,7 +164,7 @@ def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
             hosts = len({parse_address(a)[0] for a in cfg.ams.addresses}) or 1
         except AmsError as e:
             raise ConfigError(f"ams.addresses: {e}") from None
-    knn = cfg.head.kind == "knn"
+    knn = cfg.head.kind == HeadKind.KNN
     return Job(
         num_classes=classes, dim=cfg.model.dim, dtype=str(cfg.ams.dtype),
         state_dtype=str(cfg.ams.state_dtype), momentum=cfg.optim.head_momentum, shards=shards,

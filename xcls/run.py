@@ -1,25 +1,23 @@
 """Run assembly: where a config becomes objects.
 
-Builds the AMS client and table, datasets, backbone and its optimizer, head, gear mode's cache,
-accumulator and slow gear, and the ``workers.trainer.Trainer`` that drives them. The
-``xcls/*_cmd.py`` modules only parse arguments, call into here, and print.
+``build_run`` is a pipeline of stages, each a ``create_*`` function: the datasets, the output
+directory, the AMS client and its table, the backbone (with its optimizer, DDP wrapper and
+gradient compression), the head, the graph updater, gear mode's parts, and the
+``workers.trainer.Trainer`` that drives them. ``build_slow_worker`` assembles an
+``xcls gear slow`` process likewise. The ``xcls/*_cmd.py`` modules only parse arguments, call
+into here, and print.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from xcls.config import (
-    REDACTED,
-    ConfigError,
-    ExperimentConfig,
-    GearConfig,
-    redact_url_password,
-    to_toml,
-)
+from workers.settings import ExperimentConfig, GearConfig
+from xcls.config import REDACTED, ConfigError, redact_url_password, to_toml
 from xcls.secret_files import read_secret
 
 if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
@@ -29,10 +27,12 @@ if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a 
     from torch.utils.data import Dataset
 
     from ams.client.sharded import ShardedClient
+    from ams.graph.build import GraphBuildReport
     from bridge import FeatureCache, RedisGradientConsumer, WeightStore
     from workers.comm import TopkCompressor
     from workers.data.lmdb_dataset import DatasetMetadata, LmdbImageDataset
     from workers.gear import Gear, SlowGear, SlowGearGroup
+    from workers.heads import RowHead
     from workers.trainer import Trainer
 
 
@@ -70,65 +70,53 @@ def worker_placement(cfg: ExperimentConfig) -> tuple[int, int, torch.device]:
     return rank, world, training_device(cfg, local_rank)
 
 
-def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
-                                 device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """``cfg.model``'s backbone for ``meta``'s images, seeded with ``train.seed`` and moved to
-    ``device``, and the optimizer of ``cfg.optim`` (SGD or LARS) over its parameters.
-
-    Every process that builds from the same config starts from the same weights: the
-    data-parallel ranks, and a slow-gear worker standing in for weights nobody published yet.
-    """
-    import torch
-
-    from workers.backbones import build_backbone
-    from workers.lars import LARS, lars_param_groups
-
-    torch.manual_seed(cfg.train.seed)
-    try:
-        backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
-    backbone = backbone.to(device)
-    # A DistributedDataParallel wrapper shares these parameter objects, so this optimizer
-    # also steps a wrapped backbone.
-    o = cfg.optim
-    if o.name == "lars":
-        optimizer: torch.optim.Optimizer = LARS(
-            lars_param_groups(backbone, o.weight_decay), lr=o.lr, momentum=o.momentum,
-            weight_decay=o.weight_decay, eta=o.lars_eta)
-    else:
-        optimizer = torch.optim.SGD(backbone.parameters(), lr=o.lr, momentum=o.momentum,
-                                    weight_decay=o.weight_decay)
-    return backbone, optimizer
-
-
 def build_run(cfg: ExperimentConfig,
               placement: tuple[int, int, torch.device] | None = None) -> Run:
     """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``, for
     the worker at ``placement`` (``worker_placement``; default: a lone worker, rank 0 of 1)."""
     import torch
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ams.cluster.plan import budget_for_sample_rate
-    from ams.graph.build import GraphMethod, GraphUpdater
-    from ams.graph.ivf import load_faiss
-    from workers.collective import CollectiveHead
-    from workers.data.errors import DatasetError
-    from workers.data.lmdb_dataset import LmdbImageDataset
-    from workers.heads import HeadKind, Placement, RowHead, build_head
-    from workers.losses import CombinedMarginLoss
-    from workers.trainer import LoopOptions, Trainer
 
     rank, world, device = placement or (0, 1, training_device(cfg))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    data = create_datasets(cfg)
+    out_dir = create_out_dir(cfg)
+    # A training worker keeps a lease; eval and export (no placement) only find the shards.
+    client = create_client(cfg, out_dir, rank, world, lease=placement is not None)
+    create_table(cfg, client, data.num_classes)
+    backbone = create_backbone(cfg, data.train.metadata, device, world)
+    head = create_head(cfg, client, data.num_classes, rank, world)
+    build_graph = create_graph_updater(cfg, client, device)
+    gear = create_gear(cfg, backbone.model, backbone.optimizer, data.train, device, out_dir,
+                       (rank, world))
+    trainer = create_trainer(cfg, client, data, backbone, head, build_graph, gear, device,
+                             rank, world)
+    (out_dir / "config.toml").write_text(to_toml(cfg))
+    return Run(cfg, trainer, client, data.train, backbone.net)
+
+
+@dataclass
+class Datasets:
+    """A run's data: the training split, the evaluation split (None: none) and the pair sets
+    for face verification by name."""
+
+    train: LmdbImageDataset
+    test: LmdbImageDataset | None
+    pair_sets: dict[str, LmdbImageDataset]
+
+    @property
+    def num_classes(self) -> int:
+        return self.train.metadata.num_classes
+
+
+def create_datasets(cfg: ExperimentConfig) -> Datasets:
+    """``cfg.data``'s datasets, opened and checked to fit together: square training images, a
+    test split of the same classes and image size, pair sets of that image size."""
+    from workers.data.errors import DatasetError
+    from workers.data.lmdb_dataset import LmdbImageDataset
+
     if not cfg.data.train:
         raise ConfigError("data.train: no training dataset given (an LMDB dataset directory)")
-    collective = cfg.head.placement == Placement.COLLECTIVE
-    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler or collective):
-        raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
-                          "AMS lives inside one process); start shards with 'xcls serve shard' "
-                          "or use 'xcls cluster up', or head.placement = 'collective'")
     try:
         train_set = LmdbImageDataset(cfg.data.train)
         test_set = LmdbImageDataset(cfg.data.test) if cfg.data.test else None
@@ -145,80 +133,7 @@ def build_run(cfg: ExperimentConfig,
     if meta.height != meta.width:
         raise ConfigError(f"data.train: images are {meta.height}x{meta.width}; square images "
                           "are expected")
-    pair_sets = open_pair_sets(cfg.data.verification, meta)
-    num_classes = meta.num_classes
-
-    out_dir = Path(cfg.train.out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file in the way, no permission, a read-only file system
-        raise ConfigError(f"train.out_dir: cannot make {out_dir} ({e.strerror or e})") from None
-    token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
-        if cfg.ams.token_file else None
-    tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
-        if cfg.ams.tls_ca_file else None
-    if collective:
-        client = collective_slices(cfg, out_dir, rank, world)
-    else:
-        # A training worker keeps a lease; eval and export (no placement) only find the shards.
-        client = connect_ams(cfg, out_dir, token,
-                             lease_rank=rank if placement is not None else None, tls_ca=tls_ca)
-    client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
-                        dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
-                        momentum=cfg.optim.head_momentum,
-                        weight_decay=cfg.optim.head_weight_decay, seed=cfg.train.seed)
-
-    backbone, optimizer = build_backbone_and_optimizer(cfg, meta, device)
-    gpu_ids = [device.index] if device.type == "cuda" else None
-    model = DistributedDataParallel(backbone, device_ids=gpu_ids) if world > 1 else backbone
-    compressor = build_compressor(cfg, backbone, model, optimizer, device)
-    margin = CombinedMarginLoss.from_preset(cfg.head.margin, s=cfg.head.scale)
-    budget = cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, num_classes)
-    head_args = dict(sample_rate=cfg.head.sample_rate, k=cfg.head.k, budget=budget,
-                     random_share=cfg.head.random_share,
-                     logq_correction=cfg.head.logq_correction, seed=cfg.train.seed * 1000 + rank)
-    try:
-        head: RowHead = CollectiveHead(client, cfg.ams.table, num_classes, margin,
-                                       cfg.head.kind, rank=rank, world=world, **head_args) \
-            if collective else build_head(cfg.head.kind, client, cfg.ams.table, num_classes,
-                                          margin, **head_args)
-    except ValueError as e:
-        raise ConfigError(f"head: {e}") from None
-    build_graph = None
-    if cfg.head.kind == HeadKind.KNN:
-        if cfg.graph.method == GraphMethod.IVF:
-            try:
-                load_faiss()
-            except ImportError as e:
-                raise ConfigError(f"graph.method: {e}") from None
-        build_graph = GraphUpdater(
-            client, cfg.ams.table, cfg.graph.k, method=cfg.graph.method,
-            refresh=cfg.graph.refresh, full_every=cfg.graph.full_every, nlist=cfg.graph.nlist,
-            nprobe=cfg.graph.nprobe, device=cfg.graph.device or str(device),
-            seed=cfg.train.seed).update
-
-    options = LoopOptions(
-        out_dir=out_dir, epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
-        batch_size=cfg.train.batch_schedule or cfg.data.batch_size,
-        batch_lr_scaling=cfg.train.batch_lr_scaling, num_workers=cfg.data.num_workers,
-        prefetch_depth=cfg.train.prefetch_depth, lr=cfg.optim.lr,
-        head_lr=cfg.optim.effective_head_lr(), warmup_steps=cfg.optim.warmup_steps,
-        schedule=cfg.optim.schedule, log_every=cfg.train.log_every,
-        eval_every=cfg.train.eval_every, checkpoint_every=cfg.train.checkpoint_every,
-        rebuild_every=cfg.graph.rebuild_every, seed=cfg.train.seed, flip=cfg.data.flip,
-        amp=cfg.train.amp,
-        resume=cfg.train.resume, keep_checkpoints=cfg.train.keep_checkpoints)
-    gear = build_gear(cfg, model, optimizer, train_set, device, out_dir, (rank, world))
-    try:
-        trainer = Trainer(client=client, table=cfg.ams.table, backbone=model,
-                          optimizer=optimizer, head=head, train_set=train_set,
-                          test_set=test_set, options=options, device=device,
-                          build_graph=build_graph, rank=rank, world=world, gear=gear,
-                          compressor=compressor, pair_sets=pair_sets)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    (out_dir / "config.toml").write_text(to_toml(cfg))
-    return Run(cfg, trainer, client, train_set, backbone)
+    return Datasets(train_set, test_set, open_pair_sets(cfg.data.verification, meta))
 
 
 def open_pair_sets(paths: list[str], train: DatasetMetadata) -> dict[str, LmdbImageDataset]:
@@ -248,6 +163,100 @@ def open_pair_sets(paths: list[str], train: DatasetMetadata) -> dict[str, LmdbIm
     return sets
 
 
+def create_out_dir(cfg: ExperimentConfig) -> Path:
+    """``train.out_dir``, made if missing: checkpoints, snapshots, logs and config.toml go
+    there."""
+    out_dir = Path(cfg.train.out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only file system
+        raise ConfigError(f"train.out_dir: cannot make {out_dir} ({e.strerror or e})") from None
+    return out_dir
+
+
+def create_client(cfg: ExperimentConfig, out_dir: Path, rank: int, world: int, *,
+                  lease: bool) -> ShardedClient:
+    """The client of the shards that hold the class rows: collective mode's slices over the
+    ranks (``collective_slices``), or the AMS ``cfg.ams`` names (``connect_ams``), keeping a
+    worker lease with its scheduler when ``lease``."""
+    from workers.heads import Placement
+
+    collective = cfg.head.placement == Placement.COLLECTIVE
+    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler or collective):
+        raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
+                          "AMS lives inside one process); start shards with 'xcls serve shard' "
+                          "or use 'xcls cluster up', or head.placement = 'collective'")
+    if collective:
+        return collective_slices(cfg, out_dir, rank, world)
+    token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
+        if cfg.ams.token_file else None
+    tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
+        if cfg.ams.tls_ca_file else None
+    return connect_ams(cfg, out_dir, token, lease_rank=rank if lease else None, tls_ca=tls_ca)
+
+
+def create_table(cfg: ExperimentConfig, client: ShardedClient, num_classes: int) -> None:
+    """The class-row table ``ams.table``: one row of ``model.dim`` per class, seeded, with the
+    rows' optimizer settings (kept as it is when it exists already, a resumed run's)."""
+    client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
+                        dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
+                        momentum=cfg.optim.head_momentum,
+                        weight_decay=cfg.optim.head_weight_decay, seed=cfg.train.seed)
+
+
+@dataclass
+class BackboneParts:
+    """The backbone as the trainer runs it. net: the network; model: what the trainer calls
+    (``net``, or DistributedDataParallel around it when W > 1); optimizer: over ``net``'s
+    parameters; compressor: the top-k gradient compression on the DDP wrapper (None: dense)."""
+
+    net: nn.Module
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    compressor: TopkCompressor | None
+
+
+def create_backbone(cfg: ExperimentConfig, meta: DatasetMetadata, device: torch.device,
+                    world: int) -> BackboneParts:
+    """``cfg.model``'s backbone for ``meta``'s images and its optimizer
+    (``build_backbone_and_optimizer``), wrapped for data parallelism over ``world`` workers,
+    with ``cfg.comm``'s gradient compression (``build_compressor``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    net, optimizer = build_backbone_and_optimizer(cfg, meta, device)
+    gpu_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(net, device_ids=gpu_ids) if world > 1 else net
+    compressor = build_compressor(cfg, net, model, optimizer, device)
+    return BackboneParts(net, model, optimizer, compressor)
+
+
+def build_backbone_and_optimizer(cfg: ExperimentConfig, meta: DatasetMetadata,
+                                 device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``cfg.model``'s backbone for ``meta``'s images, seeded with ``train.seed`` and moved to
+    ``device``, and the optimizer of ``cfg.optim`` (SGD or LARS) over its parameters.
+
+    Every process that builds from the same config starts from the same weights: the
+    data-parallel ranks, and a slow-gear worker standing in for weights nobody published yet.
+    """
+    import torch
+
+    from workers.backbones import build_backbone
+    from workers.optimizers import build_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    try:
+        backbone = build_backbone(cfg.model.backbone, cfg.model.dim, meta.channels, meta.height)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    backbone = backbone.to(device)
+    # A DistributedDataParallel wrapper shares these parameter objects, so this optimizer
+    # also steps a wrapped backbone.
+    o = cfg.optim
+    optimizer = build_optimizer(o.name, backbone, lr=o.lr, momentum=o.momentum,
+                                weight_decay=o.weight_decay, lars_eta=o.lars_eta)
+    return backbone, optimizer
+
+
 def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Module,
                      optimizer: torch.optim.Optimizer,
                      device: torch.device) -> TopkCompressor | None:
@@ -256,13 +265,14 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
     compressor takes over ``optimizer``'s momentum and weight decay (momentum correction runs
     before the gradients are sparsified, so the optimizer must not apply them again)."""
     from workers.comm import Compression, TopkCompressor
+    from workers.optimizers import OptimizerKind
 
     if cfg.comm.compression == Compression.NONE:
         return None
     if cfg.gear.enabled:
         raise ConfigError("comm.compression: gear mode steps the backbone in the slow gear, "
                           "which takes no compressed gradients; set comm.compression=none")
-    if cfg.optim.name == "lars":
+    if cfg.optim.name == OptimizerKind.LARS:
         raise ConfigError("comm.compression: top-k moves the momentum into the hook, ahead of "
                           "LARS's trust ratios, which would then scale velocities; use "
                           "optim.name=sgd with compression")
@@ -281,6 +291,117 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
     for group in optimizer.param_groups:
         group["momentum"] = group["weight_decay"] = 0.0
     return compressor
+
+
+def create_head(cfg: ExperimentConfig, client: ShardedClient, num_classes: int, rank: int,
+                world: int) -> RowHead:
+    """``cfg.head``'s head over the table's rows with its margin (collective mode: the
+    model-parallel head over the ranks' slices); its sampler seeded per rank."""
+    from ams.cluster.plan import budget_for_sample_rate
+    from workers.collective import CollectiveHead
+    from workers.heads import Placement, build_head
+    from workers.losses import CombinedMarginLoss
+
+    h = cfg.head
+    margin = CombinedMarginLoss.from_preset(h.margin, s=h.scale)
+    budget = h.budget or budget_for_sample_rate(h.sample_rate, num_classes)
+    head_args = dict(sample_rate=h.sample_rate, k=h.k, budget=budget,
+                     random_share=h.random_share, logq_correction=h.logq_correction,
+                     seed=cfg.train.seed * 1000 + rank)
+    try:
+        if h.placement == Placement.COLLECTIVE:
+            return CollectiveHead(client, cfg.ams.table, num_classes, margin, h.kind,
+                                  rank=rank, world=world, **head_args)
+        return build_head(h.kind, client, cfg.ams.table, num_classes, margin, **head_args)
+    except ValueError as e:
+        raise ConfigError(f"head: {e}") from None
+
+
+def create_graph_updater(cfg: ExperimentConfig, client: ShardedClient,
+                         device: torch.device) -> Callable[[int], GraphBuildReport] | None:
+    """The knn head's graph builder as ``cfg.graph`` says (``GraphUpdater.update``, on the
+    training device unless ``graph.device`` names one); None for the heads that need no
+    graph."""
+    from ams.graph.build import GraphMethod, GraphUpdater
+    from ams.graph.ivf import load_faiss
+    from workers.heads import HeadKind
+
+    if cfg.head.kind != HeadKind.KNN:
+        return None
+    g = cfg.graph
+    if g.method == GraphMethod.IVF:
+        try:
+            load_faiss()
+        except ImportError as e:
+            raise ConfigError(f"graph.method: {e}") from None
+    return GraphUpdater(client, cfg.ams.table, g.k, method=g.method, refresh=g.refresh,
+                        full_every=g.full_every, nlist=g.nlist, nprobe=g.nprobe,
+                        device=g.device or str(device), seed=cfg.train.seed).update
+
+
+def create_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                train_set: Dataset, device: torch.device, out_dir: Path,
+                ranks: tuple[int, int]) -> Gear | None:
+    """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
+
+    model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters,
+    stepped by an in-process slow gear at the lr the trainer passes to ``Gear.backward``;
+    ranks: (this trainer's rank, world size).
+    """
+    from bridge import (
+        GearBackend,
+        MemoryGradientAccumulator,
+        RedisGradientAccumulator,
+        RedisGradientConsumer,
+        WeightStore,
+    )
+    from bridge.redis_accumulator import DEFAULT_FALLBACK_SAMPLES
+    from workers.gear import Gear, SlowGear, SlowGearMode
+
+    g = cfg.gear
+    if not g.enabled:
+        return None
+    rank, world = ranks
+    if g.slow == SlowGearMode.LOCAL and world > 1:
+        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
+                          "alone, which data-parallel workers cannot share; use "
+                          "gear.slow=external with 'xcls gear slow'")
+    dim = cfg.model.dim
+    client = redis_client(g) if g.backend == GearBackend.REDIS else None
+    cache = build_cache(g, dim, out_dir, client)
+    if client is not None:
+        # While Redis is down an in-process slow gear trains from the accumulator's fallback;
+        # an external one cannot reach it, so its means wait there until Redis is back.
+        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix,
+                                               fallback_samples=DEFAULT_FALLBACK_SAMPLES)
+    else:
+        accumulator = MemoryGradientAccumulator(dim, g.m)
+    if g.slow == SlowGearMode.EXTERNAL:
+        return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
+                    sync_every=g.sync_every, leader=rank == 0)
+    source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
+    backbone = getattr(model, "module", model)
+    slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
+    fallback = accumulator.fallback if client is not None else None
+    return Gear(model, cache, accumulator, device, slow=(slow, source), fallback=fallback)
+
+
+def create_trainer(cfg: ExperimentConfig, client: ShardedClient, data: Datasets,
+                   backbone: BackboneParts, head: RowHead,
+                   build_graph: Callable[[int], GraphBuildReport] | None, gear: Gear | None,
+                   device: torch.device, rank: int, world: int) -> Trainer:
+    """The loop over the parts; ConfigError for settings that do not fit the data (a batch
+    larger than the dataset, say)."""
+    from workers.trainer import Trainer
+
+    try:
+        return Trainer(cfg=cfg, client=client, backbone=backbone.model,
+                       optimizer=backbone.optimizer, head=head, train_set=data.train,
+                       test_set=data.test, device=device, build_graph=build_graph, rank=rank,
+                       world=world, gear=gear, compressor=backbone.compressor,
+                       pair_sets=data.pair_sets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # How long a worker waits for every shard to register with the scheduler: the shards may start
@@ -332,6 +453,7 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
     import atexit
 
     import ams
+    from ams.shard.storage import StorageKind
 
     if not cfg.ams.scheduler:
         if cfg.ams.addresses:
@@ -340,7 +462,7 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
         client = ams.connect(local_shards=cfg.ams.local_shards, data_dir=out_dir / "ams",
                              keep_snapshots=cfg.train.snapshots_to_keep,
                              storage=cfg.ams.storage, storage_dir=out_dir / "ams" / "tables")
-        if cfg.ams.storage == "mmap":
+        if cfg.ams.storage == StorageKind.MMAP:
             atexit.register(client.close)
         return client
     import os
@@ -425,53 +547,6 @@ def build_cache(g: GearConfig, dim: int, out_dir: Path,
     if g.backend == GearBackend.LMDB:
         return LmdbFeatureCache(out_dir / "gear_cache", dim, g.cache_mb << 20, ttl_s=g.ttl)
     return RedisFeatureCache(client, dim, g.prefix, ttl_s=g.ttl)
-
-
-def build_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-               train_set: Dataset, device: torch.device, out_dir: Path,
-               ranks: tuple[int, int]) -> Gear | None:
-    """The trainer's :class:`workers.gear.Gear` for ``cfg.gear``, None when gear mode is off.
-
-    model: the (possibly DDP-wrapped) backbone the trainer runs; optimizer: over its parameters,
-    stepped by an in-process slow gear at the lr the trainer passes to ``Gear.backward``;
-    ranks: (this trainer's rank, world size).
-    """
-    from bridge import (
-        GearBackend,
-        MemoryGradientAccumulator,
-        RedisGradientAccumulator,
-        RedisGradientConsumer,
-        WeightStore,
-    )
-    from bridge.redis_accumulator import DEFAULT_FALLBACK_SAMPLES
-    from workers.gear import Gear, SlowGear, SlowGearMode
-
-    g = cfg.gear
-    if not g.enabled:
-        return None
-    rank, world = ranks
-    if g.slow == SlowGearMode.LOCAL and world > 1:
-        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
-                          "alone, which data-parallel workers cannot share; use "
-                          "gear.slow=external with 'xcls gear slow'")
-    dim = cfg.model.dim
-    client = redis_client(g) if g.backend == GearBackend.REDIS else None
-    cache = build_cache(g, dim, out_dir, client)
-    if client is not None:
-        # While Redis is down an in-process slow gear trains from the accumulator's fallback;
-        # an external one cannot reach it, so its means wait there until Redis is back.
-        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix,
-                                               fallback_samples=DEFAULT_FALLBACK_SAMPLES)
-    else:
-        accumulator = MemoryGradientAccumulator(dim, g.m)
-    if g.slow == SlowGearMode.EXTERNAL:
-        return Gear(model, cache, accumulator, device, weights=WeightStore(client, g.prefix),
-                    sync_every=g.sync_every, leader=rank == 0)
-    source = RedisGradientConsumer(client, dim, g.prefix) if client is not None else accumulator
-    backbone = getattr(model, "module", model)
-    slow = SlowGear(backbone, optimizer, train_set, device, max_items=g.slow_batch)
-    fallback = accumulator.fallback if client is not None else None
-    return Gear(model, cache, accumulator, device, slow=(slow, source), fallback=fallback)
 
 
 @dataclass

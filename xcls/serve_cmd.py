@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.settings import MAX_THREADS
 from xcls.cli_help import DefaultsHelpFormatter
-from xcls.config import MAX_THREADS
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.secret_files import read_secret
 

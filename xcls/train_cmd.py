@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from xcls.config import ConfigError, ExperimentConfig, example_configs, load_config, to_toml
+from workers.settings import ExperimentConfig
+from xcls.config import ConfigError, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.run import Run, build_run, worker_placement
 

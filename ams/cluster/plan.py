@@ -55,6 +55,7 @@ from pathlib import Path
 
 from ams.dtypes import ROW_DTYPES
 from ams.graph.ivf import TRAIN_ROWS_PER_LIST, resolve_nlist
+from ams.graph.methods import GraphMethod
 from ams.shard.neighbor_lists import id_dtype
 from ams.shard.slots import slot_capacity, slot_dtype
 from ams.shard.snapshot import COMMIT_BYTES
@@ -153,7 +154,7 @@ class Job:
     budget: int = 0
     graph_k: int = 0
     storage: str = StorageKind.MEMORY
-    graph_method: str = "exact"
+    graph_method: str = GraphMethod.EXACT
     nlist: int = 0
     nprobe: int = 8
     snapshots_kept: int = 1
@@ -181,8 +182,9 @@ class Job:
         if self.storage not in list(StorageKind):
             raise ValueError(f"storage={self.storage!r} is not one of "
                              f"{', '.join(repr(str(k)) for k in StorageKind)}")
-        if self.graph_method not in ("exact", "ivf"):
-            raise ValueError(f"graph_method={self.graph_method!r} is not one of 'exact', 'ivf'")
+        if self.graph_method not in list(GraphMethod):
+            raise ValueError(f"graph_method={self.graph_method!r} is not one of "
+                             f"{', '.join(repr(str(m)) for m in GraphMethod)}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum={self.momentum} must be in [0, 1)")
         if not 0 < self.sample_rate <= 1:
@@ -398,7 +400,7 @@ def graph_build(job: Job, rates: Rates, *, in_memory_bytes: int, recall_queries:
     ``recall_queries``: classes whose IVF lists are checked exactly
     (``ams.graph.build.RECALL_QUERIES``)."""
     n, d = job.num_classes, job.dim
-    if job.graph_method == "exact":
+    if job.graph_method == GraphMethod.EXACT:
         in_memory = n * d * 4 <= in_memory_bytes
         ring = 2 * n * n * d
         cpu = ring // 2 if in_memory else ring
