@@ -97,13 +97,13 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """``torch.zeros(shape, dtype)`` in fresh private anonymous memory advised onto
     transparent huge pages.
 
-    A pull or push touches rows at random across the table, one 4 KiB page per row, and on
-    small pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the
-    gathers of a pull run faster (benchmarks/RESULTS.md, "In-memory tables on huge pages").
-    Where the kernel runs huge pages in ``madvise`` mode (the common default) only advised
-    memory gets them; a kernel without them refuses the advice, and the memory serves on
-    small pages. The kernel hands the pages over zeroed when first touched, so nothing is
-    written here and an untouched region costs no memory.
+    A pull or push touches rows at random across the table, one 4 KiB page per row, and on small
+    pages each of those reads misses the TLB as well as the cache; on 2 MiB pages the gathers of a
+    pull run faster (docs/decisions.md, "In-memory tables are private memory on transparent huge
+    pages"). Where the kernel runs huge pages in ``madvise`` mode (the common default) only advised
+    memory gets them; a kernel without them refuses the advice, and the memory serves on small
+    pages. The kernel hands the pages over zeroed when first touched, so nothing is written here and
+    an untouched region costs no memory.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):

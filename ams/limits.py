@@ -14,8 +14,8 @@ MAX_REPLY_PAYLOAD_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 PIECE_BYTES = 2 << 20
 PIPELINE_WINDOW = 2
 # Pieces whose rows go through a shared buffer (ams.dataplane.shm) instead: they do not cross
-# a socket, and each piece costs a round trip, so larger ones win (benchmarks/RESULTS.md, "AMS
-# pull/push").
+# a socket, and each piece costs a round trip, so larger ones win (docs/decisions.md, "Piece
+# sizes").
 SHARED_PIECE_BYTES = 8 << 20
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

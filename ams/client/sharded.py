@@ -64,7 +64,7 @@ class ShardedClient:
         # Pulls and pushes, in-process or on the wire, move reply-sized buffers, and a
         # training process that holds a client frees megabytes of activations every step:
         # with glibc's defaults each would be a fresh mmap, faulted in and unmapped again
-        # (benchmarks/RESULTS.md, "Demo").
+        # (docs/decisions.md, "Large buffers stay in the process's heap").
         keep_large_buffers()
         self.shards = list(shards)
         self.num_shards = len(self.shards)

@@ -71,7 +71,7 @@ if triton is not None:
                 keep = keep & (query_ids[:, None] != key_ids[None, :])
                 zeros = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.int32)
                 # Few pairs pass a tile once the lists are full; per-pair slots cost less than
-                # a prefix sum over the tile (measured: benchmarks/RESULTS.md).
+                # a prefix sum over the tile (measured: benchmarks/bench_graph.py).
                 slot = tl.atomic_add(counter_ptr + zeros, 1, mask=keep)
                 store = keep & (slot < capacity)
                 tl.store(out_rows_ptr + slot, rows[:, None] + zeros, mask=store)

@@ -29,7 +29,7 @@ def prefetch_rows(tensors: TableTensors, positions: torch.Tensor) -> None:
     """Ask the kernel to start reading the pages that hold rows ``positions`` (int64 (m,)) of
     an mmap table, all at once (madvise WILLNEED), before they are copied. A copy that faults
     its pages in one after another waits for one disk read at a time; started together, the
-    reads overlap (benchmarks/RESULTS.md, "Scale").
+    reads overlap (docs/decisions.md, "Storage").
 
     Only when some of them are not in memory: a few of the request's row pages are looked up
     first (mincore), and where all are resident, as on a table the page cache holds, nothing

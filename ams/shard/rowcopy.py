@@ -1,14 +1,13 @@
 """Whole-row gathers, scatters and sums done by numpy, single-threaded.
 
-Moving rows is a memory-bound copy that one core does at memory speed. torch runs the same
-ops as intra-op parallel kernels, and when the cores are busy (a trainer computing while its
-prefetch thread pulls, shard handler threads, client and shard on one box) each parallel
-region waits for a time slice, and a copy that numpy does in well under a millisecond takes
-torch many times longer (benchmarks/RESULTS.md).
-Rows are viewed as bytes, so every row dtype (bfloat16 included, which numpy lacks) works.
-The range check of an index (``bounds``) is numpy's too, and so is the sort that puts one
-shard's part of a push in ascending order with repeated ids summed (``ascending_unique``),
-which the client and the store share.
+Moving rows is a memory-bound copy that one core does at memory speed. torch runs the same ops as
+intra-op parallel kernels, and when the cores are busy (a trainer computing while its prefetch
+thread pulls, shard handler threads, client and shard on one box) each parallel region waits for a
+time slice, and a copy that numpy does in well under a millisecond takes torch many times longer
+(docs/decisions.md, "Row gathers and scatters run in numpy"). Rows are viewed as bytes, so every row
+dtype (bfloat16 included, which numpy lacks) works. The range check of an index (``bounds``) is
+numpy's too, and so is the sort that puts one shard's part of a push in ascending order with
+repeated ids summed (``ascending_unique``), which the client and the store share.
 """
 
 from __future__ import annotations
