@@ -7,6 +7,11 @@ path because a gRPC call cannot move megabytes at the socket's speed in Python (
 buffer it sends and receives ids and gradients into the tensors it applies. The token of the
 gRPC port guards this one too (a HELLO frame carries it), and with TLS both ports use the same
 certificate.
+
+Strangers hold little: a connection must greet within ``HELLO_TIMEOUT_S`` in places of its
+own (``ams.dataplane.admission``), and a request's body is checked against its table, and
+counted against the shard's budget of bodies held, before anything is allocated for it; it
+must then arrive within a deadline that grows with its size, not only byte by byte.
 """
 
 from __future__ import annotations
@@ -21,31 +26,30 @@ import tempfile
 import threading
 import time
 
-import torch
-
+from ams.dataplane import answers
+from ams.dataplane.admission import HELLO_TIMEOUT_S, MAX_GREETED, Admission, BodyBudget
 from ams.dataplane.shm import SharedBuffer
 from ams.dataplane.sockets import (
     BODY_TIMEOUT_S,
     Frame,
     SocketReader,
-    recv_body,
     recv_header,
+    recv_meta,
+    recv_payload,
     send_frame,
     set_kernel_timeout,
 )
 from ams.errors import (
     AmsError,
-    InvalidArgument,
     ShardRestarted,
     Unauthenticated,
     Unavailable,
     error_from_code,
 )
-from ams.shard import rowcopy
 from ams.shard.metrics import record_call
 from ams.shard.store import ShardStore
 from ams.wire import frames
-from ams.wire.frames import FrameError, Kind
+from ams.wire.frames import FrameError, Header, Kind
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,20 @@ log = logging.getLogger(__name__)
 # computing then still finishes in the store
 THREADS_EXIT_S = 30.0
 IDLE_TIMEOUT_S = 3600.0
-MAX_CONNECTIONS = 256
+# A frame has BODY_TIMEOUT_S from its first byte, and one second more for each of these
+# bytes of its body: a peer sending slower than this holds its body's memory no longer.
+MIN_BODY_BYTES_PER_S = 1 << 20
+# Strangers evicted are logged at most this often (they may come by the thousand).
+EVICTIONS_LOG_S = 60.0
+
+
+class _Link:
+    """One accepted connection: its socket (the TLS one once wrapped) and its peer."""
+
+    __slots__ = ("sock", "peer")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock, self.peer = sock, peer
 
 
 class DataPlaneServer:
@@ -78,6 +95,9 @@ class DataPlaneServer:
             raise OSError(f"cannot listen on {host}:{port} for the data plane: {e.strerror}") \
                 from None
         self.port: int = self._listener.getsockname()[1]
+        self._admission: Admission[_Link] = Admission()
+        self._bodies = BodyBudget()
+        self._evicted, self._evictions_logged = 0, -EVICTIONS_LOG_S
         self._connections: set[socket.socket] = set()
         self._busy: set[socket.socket] = set()  # those between a request's first byte and answer
         # at close: connections whose next request's first bytes had arrived, not yet read
@@ -129,80 +149,103 @@ class DataPlaneServer:
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 return  # closed
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                crowded = len(self._connections) >= MAX_CONNECTIONS
-                if not crowded:
-                    self._connections.add(conn)
-                    thread = threading.Thread(target=self._serve_connection, args=(conn,),
-                                              name="dataplane-conn", daemon=True)
-                    self._threads.add(thread)
-            if crowded:
-                conn.close()
-                log.warning("dataplane_refused reason=too_many_connections limit=%d",
-                            MAX_CONNECTIONS)
-                continue
+                link = _Link(conn, address[0])
+                evicted = self._admission.arrive(link, link.peer)
+                # both ways: the stranger's thread, waiting for its HELLO, sees the end
+                _shut({e.sock for e in evicted}, socket.SHUT_RDWR)
+                self._connections.add(conn)
+                thread = threading.Thread(target=self._serve_connection, args=(link,),
+                                          name="dataplane-conn", daemon=True)
+                self._threads.add(thread)
+            if evicted:
+                self._log_evictions(len(evicted))
             thread.start()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        sock = conn
+    def _log_evictions(self, count: int) -> None:
+        self._evicted += count
+        now = time.monotonic()
+        if now - self._evictions_logged >= EVICTIONS_LOG_S:
+            log.warning("dataplane_strangers_evicted count=%d (connections that had not "
+                        "greeted made way for new ones; logged at most every %.0f s)",
+                        self._evicted, EVICTIONS_LOG_S)
+            self._evicted, self._evictions_logged = 0, now
+
+    def _serve_connection(self, link: _Link) -> None:
+        conn = sock = link.sock
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # one timeout throughout, never switched: switching costs system calls on every
-            # request
+            # the HELLO's time until greeted, then one timeout throughout, never switched
+            # again: switching costs system calls on every request
             if self._tls is None:
-                set_kernel_timeout(conn, BODY_TIMEOUT_S)
+                set_kernel_timeout(conn, HELLO_TIMEOUT_S)
             else:
-                conn.settimeout(BODY_TIMEOUT_S)
-                sock = self._tls.wrap_socket(conn, server_side=True)
+                conn.settimeout(HELLO_TIMEOUT_S)
+                sock = self._tls.wrap_socket(conn, server_side=True,
+                                             do_handshake_on_connect=False)
                 with self._lock:  # the wrapped socket takes over the descriptor
                     self._connections.discard(conn)
                     if self._closed:
                         return
                     self._connections.add(sock)
-            self._serve_requests(sock)
+                    link.sock = sock  # an eviction now shuts the handshake down
+                sock.do_handshake()
+            self._serve_requests(link)
         except (OSError, ssl.SSLError) as e:
             log.debug("dataplane_connection_lost error=%s", e)
         except Exception:  # a fault of this code: the connection goes, the shard serves on
             log.exception("dataplane_connection_failed")
         finally:
             with self._lock:
+                self._admission.leave(link)
                 self._connections.discard(conn)
                 self._connections.discard(sock)
                 self._busy.discard(sock)
                 self._threads.discard(threading.current_thread())
             sock.close()
 
-    def _serve_requests(self, sock: socket.socket) -> None:
+    def _serve_requests(self, link: _Link) -> None:
         """Answer frames in order until the peer closes, the server closes, or a frame leaves
         the stream unreadable (answered with an ERROR frame, then the connection is closed)."""
         shared: list[SharedBuffer] = []  # the one the HELLO offered, once mapped
         try:
-            self._serve_frames(sock, shared)
+            self._serve_frames(link, shared)
         finally:
             for buffer in shared:
                 buffer.close()
 
-    def _serve_frames(self, sock: socket.socket, shared: list[SharedBuffer]) -> None:
+    def _serve_frames(self, link: _Link, shared: list[SharedBuffer]) -> None:
+        sock = link.sock
         greeted = False
         reader = SocketReader(sock)
+        hello_by = reader.deadline = time.monotonic() + HELLO_TIMEOUT_S
         while True:
             with self._lock:
                 self._busy.discard(sock)
                 if self._closed:
                     return
-            if not reader.wait_for_bytes(IDLE_TIMEOUT_S):
+            if not greeted:
+                if not reader.wait_for_bytes(max(0.0, hello_by - time.monotonic())):
+                    log.debug("dataplane_hello_missing peer=%s", link.peer)
+                    self._send_error(sock, error_from_code(
+                        "DEADLINE_EXCEEDED",
+                        f"data plane: no HELLO within {HELLO_TIMEOUT_S:.0f} s of connecting"))
+                    return
+            elif not reader.wait_for_bytes(IDLE_TIMEOUT_S):
                 continue  # an idle pooled connection: wait on for its next request
             with self._lock:
                 # the bytes are still unread, so ``close`` saw them and lets this one finish
                 if self._closed and sock not in self._finishing:
                     return
                 self._busy.add(sock)
+            if greeted:
+                reader.deadline = time.monotonic() + BODY_TIMEOUT_S
             try:
                 header = recv_header(reader)
                 if header is None:
@@ -210,34 +253,55 @@ class DataPlaneServer:
                 frames.check_request(header, self.store.max_rows_per_request)
                 if not greeted and header.kind != Kind.HELLO:
                     raise Unauthenticated("data plane: the first frame must be a HELLO")
-                frame = recv_body(reader, header)
+                if greeted:
+                    reader.deadline += header.body_bytes / MIN_BODY_BYTES_PER_S
+                meta = recv_meta(reader, header)
             except AmsError as e:
                 self._send_error(sock, e)
                 return
-            except (ConnectionError, TimeoutError):
-                self._send_error(sock, FrameError("frame: truncated (the connection closed or "
-                                                  "stalled before the body's last byte)"))
+            except (ConnectionError, TimeoutError) as e:
+                self._send_error(sock, _truncated(e))
                 return
-            if frame.header.kind == Kind.HELLO:
+            if header.kind == Kind.HELLO:
                 welcome = {"incarnation": self.incarnation, "shard_id": self.store.shard_id,
                            "num_shards": self.store.num_shards}
                 try:
-                    self._check_hello(frame.meta)
-                    if "shared" in frame.meta:
-                        welcome["shared"] = self._map_shared(frame.meta["shared"], shared)
+                    self._check_hello(meta)
+                    if not greeted:
+                        self._greet(link)
+                    if "shared" in meta:
+                        welcome["shared"] = self._map_shared(meta["shared"], shared)
                 except AmsError as e:
                     self._send_error(sock, e)
                     return
-                greeted = True
                 send_frame(sock, Kind.WELCOME, welcome)
+                if not greeted:
+                    greeted = True
+                    if self._tls is None:
+                        set_kernel_timeout(sock, BODY_TIMEOUT_S)
+                    else:
+                        sock.settimeout(BODY_TIMEOUT_S)
                 continue
-            self._answer(sock, frame, shared[0] if shared else None)
+            if not self._answer(sock, reader, header, meta, shared[0] if shared else None):
+                return
+
+    def _greet(self, link: _Link) -> None:
+        """Count ``link`` as greeted; Unavailable when every greeted place is taken."""
+        with self._lock:
+            greeted = self._admission.greet(link)
+        if not greeted:
+            log.warning("dataplane_refused peer=%s reason=too_many_connections limit=%d",
+                        link.peer, MAX_GREETED)
+            raise Unavailable(f"data plane: the shard serves {MAX_GREETED} connections "
+                              "already")
 
     def _check_hello(self, meta: dict) -> None:
         if self._token is not None:
             token = meta.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(token.encode(),
-                                                                     self._token):
+            # surrogatepass: JSON may carry a lone surrogate, which UTF-8 cannot encode; its
+            # bytes then match no token (a token file is UTF-8)
+            if not isinstance(token, str) or not hmac.compare_digest(
+                    token.encode(errors="surrogatepass"), self._token):
                 raise Unauthenticated("data plane: missing or wrong auth token")
         expected = frames.meta_field(meta, "expect_incarnation", str, required=False)
         if expected is not None and expected != self.incarnation:
@@ -261,96 +325,92 @@ class DataPlaneServer:
         shared.append(buffer)
         return True
 
-    def _answer(self, sock: socket.socket, frame: Frame, shared: SharedBuffer | None) -> None:
-        """Apply one PULL or PUSH and answer it; its errors become ERROR frames (the stream
-        stays readable, so the connection stays open). ``shared``: the connection's shared
-        buffer, for frames whose rows are there."""
-        method = frame.header.kind.name.capitalize()  # Pull, Push, Scan in the metrics
+    def _answer(self, sock: socket.socket, reader: SocketReader, header: Header, meta: dict,
+                shared: SharedBuffer | None) -> bool:
+        """Receive the rest of one PULL, PUSH or SCAN (``meta`` read), apply it and answer it;
+        its errors become ERROR frames and the stream stays in step. False when the
+        connection must close: its body did not arrive whole, or its peer is gone.
+        ``shared``: the connection's shared buffer, for frames whose rows are there."""
+        method = header.kind.name.capitalize()  # Pull, Push, Scan in the metrics
         started = time.perf_counter()
         code: str | None = None
+        held = 0  # bytes of the budget this request holds
         try:
-            if not self.ready.is_set():
-                raise Unavailable("the shard is restoring its snapshot; it serves once health "
-                                  "says SERVING")
-            table = frames.meta_field(frame.meta, "table", str)
-            if frame.header.shared and shared is None:
-                raise InvalidArgument("frame: rows in a shared buffer, but this connection "
-                                      "has none (its HELLO offered none, or it was refused)")
-            if frame.header.kind == Kind.PULL:
-                if frame.header.shared:
-                    rows = self._pull_into_shared(table, frame, shared)
-                else:
-                    rows = self.store.pull(table, frame.ids)
-                send_frame(sock, Kind.ROWS, rows=rows, shared=frame.header.shared)
-            elif frame.header.kind == Kind.SCAN:
-                ids, rows = self.store.scan_block(
-                    table, frames.meta_field(frame.meta, "start", int),
-                    frames.meta_field(frame.meta, "rows", int, required=False))
-                send_frame(sock, Kind.ROWS, ids=ids, rows=rows)
-            else:
-                if frame.header.shared and frame.header.dtype is not None:
-                    frame.rows = shared.rows(
-                        frames.meta_field(frame.meta, "offset", int), frame.header.dtype,
-                        frame.header.num_rows, frame.header.dim)
-                applied = self._push(table, frame)
-                send_frame(sock, Kind.PUSHED, {"applied": applied})
-        except AmsError as e:
-            code = e.code
-            self._send_error(sock, e)
-        except Exception as e:  # answer and keep serving; the log has the trace
-            log.exception("dataplane_failed method=%s", method)
-            code = "INTERNAL"
-            self._send_error(sock, error_from_code("INTERNAL", f"{type(e).__name__}: {e}"))
+            try:  # nothing is allocated for the body before these
+                self._check_body(header, meta)
+                held = self._bodies.take(header.body_bytes - header.meta_bytes)
+            except AmsError as e:
+                code = e.code
+                self._send_error(sock, e)
+                return self._discard_body(reader, header)
+            try:
+                frame = recv_payload(reader, header, meta)
+            except (ConnectionError, TimeoutError) as e:
+                code = "CANCELLED" if isinstance(e, ConnectionError) else "INVALID_ARGUMENT"
+                self._send_error(sock, _truncated(e))
+                return False
+            kind, reply, code = self._apply(frame, shared, method)
+            try:
+                send_frame(sock, kind, **reply)
+            except OSError as e:  # the peer left before its answer: nothing failed here
+                log.debug("dataplane_answer_lost method=%s error=%s", method, e)
+                code = "CANCELLED"
+                return False
+            return True
         finally:
+            self._bodies.give_back(held)
             record_call(method, time.perf_counter() - started, code)
 
-    def _pull_into_shared(self, table: str, frame: Frame, shared: SharedBuffer
-                          ) -> torch.Tensor:
-        """A shared PULL: its rows written to the region of "bytes" at "offset" of the shared
-        buffer, in order from its start, or row j at row positions[j] of it; the rows
-        returned (for the answer's shape). Nothing is written when it is refused."""
-        spec = self.store.table(table).spec
-        offset = frames.meta_field(frame.meta, "offset", int)
-        room = frames.meta_field(frame.meta, "bytes", int)
-        shared.check_offset(offset, spec.dtype)
-        if room < 0 or not shared.fits(offset, room):
-            raise InvalidArgument(f"frame meta: {room} bytes at offset {offset} are not in the "
-                                  f"{shared.capacity}-byte shared buffer")
-        region_rows = room // (spec.dim * spec.dtype.itemsize)
-        n = frame.ids.numel()
-        if frame.positions is None:
-            if n > region_rows:
-                raise InvalidArgument(f"frame: {n} rows of {spec.dim} x {spec.dtype} do not "
-                                      f"fit in the {room} bytes at offset {offset}")
-            return self.store.pull(table, frame.ids,
-                                   shared.rows(offset, spec.dtype, n, spec.dim))
-        if n:
-            lo, hi = rowcopy.bounds(frame.positions)
-            if lo < 0 or hi >= region_rows:
-                raise InvalidArgument(f"frame: position {lo if lo < 0 else hi} is outside the "
-                                      f"{region_rows} rows at offset {offset}")
-        rows = self.store.pull(table, frame.ids)
-        rowcopy.scatter(shared.rows(offset, spec.dtype, region_rows, spec.dim),
-                        frame.positions, rows)
-        return rows
+    def _check_body(self, header: Header, meta: dict) -> None:
+        """What a request must be before its ids and rows are received into memory: the
+        shard serving, and its body fitting its table (``answers.check_body``)."""
+        if not self.ready.is_set():
+            raise Unavailable("the shard is restoring its snapshot; it serves once health "
+                              "says SERVING")
+        answers.check_body(self.store, header, meta)
 
-    def _push(self, table: str, frame: Frame) -> bool:
-        meta = frame.meta
-        lr = frames.meta_field(meta, "lr", (int, float))
-        client_id = frames.meta_field(meta, "client_id", str)
-        sequence = frames.meta_field(meta, "sequence", int)
-        clock = frames.meta_field(meta, "decay_clock", (int, float), required=False)
-        if frame.rows is None or not frame.rows.is_floating_point():
-            raise InvalidArgument(f"frame: push gradients must be float rows, got "
-                                  f"{frame.header.dtype}")
-        return self.store.push(table, frame.ids, frame.rows, lr, client_id, sequence, clock)
+    @staticmethod
+    def _discard_body(reader: SocketReader, header: Header) -> bool:
+        """Read past the ids and rows of a request refused before they were received, so
+        that the connection stays in step; False when they did not come."""
+        try:
+            reader.discard(header.body_bytes - header.meta_bytes)
+        except (ConnectionError, TimeoutError) as e:
+            log.debug("dataplane_connection_lost while=discarding error=%s", e)
+            return False
+        return True
+
+    def _apply(self, frame: Frame, shared: SharedBuffer | None, method: str
+               ) -> tuple[Kind, dict, str | None]:
+        """``answers.answer``, its refusals and faults as ERROR answers: (the answer's kind,
+        ``send_frame``'s arguments, the status code for the metrics: None when it
+        succeeded)."""
+        try:
+            return *answers.answer(self.store, frame, shared), None
+        except AmsError as e:
+            return Kind.ERROR, {"meta": _error_meta(e)}, e.code
+        except Exception as e:  # answer and keep serving; the log has the trace
+            log.exception("dataplane_failed method=%s", method)
+            error = error_from_code("INTERNAL", f"{type(e).__name__}: {e}")
+            return Kind.ERROR, {"meta": _error_meta(error)}, "INTERNAL"
 
     @staticmethod
     def _send_error(sock: socket.socket, error: AmsError) -> None:
         try:
-            send_frame(sock, Kind.ERROR, {"code": error.code, "message": str(error)})
+            send_frame(sock, Kind.ERROR, _error_meta(error))
         except OSError:
             pass  # the peer is gone; nothing to tell
+
+
+def _error_meta(error: AmsError) -> dict:
+    """The meta of the ERROR frame that answers with ``error``."""
+    return {"code": error.code, "message": str(error)}
+
+
+def _truncated(error: OSError) -> FrameError:
+    """The refusal of a frame whose bytes stopped coming (``error``: why)."""
+    return FrameError(f"frame: truncated (the connection closed or stalled before the "
+                      f"frame's last byte: {error})")
 
 
 def with_bytes_waiting(connections: set[socket.socket]) -> set[socket.socket]:

@@ -11,6 +11,7 @@ import select
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 def _body_stalled() -> None:
-    raise TimeoutError(f"no byte for {BODY_TIMEOUT_S:.0f} s")
+    raise TimeoutError("no byte within the socket's timeout")
 
 
 class SocketReader:
@@ -55,7 +56,9 @@ class SocketReader:
 
     ``stalled``: called when a receive of a socket with a kernel timeout
     (``set_kernel_timeout``) gives up; it raises ``TimeoutError``, or returns to have the
-    receive tried again."""
+    receive tried again. ``deadline`` (``time.monotonic``; None: none): no receive starts
+    after it (``TimeoutError``), so a peer that sends a byte now and then cannot stretch a
+    frame past it; a receive under way ends by the kernel timeout at the latest."""
 
     SIZE = 64 << 10
 
@@ -63,12 +66,15 @@ class SocketReader:
                  ) -> None:
         self.sock = sock
         self.stalled = stalled
+        self.deadline: float | None = None
         self._buffer = memoryview(bytearray(self.SIZE))
         self._start = self._end = 0
         self._poller: select.poll | None = None
 
     def _recv_into(self, out: memoryview) -> int:
         while True:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise TimeoutError("the frame did not arrive before its deadline")
             try:
                 return self.sock.recv_into(out)
             except BlockingIOError:
@@ -117,6 +123,21 @@ class SocketReader:
             out[:taken] = self._buffer[:taken]
             self._start = taken
             out = out[taken:]
+
+    def discard(self, nbytes: int) -> None:
+        """Read ``nbytes`` and drop them, holding no more memory than the buffer's;
+        ConnectionError when the peer closes first."""
+        while nbytes:
+            view = self._buffer[:min(nbytes, self.SIZE)]
+            taken = min(self._end - self._start, view.nbytes)
+            if taken:
+                self._start += taken
+            else:
+                self._start = self._end = 0
+                taken = self._recv_into(view)
+                if taken == 0:
+                    raise ConnectionError("the peer closed the connection")
+            nbytes -= taken
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview],
@@ -189,8 +210,22 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
     """The body ``header`` announces; rows land in ``rows_out`` when given (a contiguous
     tensor of the announced shape and dtype), else in a new tensor. Rows in the shared buffer
     are not in the body: the frame's rows are None and ``rows_out`` is not written."""
+    return recv_payload(reader, header, recv_meta(reader, header), rows_out)
+
+
+def recv_meta(reader: SocketReader, header: Header) -> dict:
+    """The meta of the frame ``header`` announces, which comes first in its body: a shard
+    reads it, and checks the rest of the body against the table it names, before it
+    allocates anything for the rest (``recv_payload``)."""
     meta = bytearray(header.meta_bytes)
     reader.read_into(memoryview(meta))
+    return frames.decode_meta(meta)
+
+
+def recv_payload(reader: SocketReader, header: Header, meta: dict,
+                 rows_out: torch.Tensor | None = None) -> Frame:
+    """The rest of the body after its ``meta`` (``recv_meta``): ids, positions and rows, as
+    ``recv_body`` reads them."""
     ids = torch.empty(header.num_ids * (2 if header.positions else 1), dtype=torch.int64)
     reader.read_into(tensor_bytes(ids))
     positions = None
@@ -201,4 +236,4 @@ def recv_body(reader: SocketReader, header: Header, rows_out: torch.Tensor | Non
         rows = rows_out if rows_out is not None \
             else torch.empty((header.num_rows, header.dim), dtype=header.dtype)
         reader.read_into(tensor_bytes(rows))
-    return Frame(header, frames.decode_meta(meta), ids, rows, positions)
+    return Frame(header, meta, ids, rows, positions)

@@ -43,11 +43,23 @@ def owned_positions(ids: torch.Tensor, spec: TableSpec, shard_id: int, num_shard
 
 def check_grads(grads: torch.Tensor, n: int, spec: TableSpec) -> None:
     """``grads`` must be a float tensor of shape (n, dim)."""
-    if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
-        raise InvalidArgument(f"grads: need a float tensor of shape ({n}, {spec.dim})")
-    if tuple(grads.shape) != (n, spec.dim):
-        raise InvalidArgument(f"grads: shape {tuple(grads.shape)}, need ({n}, {spec.dim}) for "
-                              f"{n} ids of table {shorten(spec.name)}")
+    if not isinstance(grads, torch.Tensor):
+        raise InvalidArgument(f"grads: need a float tensor of shape ({n}, {spec.dim}), got "
+                              f"{type(grads).__name__}")
+    check_grads_shape(grads.dtype, tuple(grads.shape), n, spec)
+
+
+def check_grads_shape(dtype: torch.dtype | None, shape: tuple[int, ...], n: int,
+                      spec: TableSpec) -> None:
+    """``check_grads`` of gradients announced but not received yet: of ``dtype`` (None: no
+    gradients) and ``shape``, so that a data plane checks a push against its table before
+    it allocates the gradients' memory."""
+    if dtype is None or not dtype.is_floating_point:
+        raise InvalidArgument(f"grads: need a float tensor of shape ({n}, {spec.dim}), got "
+                              f"{dtype}")
+    if shape != (n, spec.dim):
+        raise InvalidArgument(f"grads: shape {shape}, need ({n}, {spec.dim}) for {n} ids of "
+                              f"table {shorten(spec.name)}")
 
 
 def check_reply(nbytes: int, limit: int, what: str, bytes_per_row: int, unit: str) -> None:

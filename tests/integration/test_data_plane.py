@@ -8,6 +8,7 @@ the shard for having changed nothing.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import fcntl
 import json
 import os
@@ -28,10 +29,12 @@ import torch
 import ams
 from ams.api import shard_pb2 as pb
 from ams.api import shard_pb2_grpc as pb_grpc
+from ams.dataplane.admission import HELLO_TIMEOUT_S
 from ams.errors import IdOutOfRange, InvalidArgument
 from ams.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
+from tests.conftest import free_port
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
@@ -521,7 +524,10 @@ def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
     with ams.connect([proc.address], token="s3cret") as client:
         client.create_table("fc", num_rows=10, dim=4)
         before = client.pull("fc", torch.arange(10))
+        # JSON may carry a lone surrogate, which no UTF-8 token file holds
         for hello in (frame(HELLO), frame(HELLO, {"token": "wrong"}),
+                      frame(HELLO, raw_meta=b'{"token": "\\ud800"}'),
+                      frame(HELLO, raw_meta=b'{"token": "s3cret\\udfff"}'),
                       frame(PUSH, PUSH_META, [0], grads(1, 4))):
             peer = Peer(proc.address, token="s3cret")
             peer.send(hello)
@@ -533,6 +539,227 @@ def test_token_is_required_in_the_hello(shard_cluster, tmp_path):
         peer = Peer(proc.address, token="s3cret")
         peer.hello(token="s3cret")
         peer.close()
+    assert_no_traceback(tmp_path)
+
+
+# ---- strangers, slow senders and peers that leave --------------------------------------------
+
+
+def closed_by_the_shard(sock: socket.socket, by: float) -> bool:
+    """Whether the shard closes ``sock`` (after an ERROR frame, or without a word) before
+    time ``by`` (``time.monotonic``)."""
+    while True:
+        sock.settimeout(max(0.01, by - time.monotonic()))
+        try:
+            if not sock.recv(1 << 16):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+
+def test_strangers_that_never_greet_cannot_keep_a_client_with_the_token_out(shard_cluster,
+                                                                           tmp_path):
+    """Hundreds of sockets to the data port that never send a HELLO, and one that sends its
+    HELLO a byte at a time, all from the client's own address: the client with the token
+    connects, and pulls and pushes on several connections at once, as an embedded store
+    does; every stranger is closed within the HELLO's time."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    (proc,) = shard_cluster(1, token_file=token_file)
+    port = data_port(proc.address, "s3cret")
+    strangers = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(300)]
+    trickler = socket.create_connection(("127.0.0.1", port), timeout=30)
+    hello = frame(HELLO, {"token": "s3cret" + "x" * 200})  # over a minute at this pace
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for i in range(len(hello)):
+            if stop.wait(0.3):
+                return
+            try:
+                trickler.sendall(hello[i:i + 1])
+            except OSError:
+                return
+
+    trickling = threading.Thread(target=trickle)
+    trickling.start()
+    gen = torch.Generator().manual_seed(8)
+    with ams.connect([proc.address], token="s3cret") as client, \
+            ams.connect(local_shards=1) as reference:
+        for c in (client, reference):
+            c.create_table("fc", num_rows=N, dim=D, seed=4)
+        # more strangers while the client works, and pulls on new connections among them
+        strangers += [socket.create_connection(("127.0.0.1", port), timeout=30)
+                      for _ in range(300)]
+        opened = time.monotonic()
+        for step in range(3):
+            ids = torch.randint(0, N, (200,), generator=gen)
+            g = torch.randn(200, D, generator=gen)
+            for c in (client, reference):
+                c.push("fc", ids, g, 0.1, decay_clock=float(step))
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                pulled = list(pool.map(lambda _: client.pull("fc", torch.arange(N)), range(4)))
+            expected = reference.pull("fc", torch.arange(N))
+            assert all(torch.equal(rows, expected) for rows in pulled)
+    by = opened + HELLO_TIMEOUT_S + 20  # the last one's HELLO time, and room for a busy host
+    assert all(closed_by_the_shard(sock, by) for sock in [*strangers, trickler])
+    stop.set()
+    trickling.join()
+    for sock in [*strangers, trickler]:
+        sock.close()
+    assert_no_traceback(tmp_path)
+
+
+ANNOUNCED_DIM = 50_000_000  # one gradient row of about 190 MiB of float32
+
+
+@pytest.mark.parametrize("meta,code,needle", [
+    (PUSH_META, "INVALID_ARGUMENT", f"grads: shape (1, {ANNOUNCED_DIM}), need (1, {D})"),
+    ({**PUSH_META, "table": "nope"}, "NOT_FOUND", "nope"),
+])
+def test_a_push_that_cannot_fit_its_table_is_refused_before_its_body_comes(cluster, meta, code,
+                                                                            needle):
+    """A PUSH announcing a gradient row far wider than its table's (or for a table that does
+    not exist) is answered as soon as its meta is in: the shard does not wait for, nor make
+    room for, the body."""
+    address, client = cluster
+    before = client.pull("fc", torch.arange(N))
+    peer = Peer(address)
+    peer.hello()
+    raw = json.dumps(meta).encode()
+    peer.send(HEADER.pack(b"XAMS", 1, PUSH, F32, 0, len(raw), ANNOUNCED_DIM, 1, 1,
+                          len(raw) + 8 + 4 * ANNOUNCED_DIM) + raw)  # no byte of the body
+    peer.sock.settimeout(20)
+    kind, reply, _, _ = peer.answer()
+    assert (kind, reply["code"]) == (ERROR, code) and needle in reply["message"], reply
+    peer.close()
+    unchanged(client, before)
+
+
+def announce_push(address: str, table: str, num_ids: int, dim: int) -> Peer:
+    """A greeted connection that sent the header and meta of a float32 PUSH of ``num_ids``
+    rows of ``dim``, and none of its body."""
+    peer = Peer(address)
+    peer.hello()
+    raw = json.dumps({**PUSH_META, "table": table}).encode()
+    peer.send(HEADER.pack(b"XAMS", 1, PUSH, F32, 0, len(raw), dim, num_ids, num_ids,
+                          len(raw) + num_ids * (8 + 4 * dim)) + raw)
+    return peer
+
+
+def no_answer_within(peer: Peer, seconds: float) -> bool:
+    peer.sock.settimeout(seconds)
+    try:
+        peer.sock.recv(1, socket.MSG_PEEK)
+    except TimeoutError:
+        return True
+    return False
+
+
+def test_request_bodies_a_shard_holds_at_once_are_bounded(cluster):
+    """Greeted peers that announce pushes of 250 MiB and send them slowly: the shard holds
+    four such bodies (1 GiB) and answers the fifth with RESOURCE_EXHAUSTED at once; once the
+    four are gone, it holds a new one again."""
+    address, client = cluster
+    client.create_table("budget", num_rows=2, dim=65536, momentum=0.0)
+    ids = 1000  # 1000 x 65536 float32: 250 MiB, under the 256 MiB of one frame
+    held = [announce_push(address, "budget", ids, 65536) for _ in range(4)]
+    assert all(no_answer_within(peer, 1.0) for peer in held)  # waiting for their bodies
+    over = announce_push(address, "budget", ids, 65536)
+    over.sock.settimeout(20)
+    kind, reply, _, _ = over.answer()
+    assert (kind, reply["code"]) == (ERROR, "RESOURCE_EXHAUSTED"), reply
+    assert "bytes of request bodies" in reply["message"]
+    for peer in [*held, over]:
+        peer.close()
+    deadline = time.monotonic() + 30
+    while True:  # the shard sees the closed connections and gives their bytes back
+        again = announce_push(address, "budget", ids, 65536)
+        if no_answer_within(again, 1.0):
+            break
+        assert time.monotonic() < deadline, again.answer()
+        again.close()
+    again.close()
+
+
+def test_a_body_must_arrive_within_its_deadline_not_only_byte_by_byte(monkeypatch):
+    """A greeted peer that sends a push a byte every 0.3 s, well within the time allowed
+    between two bytes, is cut off once the frame's own deadline passed (BODY_TIMEOUT_S from
+    its first byte, shortened here, plus its size at MIN_BODY_BYTES_PER_S): answered with
+    INVALID_ARGUMENT, the connection closed, nothing applied."""
+    import ams.dataplane.server
+
+    monkeypatch.setattr(ams.dataplane.server, "BODY_TIMEOUT_S", 1.5)
+    store = ShardStore(0, 1)
+    running = create_server(store)
+    address = f"127.0.0.1:{running.port}"
+    try:
+        store.create_table(ams.TableSpec("fc", num_rows=10, dim=4, momentum=0.0))
+        before = store.pull("fc", torch.arange(10))
+        peer = Peer(address)
+        peer.hello()
+        push = frame(PUSH, PUSH_META, [3], grads(1, 4))  # about a minute at this pace
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for i in range(len(push)):
+                if stop.wait(0.3):
+                    return
+                try:
+                    peer.sock.sendall(push[i:i + 1])
+                except OSError:
+                    return
+
+        sending = threading.Thread(target=trickle)
+        began = time.monotonic()
+        sending.start()
+        peer.sock.settimeout(20)
+        kind, reply, _, _ = peer.answer()
+        took = time.monotonic() - began
+        stop.set()
+        sending.join()
+        assert (kind, reply["code"]) == (ERROR, "INVALID_ARGUMENT") and \
+            "truncated" in reply["message"], reply
+        assert took < 10, took
+        assert peer.is_closed()
+        peer.close()
+        assert torch.equal(store.pull("fc", torch.arange(10)), before)
+    finally:
+        running.stop(0)
+
+
+def test_a_client_that_leaves_with_requests_unanswered_is_no_internal_error(shard_cluster,
+                                                                             tmp_path):
+    """A peer sends pulls whose answers fill the socket's buffers and resets its connection
+    while the shard sends them: the shard logs no error and counts no INTERNAL call; the
+    answer it could not send is counted as CANCELLED (its caller went away)."""
+    from tests.integration.test_metrics import scrape
+
+    metrics_port = free_port()
+    (proc,) = shard_cluster(1, ["--metrics-port", str(metrics_port)])
+    with ams.connect([proc.address]) as client:
+        client.create_table("wide", num_rows=64, dim=4096, seed=1)  # 1 MiB for all rows
+    peer = Peer(proc.address)
+    peer.hello()
+    peer.send(b"".join(frame(PULL, {"table": "wide"}, list(range(64))) for _ in range(20)))
+    peer._exact(HEADER.size)  # the shard is answering
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()  # a reset: the unread answers are refused
+
+    def errors() -> dict:
+        return {labels: value for (name, labels), value in scrape(metrics_port).items()
+                if name == "xcls_shard_request_errors_total"}
+
+    deadline = time.monotonic() + 30
+    while not errors():
+        assert time.monotonic() < deadline, "the shard never noticed the peer had gone"
+        time.sleep(0.1)
+    assert errors() == {(("code", "CANCELLED"), ("method", "Pull")): 1.0}
+    assert_no_traceback(tmp_path)
+    log = "".join(path.read_text() for path in tmp_path.glob("*.log"))
+    assert "level=error" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("order", [None, "stop_waits_first", "thread_waits_first"])
