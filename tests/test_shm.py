@@ -3,10 +3,12 @@ refuses."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import gc
 import os
 import random
+import struct
 
 import pytest
 import torch
@@ -123,6 +125,70 @@ def test_an_offer_of_anything_but_that_sealed_memory_file_is_not_mapped(offered,
     finally:
         os.close(fd)
         os.close(unsealed)
+
+
+IN_CLOSE_WRITE, IN_CLOSE_NOWRITE = 0x8, 0x10  # <sys/inotify.h>
+
+
+class CloseWatch:
+    """Linux inotify on one file: how each opening of it was closed, which tells whether it
+    had been opened for writing (IN_CLOSE_WRITE) or not (IN_CLOSE_NOWRITE)."""
+
+    def __init__(self, path) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0 and libc.inotify_add_watch(
+            self.fd, os.fsencode(path), IN_CLOSE_WRITE | IN_CLOSE_NOWRITE) >= 0
+
+    def closes(self) -> list[int]:
+        """The events since the last call, each IN_CLOSE_WRITE or IN_CLOSE_NOWRITE."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        masks, at = [], 0
+        while at < len(data):  # struct inotify_event: wd, mask, cookie, len, name[len]
+            _, mask, _, length = struct.unpack_from("iIII", data, at)
+            masks.append(mask)
+            at += 16 + length
+        return masks
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_a_descriptor_swapped_after_its_name_was_read_is_never_opened_for_writing(
+        offered, tmp_path, monkeypatch):
+    """The client offers its memory file, and puts another file under the same descriptor
+    number just after the shard read the descriptor's name (the worst moment, made certain
+    here by doing it inside that read). The shard opens what it finds without write access,
+    sees that it is not the memory file, and maps nothing: the other file is opened once,
+    read-only, never for writing."""
+    _, offer = offered
+    other = tmp_path / "other"
+    other.write_bytes(bytes(RESERVED_BYTES + CAPACITY))  # the size the offer names
+    other_fd = os.open(other, os.O_RDONLY)
+    number = os.dup(offer["fd"])  # the descriptor the offer names, which the client swaps
+    watch = CloseWatch(other)
+    read_name, swapped = os.readlink, []
+
+    def read_then_swap(path, *args, **kwargs):
+        name = read_name(path, *args, **kwargs)
+        if path == f"/proc/{os.getpid()}/fd/{number}" and not swapped:
+            os.dup2(other_fd, number)
+            swapped.append(name)
+        return name
+
+    monkeypatch.setattr(os, "readlink", read_then_swap)
+    try:
+        assert SharedBuffer.attach({**offer, "fd": number}) is None
+    finally:
+        monkeypatch.undo()
+        for fd in (number, other_fd):
+            os.close(fd)
+    assert swapped and swapped[0].startswith(f"/memfd:{MEMFD_NAME}")
+    assert watch.closes() == [IN_CLOSE_NOWRITE]
+    watch.close()
 
 
 # ---- the client's regions ------------------------------------------------------------------

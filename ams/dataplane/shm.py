@@ -125,19 +125,30 @@ class SharedBuffer:
                                   f"digits, got {shorten(nonce)}")
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            # Stat and name first: opening a descriptor's target may have effects (a device,
-            # a pipe); only a memory file of ours is opened.
-            if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME} ") \
-                    or not stat.S_ISREG(os.stat(path).st_mode):
+            # The name first: opening a descriptor's target may have effects (a device, a
+            # pipe), so only what is named as a memory file of ours is opened at all.
+            if not _is_ours(path):
                 return None
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # The client may swap its descriptor for another file between any two of these
+            # steps: the file is opened without write access, what was opened is checked,
+            # and only that file, by our own descriptor, is opened for writing.
+            looked = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError as e:
             log.debug("shared_buffer_refused path=%s error=%s", path, e)
             return None
         try:
-            if os.fstat(handle).st_size != RESERVED_BYTES + size \
-                    or fcntl.fcntl(handle, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            mine, info = f"/proc/self/fd/{looked}", os.fstat(looked)
+            if not _is_ours(mine) or not stat.S_ISREG(info.st_mode) \
+                    or info.st_size != RESERVED_BYTES + size \
+                    or fcntl.fcntl(looked, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
                 return None
+            handle = os.open(mine, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            log.debug("shared_buffer_refused path=%s error=%s", path, e)
+            return None
+        finally:
+            os.close(looked)
+        try:
             buffer = SharedBuffer(handle, size)
         except OSError as e:
             log.debug("shared_buffer_refused path=%s error=%s", path, e)
@@ -180,6 +191,11 @@ class SharedBuffer:
         self._bytes = None
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def _is_ours(path: str) -> bool:
+    """Whether descriptor link ``path`` names a memory file made by ``SharedBuffer.create``."""
+    return os.readlink(path).startswith(f"/memfd:{MEMFD_NAME} ")
 
 
 class SharedArena:
