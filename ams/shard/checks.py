@@ -83,8 +83,12 @@ def refuse_non_finite(spec: TableSpec, found: tuple[str, int] | None, lr: float,
     if found is None:
         return
     if not all_finite(grads):
-        bad = int((~torch.isfinite(grads)).any(dim=1).nonzero()[0, 0])
-        raise InvalidArgument(f"grads: row {bad} has a non-finite value (nan or inf)")
+        # One look at the rows that are not finite: gradients in a client's shared buffer
+        # (ams.dataplane.shm) may be rewritten by the client between two looks.
+        bad = (~torch.isfinite(grads)).any(dim=1).nonzero()
+        if bad.numel():
+            raise InvalidArgument(f"grads: row {int(bad[0, 0])} has a non-finite value (nan "
+                                  "or inf)")
     what, index = found
     kind = "row" if what == "rows" else "momentum"
     raise InvalidArgument(

@@ -1132,6 +1132,50 @@ def test_mutated_shared_frames_get_a_typed_answer_and_the_shard_serves_on(shard_
     assert_no_traceback(tmp_path)
 
 
+def test_gradients_rewritten_while_the_shard_applies_them_are_refused_not_internal(
+        shard_cluster, tmp_path):
+    """A client that rewrites its shared gradients while the shard applies them, one value
+    turning nan and back: each push is applied or refused with INVALID_ARGUMENT (a nan seen
+    in the update, whatever the later looks see), never INTERNAL; the rows stay finite."""
+    (proc,) = shard_cluster(1)
+    rows_n, dim = 1024, 256  # 1 MiB of float32 gradients
+    with ams.connect([proc.address]) as client:
+        client.create_table("fr", num_rows=rows_n, dim=dim, seed=5, momentum=0.0)
+    memfd = Memfd()
+    peer = Peer(proc.address)
+    assert peer.hello(shared=memfd.offer)["shared"] is True
+    memfd.write(0, torch.full((rows_n, dim), 1e-3))
+    nan, finite = (torch.tensor([v], dtype=torch.float32).numpy().tobytes()
+                   for v in (float("nan"), 1e-3))
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            os.pwrite(memfd.fd, nan, 4096)  # the first gradient value
+            os.pwrite(memfd.fd, finite, 4096)
+
+    rewriting = threading.Thread(target=rewrite)
+    rewriting.start()
+    answers: collections.Counter[str] = collections.Counter()
+    try:
+        for sequence in range(600):
+            peer.send(frame(PUSH, {"table": "fr", "lr": 0.01, "client_id": "c",
+                                   "sequence": sequence, "offset": 0}, list(range(rows_n)),
+                            dtype=F32, dim=dim, num_rows=rows_n, flags=1))
+            kind, meta, _, _ = peer.answer()
+            answers[meta["code"] if kind == ERROR else "applied"] += 1
+    finally:
+        stop.set()
+        rewriting.join()
+    assert set(answers) <= {"applied", "INVALID_ARGUMENT"}, answers
+    assert answers["INVALID_ARGUMENT"] > 0, answers  # the rewrites were seen
+    peer.close()
+    memfd.close()
+    with ams.connect([proc.address]) as client:
+        assert bool(torch.isfinite(client.pull("fr", torch.arange(rows_n))).all())
+    assert_no_traceback(tmp_path)
+
+
 def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path):
     """A client whose HELLO is refused, or whose shard is gone, keeps no memory file or
     mapping beyond its shared buffer's own, and once that is closed, none: this process's
