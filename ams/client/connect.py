@@ -28,7 +28,10 @@ def connect(addresses: Sequence[str] | str | None = None, *, local_shards: int |
     ``storage_dir``, reopened by the next client there once ``close`` closed them); remote
     shards choose theirs with ``--storage``. ``shared_memory``: rows to and from a shard on
     this host bypass the socket through a buffer both map (``ams.dataplane.shm``; never with TLS);
-    False: always in the frames."""
+    False: always in the frames. ``timeout``: seconds each call of a remote shard has, its
+    retries included (snapshots and restores get more for large tables:
+    ``ShardedClient.snapshot``); ``ready_timeout``: how long to wait for the shards to
+    serve."""
     if (addresses is None) == (local_shards is None):
         raise InvalidArgument("give either addresses=[...] or local_shards=N")
     if local_shards is not None:

@@ -72,14 +72,17 @@ class LocalShard:
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self.store.scan(table, block_rows)
 
-    def snapshot(self, step: int) -> str:
+    def snapshot(self, step: int, timeout: float | None = None) -> str:
+        """Write this shard's piece of snapshot ``step`` (``timeout``: the backend protocol's;
+        nothing is waited for in process)."""
         path = snapshot.write_snapshot(self.store, self._data_dir(), step)
         self.last_snapshot_step = step
         snapshot.prune_after_snapshot(self.data_dir, self.store.shard_id, self.store.num_shards,
                                       self.keep_snapshots, step)
         return str(path)
 
-    def restore(self, step: int | None) -> tuple[int, str]:
+    def restore(self, step: int | None, timeout: float | None = None) -> tuple[int, str]:
+        """Load this shard's piece of snapshot ``step`` (None: the newest complete one)."""
         got, path = restore.restore_into(self.store, self._data_dir(), step)
         self.last_snapshot_step = got
         return got, str(path)

@@ -41,9 +41,12 @@ from ams.wire.pieces import PushPieces
 
 log = logging.getLogger(__name__)
 
-# Long calls: a snapshot or restore moves a shard's whole table, a graph write every list.
-SNAPSHOT_TIMEOUT_S = 3600.0
-SET_NEIGHBORS_TIMEOUT_S = 600.0
+# Calls that move a shard's whole tables (Snapshot, Restore) or a request's worth of lists
+# (SetNeighbors) get the client's timeout plus a second for each of these bytes: a rate well
+# below what a snapshot's write or restore (LMDB and SHA-256 over the table's bytes) keeps up
+# on a busy host, so that only a shard that is stopped or stuck runs into the deadline, which
+# stays under an hour for a shard of up to about 50 GiB.
+BULK_BYTES_PER_S = 16 << 20
 
 
 class RemoteShard:
@@ -142,14 +145,36 @@ class RemoteShard:
         reply = self._call("Stats", pb.StatsRequest())
         return {t.spec.name: codec.spec_from_wire(t.spec) for t in reply.tables}
 
-    def snapshot(self, step: int) -> str:
+    def snapshot(self, step: int, timeout: float | None = None) -> str:
+        """``timeout``: the call's, in seconds (None: sized by the shard's tables,
+        ``_bulk_deadline``)."""
+        deadline = self._bulk_deadline(timeout)
         return self._call("Snapshot", pb.SnapshotRequest(step=step),
-                          timeout=SNAPSHOT_TIMEOUT_S).path
+                          timeout=deadline - time.monotonic()).path
 
-    def restore(self, step: int | None) -> tuple[int, str]:
+    def restore(self, step: int | None, timeout: float | None = None) -> tuple[int, str]:
+        """``timeout``: as ``snapshot``'s."""
+        deadline = self._bulk_deadline(timeout)
         reply = self._call("Restore", pb.RestoreRequest(step=-1 if step is None else step),
-                           timeout=SNAPSHOT_TIMEOUT_S)
+                           timeout=deadline - time.monotonic())
         return reply.step, reply.path
+
+    def _bulk_timeout(self, nbytes: int) -> float:
+        """The timeout of a call that moves ``nbytes``: the client's, and a second more for
+        every ``BULK_BYTES_PER_S``."""
+        return self.timeout + nbytes / BULK_BYTES_PER_S
+
+    def _bulk_deadline(self, timeout: float | None) -> float:
+        """When a snapshot or restore starting now must have ended: ``timeout`` from now, or
+        the ``_bulk_timeout`` of the shard's tables as it holds them now (asked of it within
+        the same deadline; a restore into tables not created yet is sized by those that
+        are, so a caller that restores before creating them gives ``timeout``)."""
+        started = time.monotonic()
+        if timeout is not None:
+            return started + timeout
+        reply = self._call("Stats", pb.StatsRequest())
+        held = sum(t.row_bytes + t.state_bytes + t.graph_bytes for t in reply.tables)
+        return started + self._bulk_timeout(held)
 
     def stats(self) -> dict:
         reply = self._call("Stats", pb.StatsRequest())
@@ -191,7 +216,7 @@ class RemoteShard:
             codec.encode(offsets, request.offsets)
         codec.encode(neighbors, request.neighbors)
         return self._call("SetNeighbors", request,
-                          timeout=SET_NEIGHBORS_TIMEOUT_S).graph_version
+                          timeout=self._bulk_timeout(request.ByteSize())).graph_version
 
     def take_touched(self, table: str, max_ids: int | None) -> torch.Tensor:
         """``ShardStore.take_touched``. Retried like the other calls: a retry after a lost

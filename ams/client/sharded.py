@@ -330,15 +330,22 @@ class ShardedClient:
 
     # ---- snapshots and stats ------------------------------------------------------------
 
-    def snapshot(self, step: int) -> list[str]:
-        """Every shard writes its piece of snapshot ``step``; returns the pieces' paths."""
-        with self._fence():
-            return self._fan_out(lambda s: self.shards[s].snapshot(step))
+    def snapshot(self, step: int, timeout: float | None = None) -> list[str]:
+        """Every shard writes its piece of snapshot ``step``; returns the pieces' paths.
 
-    def restore(self, step: int | None = None) -> int:
-        """Every shard loads its part of snapshot ``step`` (None: newest complete one)."""
+        ``timeout``: seconds each remote shard has. None: the client's timeout plus a
+        second for every ``ams.client.remote.BULK_BYTES_PER_S`` bytes of the tables the shard
+        holds, so that a stopped shard fails the call in about the client's timeout where
+        the tables are small, and in minutes, not hours, where they are large."""
         with self._fence():
-            got = self._fan_out(lambda s: self.shards[s].restore(step))
+            return self._fan_out(lambda s: self.shards[s].snapshot(step, timeout))
+
+    def restore(self, step: int | None = None, timeout: float | None = None) -> int:
+        """Every shard loads its part of snapshot ``step`` (None: newest complete one).
+        ``timeout``: as ``snapshot``'s, sized by the tables the shard holds now: a caller that
+        restores before it created them gives ``timeout`` for the snapshot's size."""
+        with self._fence():
+            got = self._fan_out(lambda s: self.shards[s].restore(step, timeout))
             steps = {s for s, _ in got}
             if len(steps) != 1:
                 raise AmsError(f"shards restored different steps {sorted(steps)}")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
+import ams
 from xcls.shards import ShardProcess, shard_processes
 
 
@@ -84,3 +86,33 @@ def wait_for_file(path: Path, proc: subprocess.Popen, log_path: Path,
         assert proc.poll() is None, log_path.read_text()
         assert time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.05)
+
+
+@pytest.fixture
+def stopped_for(shard_cluster):
+    """(address, stop): one shard process with table "fc" (1,000 rows of 16 float32, seed 4,
+    snapshots in its data dir); ``stop(seconds)`` freezes it (SIGSTOP: its sockets still take
+    bytes, it answers nothing) for that long."""
+    proc = shard_cluster(1)[0]
+    client = ams.connect([proc.address])
+    client.create_table("fc", num_rows=1000, dim=16, seed=4)
+    client.close()
+    timers: list[threading.Timer] = []
+
+    def state() -> str:
+        return Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def stop(seconds: float) -> None:
+        for timer in timers:  # an earlier stop's resume may not land inside this one
+            timer.join()
+        proc.proc.send_signal(signal.SIGSTOP)
+        give_up = time.monotonic() + 5
+        while state() != "T" and time.monotonic() < give_up:  # the signal has landed
+            time.sleep(0.001)
+        timers.append(threading.Timer(seconds, proc.proc.send_signal, (signal.SIGCONT,)))
+        timers[-1].start()
+
+    yield proc.address, stop
+    for timer in timers:
+        timer.cancel()
+    proc.proc.send_signal(signal.SIGCONT)

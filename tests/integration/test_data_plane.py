@@ -20,7 +20,6 @@ import struct
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -1370,37 +1369,6 @@ def test_a_data_connection_that_cannot_be_opened_at_first_contact_waits_for_the_
     assert shard.piece_bytes == SHARED_PIECE_BYTES
     shard.close()
     arena.close()
-
-
-@pytest.fixture
-def stopped_for(shard_cluster):
-    """(address, stop): one shard process with table "fc"; ``stop(seconds)`` freezes it
-    (SIGSTOP: its sockets still take bytes, it answers nothing) for that long."""
-    import signal
-
-    proc = shard_cluster(1)[0]
-    client = ams.connect([proc.address])
-    client.create_table("fc", num_rows=N, dim=D, seed=4)
-    client.close()
-    timers: list[threading.Timer] = []
-
-    def state() -> str:
-        return Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-    def stop(seconds: float) -> None:
-        for timer in timers:  # an earlier stop's resume may not land inside this one
-            timer.join()
-        proc.proc.send_signal(signal.SIGSTOP)
-        give_up = time.monotonic() + 5
-        while state() != "T" and time.monotonic() < give_up:  # the signal has landed
-            time.sleep(0.001)
-        timers.append(threading.Timer(seconds, proc.proc.send_signal, (signal.SIGCONT,)))
-        timers[-1].start()
-
-    yield proc.address, stop
-    for timer in timers:
-        timer.cancel()
-    proc.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_pull_waits_for_a_slow_shard_until_its_deadline(stopped_for):

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -280,6 +281,40 @@ def test_client_raises_typed_errors(raw_stub):
         client.pull("other", torch.tensor([1]))
     with pytest.raises(errors.InvalidArgument, match="non-finite"):
         client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
+
+
+def test_every_call_of_a_client_ends_by_its_timeout_on_a_stopped_shard(stopped_for):
+    """A shard frozen (SIGSTOP) past every call: each call of a client made with
+    ``timeout=2`` fails with DEADLINE_EXCEEDED in about 2 s, its retries inside that time,
+    snapshots and restores of small tables too (sized by the shard's tables, never an
+    hour); a snapshot given its own timeout keeps to it."""
+    address, stop = stopped_for
+    timeout = 2.0
+    with ams.connect([address], timeout=timeout) as client:
+        ids = torch.arange(0, N, 7)
+        client.pull("fc", ids)  # the table's spec is known, a data connection pooled
+        calls = {
+            "stats": client.stats,
+            "create_table": lambda: client.create_table("other", num_rows=10, dim=4),
+            "pull": lambda: client.pull("fc", ids),
+            "push": lambda: client.push("fc", ids, torch.ones(ids.numel(), D), 0.1),
+            "neighbors": lambda: client.neighbors("fc", ids),
+            "set_neighbors": lambda: client.set_neighbors(
+                "fc", ids, ids.view(-1, 1), version=1, step=0, replace_all=False),
+            "take_touched": lambda: client.take_touched("fc"),
+            "snapshot": lambda: client.snapshot(1),
+            "restore": lambda: client.restore(1),
+            "snapshot_with_timeout": lambda: client.snapshot(1, timeout=1.0),
+        }
+        stop(60.0)
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(errors.AmsError) as raised:
+                call()
+            took = time.monotonic() - started
+            limit = 1.0 if name == "snapshot_with_timeout" else timeout
+            assert raised.value.code == "DEADLINE_EXCEEDED", (name, raised.value)
+            assert limit * 0.9 <= took < limit + 1.5, (name, took)
 
 
 def test_oversized_message_is_resource_exhausted(raw_stub):
