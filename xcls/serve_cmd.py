@@ -128,11 +128,16 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
     p.add_argument("--num-shards", type=int, required=True, help="how many shards S the job has")
     _add_listen_args(p, "anything but loopback needs --auth-token-file")
     p.add_argument("--lease-ttl", type=float, default=10.0,
-                   help="seconds a lease lasts without renewal")
+                   help="seconds a lease lasts without renewal; at least 1, since members "
+                        "renew every TTL/3")
     p.add_argument("--auth-token-file", type=Path,
                    help="file holding the cluster's shared secret; members must send it")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without a token")
+    p.add_argument("--require-auth", action="store_true",
+                   help="refuse to start without --auth-token-file, even on loopback: "
+                        "without a token anyone who reaches the port can register for a "
+                        "shard's slot and so fence the real shard (docs/reliability.md)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds to let in-flight calls finish on shutdown")
     add_metrics_args(p)
@@ -143,14 +148,20 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if args.num_shards < 1:
         raise SystemExit(f"error: --num-shards {args.num_shards} must be >= 1")
     _check_server_args(args)
-    if not 0 < args.lease_ttl < math.inf:
-        raise SystemExit(f"error: --lease-ttl {args.lease_ttl} must be > 0 and finite")
+    from ams.cluster.scheduler import check_lease_ttl, create_scheduler_server
+    from ams.errors import InvalidArgument
+
+    try:
+        check_lease_ttl(args.lease_ttl)
+    except InvalidArgument as e:
+        raise SystemExit(f"error: --lease-ttl: {e}") from None
     token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
         if args.auth_token_file else None
     if not _is_loopback(args.host) and not token and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
                          "add --insecure if this network is trusted")
-    from ams.cluster.scheduler import create_scheduler_server
+    if args.require_auth and not token:
+        raise SystemExit("error: --require-auth: give --auth-token-file")
 
     serve_metrics_from_args(args)
     try:

@@ -16,6 +16,7 @@ back to its newest checkpoint, and a shard whose own lease is gone stops serving
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,10 @@ SERVICE_NAME = "xcls.ams.Scheduler"
 # Every request is a few short strings; anything near this is an attack or a bug.
 MAX_MESSAGE_BYTES = 1 << 20
 POLL_S = 0.2
+# The shortest lease a scheduler grants. Members renew every TTL/3, each renewal given that
+# long: under a third of a second, a busy host or a garbage collection pause delays a
+# renewal past it, and every member is declared dead at once.
+MIN_LEASE_TTL_S = 1.0
 
 _ROLES = {pb.ROLE_SHARD: Role.SHARD, pb.ROLE_WORKER: Role.WORKER}
 _WIRE_ROLES = {role: wire for wire, role in _ROLES.items()}
@@ -154,12 +159,24 @@ def _reap(servicer: SchedulerServicer, every_s: float, stopping: threading.Event
             log.exception("reaper_failed")
 
 
+def check_lease_ttl(seconds: float) -> None:
+    """``InvalidArgument`` unless leases of ``seconds`` can be kept: finite, and at least
+    ``MIN_LEASE_TTL_S``."""
+    if not MIN_LEASE_TTL_S <= seconds < math.inf:
+        raise InvalidArgument(
+            f"lease TTL {seconds:g} s must be finite and at least {MIN_LEASE_TTL_S:g} s: "
+            "members renew every TTL/3, and a shorter lease expires before a renewal can "
+            "arrive, which fences every shard at once")
+
+
 def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
                             host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                             max_workers: int = 8) -> RunningScheduler:
     """Start a scheduler for a job of ``num_shards`` shards whose leases last ``lease_ttl``
-    seconds; ``port=0`` picks a free port (``RunningScheduler.port``); ``token``: the shared
-    secret every call but a health check must carry."""
+    seconds (``check_lease_ttl``); ``port=0`` picks a free port (``RunningScheduler.port``);
+    ``token``: the shared secret every call but a health check must carry (None: anyone who
+    reaches the port may register, and so take a shard's slot)."""
+    check_lease_ttl(lease_ttl)
     table = LeaseTable(num_shards, max(1, round(lease_ttl * 1000)))
     watch_lease_table(table)
     interceptors = [TokenAuthInterceptor(token)] if token else []

@@ -87,7 +87,7 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
 def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
     port, port_file = free_port(), tmp_path / "scheduler.port"
     child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
-                                "--num-shards", "1", "--lease-ttl", "0.5", "--port-file",
+                                "--num-shards", "1", "--lease-ttl", "1", "--port-file",
                                 str(port_file), "--metrics-port", str(port)],
                   log_path=tmp_path / "scheduler.log")
     try:

@@ -21,8 +21,9 @@ import torch
 
 from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
+from ams.cluster.lease import LeaseStatus, Role
 from ams.cluster.scheduler import SchedulerClient
-from ams.errors import InvalidArgument, ShardRestarted, Unavailable
+from ams.errors import InvalidArgument, ShardRestarted, Unauthenticated, Unavailable
 from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
 from tests.integration.test_shard_server import undecodable_request_codes
 from xcls.config import ConfigError, load_config
@@ -46,19 +47,21 @@ class Scheduler:
         return self.log_path.read_text(errors="replace")
 
 
-def start_scheduler(work_dir: Path, num_shards: int = 2) -> Scheduler:
-    """``xcls serve scheduler`` on a free port, once it answers."""
+def start_scheduler(work_dir: Path, num_shards: int = 2, extra: tuple[str, ...] = (),
+                    token: str | None = None) -> Scheduler:
+    """``xcls serve scheduler`` on a free port, with ``extra`` arguments, once it answers
+    (asked with ``token``)."""
     port_file, log_path = work_dir / "scheduler.port", work_dir / "scheduler.log"
     child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
                                 "--num-shards", str(num_shards), "--lease-ttl", str(TTL_S),
-                                "--port-file", str(port_file)], log_path=log_path)
+                                "--port-file", str(port_file), *extra], log_path=log_path)
     deadline = time.monotonic() + PATIENCE_S
     while not port_file.exists():
         assert child.proc.poll() is None, log_path.read_text()
         assert time.monotonic() < deadline, "scheduler did not start"
         time.sleep(0.05)
     address = f"127.0.0.1:{int(port_file.read_text())}"
-    with SchedulerClient(address) as client:
+    with SchedulerClient(address, token=token) as client:
         client.shards()
     return Scheduler(child, address, log_path)
 
@@ -248,7 +251,13 @@ def test_wait_for_shards_names_the_missing_slots(idle_scheduler):
     (["--num-shards", "2", "--host", "0.0.0.0"], "refusing"),
     (["--num-shards", "0"], "--num-shards"),
     (["--num-shards", "2", "--lease-ttl", "0"], "--lease-ttl"),
-    (["--num-shards", "2", "--lease-ttl", "inf"], "--lease-ttl inf must be > 0 and finite"),
+    (["--num-shards", "2", "--lease-ttl", "inf"], "lease TTL inf s must be finite"),
+    # a lease the members cannot renew in time would fence every shard at once
+    (["--num-shards", "2", "--lease-ttl", "1e-9"],
+     "--lease-ttl: lease TTL 1e-09 s must be finite and at least 1 s: members renew every "
+     "TTL/3"),
+    (["--num-shards", "2", "--lease-ttl", "0.9"], "at least 1 s"),
+    (["--num-shards", "2", "--require-auth"], "--require-auth: give --auth-token-file"),
     (["--num-shards", "2", "--grace", "-1"], "--grace -1.0"),
     (["--num-shards", "2", "--port-file", "/nonexistent/dir/port"], "is not a directory"),
     (["--num-shards", "2", "--auth-token-file", "/dev/zero"], "not a secret"),
@@ -258,6 +267,29 @@ def test_scheduler_refuses_bad_options(args, message):
                          capture_output=True, text=True, timeout=PATIENCE_S)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_with_require_auth_no_caller_without_the_token_takes_a_shards_slot(tmp_path):
+    """``--require-auth``: the scheduler starts only with a token, and a caller without it
+    (anyone on the host, loopback or not) can neither register for a shard's slot, which
+    would fence the shard that holds it, nor release its lease, nor read the shard map."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    sched = start_scheduler(tmp_path, 1, ("--require-auth", "--auth-token-file",
+                                          str(token_file)), token="s3cret")
+    try:
+        with SchedulerClient(sched.address, token="s3cret") as member, \
+                SchedulerClient(sched.address) as stranger:
+            grant = member.register(Role.SHARD, 0, "127.0.0.1:7001", "real")
+            for call in (lambda: stranger.register(Role.SHARD, 0, "127.0.0.1:7009", "impostor"),
+                         lambda: stranger.release(grant.lease_id), stranger.shards):
+                with pytest.raises(Unauthenticated):
+                    call()
+            held = member.shards()
+            assert (held.incarnations, held.generation) == (("real",), 0)
+            assert member.renew(grant.lease_id)[0] is LeaseStatus.ALIVE
+    finally:
+        stop([sched.child], 10)
 
 
 @pytest.mark.parametrize("overrides, message", [
