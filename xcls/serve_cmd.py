@@ -150,9 +150,10 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not token and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
                          "add --insecure if this network is trusted")
+    from ams.cluster import metrics
     from ams.cluster.scheduler import create_scheduler_server
 
-    serve_metrics_from_args(args)
+    serve_metrics_from_args(args, metrics.REGISTRY)
     try:
         running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
                                           host=args.host, port=args.port, token=token)
@@ -282,7 +283,9 @@ def run_shard(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     store = _open_store(args)
     try:
-        serve_metrics_from_args(args)
+        from ams.shard import metrics
+
+        serve_metrics_from_args(args, metrics.REGISTRY)
         return _serve(args, store, token, tls)
     finally:
         _close_store(store)
