@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from workers.settings import ExperimentConfig
+from xcls.cli import EXIT_BAD_INPUT
 from xcls.config import ConfigError, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
-from xcls.run import Run, build_run, worker_placement
+from xcls.run import Run, build_run, check_run, worker_placement
 
 log = logging.getLogger("xcls.train")
 
@@ -126,24 +129,40 @@ def _begin_rollback(cfg: ExperimentConfig, rank: int) -> None:
                     latest_step(Path(cfg.train.out_dir)))
 
 
+def _refuse(error: Exception) -> int:
+    """Exit 2 with one line. Under torchrun the line goes to the worker's error file, where
+    torchrun's report shows it and ``python -m xcls.torchrun`` prints it once for the group
+    (every worker refuses the same input, and the group is stopped as soon as one has)."""
+    line = f"error: {error}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    else:
+        print(line, file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def run_train(args: argparse.Namespace) -> int:
     from ams.errors import AmsError, ShardRestarted, Unavailable
     from bridge.errors import BridgeError
+    from workers import metrics
     from workers.checkpoint import CheckpointError
     from workers.data.errors import DatasetError
     from workers.distributed import process_group
     from workers.termination import EXIT_TERMINATED
 
-    cfg = _load(args)
     try:
+        cfg = load_config(args.config, args.overrides)
         placement = worker_placement(cfg)
+        # before the process group forms: a refusal inside it would leave the other ranks
+        # waiting in it, and torchrun would restart the group into the same refusal
+        check_run(cfg, placement[1])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     rank, world, device = placement
     if _group_restarts():
         _begin_rollback(cfg, rank)
-    serve_metrics_from_args(args, per_rank=True)
+    serve_metrics_from_args(args, metrics.REGISTRY, per_rank=True)
     with process_group(world, device):
         try:
             run = build_run(cfg, placement)
@@ -159,8 +178,7 @@ def run_train(args: argparse.Namespace) -> int:
                       ROLLBACK_EXIT_CODE, e)
             return ROLLBACK_EXIT_CODE
         except (ConfigError, AmsError, DatasetError, BridgeError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _refuse(e)
     if result.terminated:
         if rank == 0:
             print(f"stopped by SIGTERM after step {result.steps}, checkpoint saved; run the "
