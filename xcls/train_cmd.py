@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -58,7 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("eval", help="top-1/top-5 of a trained run on its test split",
                        description="Load the newest checkpoint of CONFIG's train.out_dir and "
-                       "report top-1/top-5 on data.test by nearest class row.")
+                       "report top-1/top-5 on data.test by nearest class row. The run's own "
+                       "config.toml (written there by 'xcls train', with its --set overrides) "
+                       "is used, with this command's --set on top.")
     _config_args(p)
     _rows_arg(p)
     p.set_defaults(func=run_eval)
@@ -185,7 +188,10 @@ def run_train(args: argparse.Namespace) -> int:
                   "same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
     if rank == 0:
-        line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}"
+        # a finished run started again trains no step: it has no loss of its own to show
+        line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}" \
+            if not math.isnan(result.last_loss) else \
+            f"already trained {result.steps} steps (train.max_steps); nothing to do"
         if result.eval:
             line += (f"; test top-1 {100 * result.eval['top1']:.2f}% top-5 "
                      f"{100 * result.eval['top5']:.2f}% on {result.eval['samples']} samples "
@@ -199,6 +205,14 @@ def _resumed_run(args: argparse.Namespace) -> Run:
     from workers.checkpoint import CheckpointError
 
     cfg = _load(args)
+    # The run's own config, as it trained (its --set overrides included), with this command's
+    # overrides on top: eval and export need not repeat the training's.
+    saved = Path(cfg.train.out_dir) / "config.toml"
+    if saved.is_file():
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            raise SystemExit(f"error: {saved}: {e}") from None
     # eval and export read a finished run; train.resume = false only means "train afresh".
     cfg.train.resume = True
     try:
