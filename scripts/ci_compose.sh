@@ -165,8 +165,10 @@ as_root kill -9 "$(docker inspect -f '{{.State.Pid}}' "$shard")"
 wait_for "rollback restart=1 " 300
 [ "$(docker inspect -f '{{.RestartCount}}' "$shard")" -ge 1 ] || fail "shard-0 was not restarted"
 pass "shard-0 killed: restarted, the workers rolled back"
-wait_for "rollback restart=1 .*" 5
 sleep 3  # a few steps past the rollback, before the end (80 steps)
+# the rollback's own lines (a peer's gloo error included) come before the stop; what the stop
+# writes is checked from here on
+before_stop=$(docker logs "$worker" 2>&1 | wc -l)
 # what 'docker compose down' does to each container: SIGTERM, SIGKILL after the grace period
 # (a one-off 'run' container is not the project's service, so down leaves it to this)
 docker stop -t 60 "$worker" >/dev/null
@@ -174,7 +176,9 @@ XCLS_RUN=ci-b docker compose down >"$work/down.log" 2>&1
 code=$(docker inspect -f '{{.State.ExitCode}}' "$worker")
 [ "$code" = 143 ] || fail "the stopped worker exited $code, not 143 (checkpointed)"
 docker logs "$worker" >"$work/run-b1.log" 2>&1 || true
-if grep -q "Traceback" "$work/run-b1.log"; then fail "a traceback at 'docker compose down'"; fi
+if tail -n "+$((before_stop + 1))" "$work/run-b1.log" | grep -q "Traceback"; then
+    fail "a traceback at 'docker compose down'"
+fi
 pass "'docker compose down' stopped the run (worker exit $code) without a traceback"
 XCLS_RUN=ci-b docker compose run --rm worker >"$work/run-b2.log" 2>&1 \
     || { code=$?; tail -n 30 "$work/run-b2.log"; fail "the resumed run ci-b exited $code"; }
