@@ -5,8 +5,23 @@
 # torch (docker-compose.gpu.yml does), e.g.
 #   docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime .
 # or skip containers and use scripts/launch_server.sh and scripts/launch_worker.sh.
+#
+# Where pip gets packages: pip's own settings as build args, for a mirror or an offline build
+#   PIP_INDEX_URL     a package index (a mirror); torch comes from it too (default: torch's CPU
+#                     index, then PyPI)
+#   PIP_FIND_LINKS    a wheelhouse: a URL (the build uses the host's network, so a server on
+#                     the host's loopback works) or a directory inside the image
+#   PIP_NO_INDEX      1: the wheelhouse only
+#   PIP_TRUSTED_HOST  a host served over plain HTTP
+# e.g. scripts/ci_compose.sh: --build-arg PIP_NO_INDEX=1 \
+#   --build-arg PIP_FIND_LINKS=http://127.0.0.1:8765/ --build-arg PIP_TRUSTED_HOST=127.0.0.1
+# BASE_IMAGE needs python and pip on PATH (a virtual environment's will do).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+ARG PIP_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -16,7 +31,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # torch first, kept when the base image has one (a CUDA build); otherwise the CPU wheel: the
 # package only sets a lower bound on torch, so the later installs keep it.
 RUN python -c "import torch" 2>/dev/null \
-    || pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.1"
+    || pip install --index-url "${PIP_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "torch>=2.1"
 
 WORKDIR /opt/xcls
 # The dependencies in their own layer: a change to the sources does not reinstall them.

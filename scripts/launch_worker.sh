@@ -175,7 +175,10 @@ if ! [[ $nproc =~ ^([0-9]+|gpu)$ ]]; then
     exit 2
 fi
 
-cmd=("${PYTHON:-python3}" -m torch.distributed.run --nnodes "$nnodes")
+# torchrun as xcls runs it (python -m xcls.torchrun --help): a config refusal (exit 2) is not
+# restarted, SIGTERM stops the workers at a checkpoint (exit 143), a restarted group gets a
+# rendezvous store of its own
+cmd=("${PYTHON:-python3}" -m xcls.torchrun --nnodes "$nnodes")
 if [[ -n $rdzv_endpoint ]]; then
     cmd+=(--rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
 else
@@ -201,7 +204,4 @@ if ((dry_run)); then
     echo "${cmd[*]@Q}"
     exit 0
 fi
-# A restarted group must not read the addresses of the group before it from torchrun's shared
-# store (docs/reliability.md); a store per restart avoids that.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "${cmd[@]}"

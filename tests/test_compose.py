@@ -19,7 +19,7 @@ from xcls.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-XCLS_ROLES = {name: s for name, s in SERVICES.items() if s.get("build") == "."}
+XCLS_ROLES = {name: s for name, s in SERVICES.items() if s.get("image") == "xcls:latest"}
 SHARDS = sorted(name for name in SERVICES if re.fullmatch(r"shard-\d+", name))
 
 
@@ -37,7 +37,8 @@ def parsed(name: str) -> object:
     entrypoint = service.get("entrypoint")
     if entrypoint is None:  # the image's ENTRYPOINT ["xcls"]
         return xcls_args(command, name)
-    assert entrypoint == ["python", "-m", "torch.distributed.run"], entrypoint
+    # torchrun's flags; a refusal is not restarted, SIGTERM is a clean stop (xcls.torchrun)
+    assert entrypoint == ["python", "-m", "xcls.torchrun"], entrypoint
     launch = torchrun_parser().parse_args(command)
     assert launch.module and launch.training_script == "xcls", command
     return xcls_args(launch.training_script_args, name)
@@ -46,6 +47,35 @@ def parsed(name: str) -> object:
 def shard_addresses() -> list[str]:
     """host:port of each shard service, in shard order."""
     return [f"{name}:{parsed(name).port}" for name in SHARDS]
+
+
+def resolved(value: str) -> str:
+    """``value`` with compose's ${VAR:-default} written as its default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+def test_one_image_is_built_once_for_every_role():
+    built = [name for name, s in SERVICES.items() if "build" in s]
+    assert built == ["scheduler"], built  # compose built the same image once per service
+    assert SERVICES["scheduler"]["build"] == {"context": ".", "network": "host"}
+    assert set(XCLS_ROLES) == set(SERVICES) - {"redis"}
+    assert all(s["pull_policy"] == "never" for s in XCLS_ROLES.values())
+
+
+def test_a_run_owns_its_shards_data_dir():
+    """Runs sharing one --data-dir contaminated each other: a new run started from the last
+    one's rows and its step-0 snapshot was pruned among the old run's steps."""
+    out_dir = load_config(ROOT / "configs" / "glyphs-2k-knn.toml",
+                          [resolved(o) for o in parsed("worker").overrides]).train.out_dir
+    assert "${XCLS_RUN:-" in " ".join(SERVICES["worker"]["command"])
+    for name in SHARDS:
+        assert resolved(str(parsed(name).data_dir)) == out_dir + "/ams", name
+
+
+def test_redis_only_with_the_gear_profile():
+    """Nothing in the default cluster uses Redis (gear mode is off), so it is not started."""
+    assert SERVICES["redis"]["profiles"] == ["gear"]
+    assert all("redis" not in s.get("depends_on", {}) for s in SERVICES.values())
 
 
 def test_roles_present():
@@ -91,7 +121,8 @@ def test_graph_builder_addresses_all_shards_and_the_worker_the_scheduler():
 
     train = parsed("worker")
     assert train.command == "train"
-    cfg = load_config(ROOT / train.config, train.overrides)  # the mounted config, as run
+    # the mounted config, as run
+    cfg = load_config(ROOT / resolved(str(train.config)), [resolved(o) for o in train.overrides])
     assert cfg.ams.scheduler == f"scheduler:{parsed('scheduler').port}"
     # a rollback exits the workers; torchrun must be allowed to start them again
     launch = torchrun_parser().parse_args([str(a) for a in SERVICES["worker"]["command"]])

@@ -110,7 +110,7 @@ def test_worker_dry_run_is_a_valid_torchrun_command():
     argv = dry_run(WORKER, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
                    "--nproc-per-node", "8", "--ams", "s0:7001,s1:7001", "--auth-token-file",
                    "/etc/xcls/token", "exp.toml", "--set", "train.epochs=3")
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[1:3] == ["-m", "xcls.torchrun"]  # torchrun's flags, xcls's exit codes
     launch = torchrun_parser().parse_args(argv[3:])
     assert (launch.nnodes, launch.node_rank, launch.master_addr) == ("2", 1, "node0")
     assert launch.nproc_per_node == "8" and launch.module and launch.training_script == "xcls"

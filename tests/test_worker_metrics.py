@@ -8,12 +8,11 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import REGISTRY
 from torch import nn
 
 from bridge.metrics import AccumulatorMetrics
 from workers.gear import GearCounts
-from workers.metrics import CountedWeightChannel, watch_slow_gear
+from workers.metrics import REGISTRY, CountedWeightChannel, watch_slow_gear
 from xcls.metrics_http import serve_metrics
 
 
@@ -59,12 +58,12 @@ def test_publications_counted_by_result():
 
 
 def test_metrics_endpoint_serves_the_registry():
-    assert serve_metrics(0) == 0  # off
+    assert serve_metrics(0, REGISTRY) == 0  # off
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert serve_metrics(port) == port
+    assert serve_metrics(port, REGISTRY) == port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         assert b"xcls_trainer_steps_total" in reply.read()
     with pytest.raises(SystemExit, match="cannot serve metrics"):
-        serve_metrics(port)  # taken
+        serve_metrics(port, REGISTRY)  # taken

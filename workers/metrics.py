@@ -13,8 +13,8 @@ with a :class:`StepClock`, and every phase is observed once per step, when the s
 
 Counters that gear mode and the bridge already keep as plain ints (``GearCounts``,
 ``bridge.metrics.CacheMetrics`` and ``AccumulatorMetrics``, whatever fields they have) are read
-at scrape time by :data:`SCRAPED` rather than counted twice. Everything lives in the
-process-wide default registry; ``--metrics-port`` serves it.
+at scrape time by :data:`SCRAPED` rather than counted twice. Everything lives in this role's
+registry, :data:`REGISTRY`, which ``--metrics-port`` serves.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from torch import nn
@@ -43,21 +43,28 @@ PHASES = (
     "push",  # the row update to the shards
 )
 
+# This role's registry (``xcls train`` and ``xcls gear slow`` serve it): a worker exports its own
+# families only, not those of the shard or scheduler modules it may import.
+REGISTRY = CollectorRegistry()
+
 PHASE_SECONDS = Histogram(
     "xcls_trainer_phase_seconds", "Time one training step spent in each phase", ["phase"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-             30.0))
-STEPS = Counter("xcls_trainer_steps_total", "Training steps this process finished")
-STEP = Gauge("xcls_trainer_step", "Global step reached (goes back when a run resumes earlier)")
-LOSS = Gauge("xcls_trainer_loss", "Loss of the last step")
-RESUMES = Counter("xcls_trainer_resumes_total", "Times this process resumed from a checkpoint")
+             30.0), registry=REGISTRY)
+STEPS = Counter("xcls_trainer_steps_total", "Training steps this process finished",
+                registry=REGISTRY)
+STEP = Gauge("xcls_trainer_step", "Global step reached (goes back when a run resumes earlier)",
+             registry=REGISTRY)
+LOSS = Gauge("xcls_trainer_loss", "Loss of the last step", registry=REGISTRY)
+RESUMES = Counter("xcls_trainer_resumes_total", "Times this process resumed from a checkpoint",
+                  registry=REGISTRY)
 
 PUBLICATIONS = Counter(
     "xcls_slow_gear_publications_total",
     "Backbone weight publications of this slow-gear worker, by result (ok, failed)",
-    ["result"])
+    ["result"], registry=REGISTRY)
 PUBLISHED_VERSION = Gauge("xcls_slow_gear_published_version",
-                          "Backbone version this worker last published")
+                          "Backbone version this worker last published", registry=REGISTRY)
 
 
 class StepClock:

@@ -37,10 +37,6 @@ from xcls.shards import (
 log = logging.getLogger("xcls.cluster")
 
 POLL_S = 0.2
-# torchrun shares its rendezvous store with the workers by default, and a restarted group then
-# reads the process-group addresses of the group before it and cannot connect (pytorch issue
-# 135712); a store of its own per group restart avoids that.
-RESTARTABLE_TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -257,7 +253,8 @@ class Cluster:
 
     def _torchrun(self, processes: int, *xcls_args: str, max_restarts: int = 0) -> list[str]:
         overrides = [x for item in self.args.overrides for x in ("--set", item)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        # torchrun with a restartable store, refusals not restarted and a quiet stop
+        return [sys.executable, "-m", "xcls.torchrun", "--standalone",
                 "--nproc-per-node", str(processes), "--max-restarts", str(max_restarts),
                 "-m", "xcls", *_child_flags(self.args),
                 *xcls_args, str(self.args.config), *overrides]
@@ -294,7 +291,7 @@ class Cluster:
         """Train until the workers exit (their exit code) or a stop is requested (None),
         restarting shards that die or hang meanwhile."""
         self.start_slow_gear()
-        self.workers = spawn("workers", self.worker_command(), env=RESTARTABLE_TORCHRUN_ENV)
+        self.workers = spawn("workers", self.worker_command())
         while self.workers.proc.poll() is None:
             if self.stop_requested.wait(POLL_S):
                 return None

@@ -78,7 +78,9 @@ def run_slow(args: argparse.Namespace) -> int:
             raise ConfigError("gear.backend: the slow-gear worker reads the Redis stream; set "
                               "gear.backend=redis")
         rank, world, device = worker_placement(cfg)
-        serve_metrics_from_args(args, per_rank=True)
+        from workers import metrics
+
+        serve_metrics_from_args(args, metrics.REGISTRY, per_rank=True)
         with process_group(world, device):
             return _slow_loop(cfg, args, (rank, world, device))
     except ConfigError as e:

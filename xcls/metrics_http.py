@@ -1,9 +1,12 @@
 """``--metrics-port`` / ``--metrics-host``: serve a process's Prometheus metrics over HTTP.
 
-Every role serves the process-wide default registry (``ams.shard.metrics``, ``workers.metrics``) at
-``http://HOST:PORT/metrics`` from a daemon thread. Port 0 (the default) serves nothing. Under
-torchrun each rank serves on the base port plus its local rank (its rank on this host), so one
-``--metrics-port`` gives a whole launch distinct ports.
+Every role serves its own registry (``ams.shard.metrics.REGISTRY`` for a shard,
+``ams.cluster.metrics.REGISTRY`` for the scheduler, ``workers.metrics.REGISTRY`` for a training or
+slow-gear worker), with the process's own families (``process_*``, ``python_*``), at
+``http://HOST:PORT/metrics`` from a daemon thread: a process exports its role's metrics only,
+whatever modules it imported, so an alert on a shard's metric never fires on a worker. Port 0
+(the default) serves nothing. Under torchrun each rank serves on the base port plus its local
+rank (its rank on this host), so one ``--metrics-port`` gives a whole launch distinct ports.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("xcls.metrics")
 
@@ -33,18 +40,28 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def serve_metrics(port: int, host: str = DEFAULT_HOST) -> int:
-    """Serve the default registry on ``host:port`` in a daemon thread; nothing when ``port``
-    is 0. Returns the port served (0: none). SystemExit with a one-line reason when the port
-    is out of range or taken."""
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = DEFAULT_HOST) -> int:
+    """Serve ``registry`` (a role's) and the process's own metrics on ``host:port`` in a daemon
+    thread; nothing when ``port`` is 0. Returns the port served (0: none). SystemExit with a
+    one-line reason when the port is out of range or taken."""
     if port == 0:
         return 0
     if not 0 < port <= 65535:
         raise SystemExit(f"error: --metrics-port {port} must be in 1..65535 (0: off)")
-    from prometheus_client import start_http_server
+    from prometheus_client import (
+        CollectorRegistry,
+        GCCollector,
+        PlatformCollector,
+        ProcessCollector,
+        start_http_server,
+    )
 
+    served = CollectorRegistry()
+    served.register(registry)
+    for own in (ProcessCollector, PlatformCollector, GCCollector):
+        own(registry=served)
     try:
-        server, _thread = start_http_server(port, addr=host)
+        server, _thread = start_http_server(port, addr=host, registry=served)
     except OSError as e:
         raise SystemExit(f"error: cannot serve metrics on {host}:{port}: {e.strerror}") from None
     bound = server.server_address[1]
@@ -52,9 +69,11 @@ def serve_metrics(port: int, host: str = DEFAULT_HOST) -> int:
     return bound
 
 
-def serve_metrics_from_args(args: argparse.Namespace, per_rank: bool = False) -> int:
-    """``serve_metrics`` for the parsed ``--metrics-port`` / ``--metrics-host`` (plus the
-    local rank with ``per_rank``)."""
+def serve_metrics_from_args(args: argparse.Namespace, registry: CollectorRegistry,
+                            per_rank: bool = False) -> int:
+    """``serve_metrics`` of ``registry`` for the parsed ``--metrics-port`` / ``--metrics-host``
+    (plus the local rank with ``per_rank``)."""
     if not args.metrics_port:
         return 0
-    return serve_metrics(args.metrics_port + (local_rank() if per_rank else 0), args.metrics_host)
+    return serve_metrics(args.metrics_port + (local_rank() if per_rank else 0), registry,
+                         args.metrics_host)

@@ -10,6 +10,7 @@ into here, and print.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +78,14 @@ def build_run(cfg: ExperimentConfig,
     import torch
 
     rank, world, device = placement or (0, 1, training_device(cfg))
+    check_workers(cfg, world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     data = create_datasets(cfg)
     out_dir = create_out_dir(cfg)
     # A training worker keeps a lease; eval and export (no placement) only find the shards.
     client = create_client(cfg, out_dir, rank, world, lease=placement is not None)
-    create_table(cfg, client, data.num_classes)
+    create_table(cfg, client, data.num_classes, world)
     backbone = create_backbone(cfg, data.train.metadata, device, world)
     head = create_head(cfg, client, data.num_classes, rank, world)
     build_graph = create_graph_updater(cfg, client, device)
@@ -93,6 +95,33 @@ def build_run(cfg: ExperimentConfig,
                              rank, world)
     (out_dir / "config.toml").write_text(to_toml(cfg))
     return Run(cfg, trainer, client, data.train, backbone.net)
+
+
+def check_run(cfg: ExperimentConfig, world: int) -> None:
+    """What a worker can check before its process group forms, so that a bad config is one
+    refusal (exit 2) rather than a failure inside the group, which torchrun would restart into
+    a rendezvous that fails or hangs: the rules that depend on the number of workers, the
+    datasets and the output directory. ConfigError, the same on every rank."""
+    check_workers(cfg, world)
+    create_datasets(cfg)
+    create_out_dir(cfg)
+
+
+def check_workers(cfg: ExperimentConfig, world: int) -> None:
+    """The settings ``world`` data-parallel workers cannot run with; ConfigError."""
+    from workers.gear import SlowGearMode
+    from workers.heads import Placement
+
+    if world == 1:
+        return
+    if not (cfg.ams.addresses or cfg.ams.scheduler or cfg.head.placement == Placement.COLLECTIVE):
+        raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
+                          "AMS lives inside one process); start shards with 'xcls serve shard' "
+                          "or use 'xcls cluster up', or head.placement = 'collective'")
+    if cfg.gear.enabled and cfg.gear.slow == SlowGearMode.LOCAL:
+        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
+                          "alone, which data-parallel workers cannot share; use "
+                          "gear.slow=external with 'xcls gear slow'")
 
 
 @dataclass
@@ -181,12 +210,7 @@ def create_client(cfg: ExperimentConfig, out_dir: Path, rank: int, world: int, *
     worker lease with its scheduler when ``lease``."""
     from workers.heads import Placement
 
-    collective = cfg.head.placement == Placement.COLLECTIVE
-    if world > 1 and not (cfg.ams.addresses or cfg.ams.scheduler or collective):
-        raise ConfigError("ams.addresses: several workers need shared shards (the embedded "
-                          "AMS lives inside one process); start shards with 'xcls serve shard' "
-                          "or use 'xcls cluster up', or head.placement = 'collective'")
-    if collective:
+    if cfg.head.placement == Placement.COLLECTIVE:
         return collective_slices(cfg, out_dir, rank, world)
     token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
         if cfg.ams.token_file else None
@@ -195,9 +219,38 @@ def create_client(cfg: ExperimentConfig, out_dir: Path, rank: int, world: int, *
     return connect_ams(cfg, out_dir, token, lease_rank=rank if lease else None, tls_ca=tls_ca)
 
 
-def create_table(cfg: ExperimentConfig, client: ShardedClient, num_classes: int) -> None:
+def create_table(cfg: ExperimentConfig, client: ShardedClient, num_classes: int,
+                 world: int = 1) -> None:
     """The class-row table ``ams.table``: one row of ``model.dim`` per class, seeded, with the
-    rows' optimizer settings (kept as it is when it exists already, a resumed run's)."""
+    rows' optimizer settings (kept as it is when it exists already, a resumed run's).
+
+    A run that starts afresh refuses a table the shards already hold: it is another run's
+    (shards that outlive a run, or restored its snapshots), and training on from its rows
+    would mix the two runs and prune the new run's first snapshot among the old run's steps.
+    ``world``: the workers, which all look before any of them creates it."""
+    import torch.distributed as dist
+
+    from ams.errors import TableNotFound
+    from workers.checkpoint import latest_step
+
+    out_dir = Path(cfg.train.out_dir)
+    resuming = cfg.train.resume and latest_step(out_dir) is not None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+    if not (resuming or restarted):
+        try:
+            client.spec(cfg.ams.table)
+            foreign = True
+        except TableNotFound:
+            foreign = False
+        if world > 1:
+            dist.barrier()  # every rank has looked before any creates it
+        if foreign:
+            raise ConfigError(
+                f"ams.table: the shards already hold a table {cfg.ams.table!r}, but this run "
+                f"starts afresh (no checkpoint in train.out_dir {out_dir}): it is another "
+                "run's. Give each run shards and a data dir of its own (compose: XCLS_RUN=NAME "
+                "docker compose ...; cluster up keeps them in train.out_dir/ams), or resume "
+                "the run that made it (its train.out_dir)")
     client.create_table(cfg.ams.table, num_rows=num_classes, dim=cfg.model.dim,
                         dtype=cfg.ams.dtype, state_dtype=cfg.ams.state_dtype or None,
                         momentum=cfg.optim.head_momentum,
@@ -361,11 +414,7 @@ def create_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.
     g = cfg.gear
     if not g.enabled:
         return None
-    rank, world = ranks
-    if g.slow == SlowGearMode.LOCAL and world > 1:
-        raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
-                          "alone, which data-parallel workers cannot share; use "
-                          "gear.slow=external with 'xcls gear slow'")
+    rank, _world = ranks
     dim = cfg.model.dim
     client = redis_client(g) if g.backend == GearBackend.REDIS else None
     cache = build_cache(g, dim, out_dir, client)
@@ -418,7 +467,6 @@ def collective_slices(cfg: ExperimentConfig, out_dir: Path, rank: int,
     several hosts serves them on this host's address toward the rendezvous host
     (``MASTER_ADDR``, which torchrun sets), the interface the other hosts reach it on."""
     import atexit
-    import os
 
     from workers.collective import CollectiveShards
     from workers.distributed import address_toward
@@ -465,7 +513,6 @@ def connect_ams(cfg: ExperimentConfig, out_dir: Path, token: str | None,
         if cfg.ams.storage == StorageKind.MMAP:
             atexit.register(client.close)
         return client
-    import os
     import socket
     import uuid
 

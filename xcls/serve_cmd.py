@@ -162,8 +162,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                          "add --insecure if this network is trusted")
     if args.require_auth and not token:
         raise SystemExit("error: --require-auth: give --auth-token-file")
+    from ams.cluster import metrics
 
-    serve_metrics_from_args(args)
+    serve_metrics_from_args(args, metrics.REGISTRY)
     try:
         running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
                                           host=args.host, port=args.port, token=token)
@@ -293,7 +294,9 @@ def run_shard(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     store = _open_store(args)
     try:
-        serve_metrics_from_args(args)
+        from ams.shard import metrics
+
+        serve_metrics_from_args(args, metrics.REGISTRY)
         return _serve(args, store, token, tls)
     finally:
         _close_store(store)

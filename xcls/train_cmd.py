@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
+import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from workers.settings import ExperimentConfig
+from xcls.cli import EXIT_BAD_INPUT
 from xcls.config import ConfigError, example_configs, load_config, to_toml
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
-from xcls.run import Run, build_run, worker_placement
+from xcls.run import Run, build_run, check_run, worker_placement
 
 log = logging.getLogger("xcls.train")
 
@@ -55,7 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("eval", help="top-1/top-5 of a trained run on its test split",
                        description="Load the newest checkpoint of CONFIG's train.out_dir and "
-                       "report top-1/top-5 on data.test by nearest class row.")
+                       "report top-1/top-5 on data.test by nearest class row. The run's own "
+                       "config.toml (written there by 'xcls train', with its --set overrides) "
+                       "is used, with this command's --set on top.")
     _config_args(p)
     _rows_arg(p)
     p.set_defaults(func=run_eval)
@@ -126,24 +132,40 @@ def _begin_rollback(cfg: ExperimentConfig, rank: int) -> None:
                     latest_step(Path(cfg.train.out_dir)))
 
 
+def _refuse(error: Exception) -> int:
+    """Exit 2 with one line. Under torchrun the line goes to the worker's error file, where
+    torchrun's report shows it and ``python -m xcls.torchrun`` prints it once for the group
+    (every worker refuses the same input, and the group is stopped as soon as one has)."""
+    line = f"error: {error}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    else:
+        print(line, file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def run_train(args: argparse.Namespace) -> int:
     from ams.errors import AmsError, ShardRestarted, Unavailable
     from bridge.errors import BridgeError
+    from workers import metrics
     from workers.checkpoint import CheckpointError
     from workers.data.errors import DatasetError
     from workers.distributed import process_group
     from workers.termination import EXIT_TERMINATED
 
-    cfg = _load(args)
     try:
+        cfg = load_config(args.config, args.overrides)
         placement = worker_placement(cfg)
+        # before the process group forms: a refusal inside it would leave the other ranks
+        # waiting in it, and torchrun would restart the group into the same refusal
+        check_run(cfg, placement[1])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     rank, world, device = placement
     if _group_restarts():
         _begin_rollback(cfg, rank)
-    serve_metrics_from_args(args, per_rank=True)
+    serve_metrics_from_args(args, metrics.REGISTRY, per_rank=True)
     with process_group(world, device):
         try:
             run = build_run(cfg, placement)
@@ -159,15 +181,17 @@ def run_train(args: argparse.Namespace) -> int:
                       ROLLBACK_EXIT_CODE, e)
             return ROLLBACK_EXIT_CODE
         except (ConfigError, AmsError, DatasetError, BridgeError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _refuse(e)
     if result.terminated:
         if rank == 0:
             print(f"stopped by SIGTERM after step {result.steps}, checkpoint saved; run the "
                   "same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
     if rank == 0:
-        line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}"
+        # a finished run started again trains no step: it has no loss of its own to show
+        line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}" \
+            if not math.isnan(result.last_loss) else \
+            f"already trained {result.steps} steps (train.max_steps); nothing to do"
         if result.eval:
             line += (f"; test top-1 {100 * result.eval['top1']:.2f}% top-5 "
                      f"{100 * result.eval['top5']:.2f}% on {result.eval['samples']} samples "
@@ -181,6 +205,14 @@ def _resumed_run(args: argparse.Namespace) -> Run:
     from workers.checkpoint import CheckpointError
 
     cfg = _load(args)
+    # The run's own config, as it trained (its --set overrides included), with this command's
+    # overrides on top: eval and export need not repeat the training's.
+    saved = Path(cfg.train.out_dir) / "config.toml"
+    if saved.is_file():
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            raise SystemExit(f"error: {saved}: {e}") from None
     # eval and export read a finished run; train.resume = false only means "train afresh".
     cfg.train.resume = True
     try:

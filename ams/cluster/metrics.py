@@ -1,7 +1,7 @@
 """Prometheus metrics of the scheduler (docs/architecture.md, "Metrics"): the live leases by role
 and the generation, read from the ``LeaseTable`` when Prometheus scrapes, and the lease
 expiries, counted as the scheduler expires them. ``xcls serve scheduler --metrics-port``
-serves them from the process-wide default registry.
+serves them from this module's :data:`REGISTRY`.
 
     watch_lease_table(table)                    # once, where the table is made
     for lease in table.expire_due(now_ms):
@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ams.cluster.lease import Lease, LeaseTable, Role
 
+# The scheduler's own registry: it exports these families and no other role's.
+REGISTRY = CollectorRegistry()
+
 LEASE_EXPIRIES = Counter(
     "xcls_scheduler_lease_expiries_total",
     "Leases the scheduler expired because they were not renewed in time (each moves the "
-    "generation on)", ["role"])
+    "generation on)", ["role"], registry=REGISTRY)
 
 
 def record_expiry(lease: Lease) -> None:

@@ -3,8 +3,9 @@
 Two sources: ``record_call``, which both planes' servers call once per request (the gRPC
 calls through ``ams.server.interceptors.RequestMetricsInterceptor``), and a collector that
 reads the stores' own counters (``ShardStore.stats``) when Prometheus scrapes, so nothing is
-counted twice. All metrics live in the process-wide default registry; ``xcls serve shard
---metrics-port`` serves it.
+counted twice. They live in this role's own registry, :data:`REGISTRY`, which ``xcls serve shard
+--metrics-port`` serves: a worker that starts shard servers in process (collective mode) or
+imports this module exports none of them.
 """
 
 from __future__ import annotations
@@ -15,34 +16,38 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ams.shard.store import ShardStore
 
+REGISTRY = CollectorRegistry()
+
 REQUEST_SECONDS = Histogram(
     "xcls_shard_request_seconds", "Time a shard takes to answer one call, refusals included",
     ["method"],
     # pulls and pushes of a step take milliseconds; snapshots, scans and graph writes minutes
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-             10.0, 30.0, 60.0, 300.0))
+             10.0, 30.0, 60.0, 300.0), registry=REGISTRY)
 REQUEST_ERRORS = Counter(
     "xcls_shard_request_errors_total", "Calls answered with a status other than OK",
-    ["method", "code"])
+    ["method", "code"], registry=REGISTRY)
 PUSH_REJECTIONS = Counter(
     "xcls_shard_push_rejections_total",
     "Pushes refused, by the gRPC status code name of the refusal (nothing was applied)",
-    ["reason"])
+    ["reason"], registry=REGISTRY)
 SNAPSHOT_SECONDS = Histogram(
     "xcls_shard_snapshot_seconds", "Time to write this shard's part of a snapshot",
-    buckets=(0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 180.0, 600.0, 1800.0, 3600.0))
+    buckets=(0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 180.0, 600.0, 1800.0, 3600.0), registry=REGISTRY)
 RESTORES = Counter(
-    "xcls_shard_restores_total", "Snapshots loaded into this shard (at start or by a Restore call)")
+    "xcls_shard_restores_total", "Snapshots loaded into this shard (at start or by a Restore call)",
+    registry=REGISTRY)
 SNAPSHOT_AGE = Gauge(
     "xcls_shard_snapshot_age_seconds",
-    "Seconds since this shard last wrote a snapshot (since it started, when it has written none)")
+    "Seconds since this shard last wrote a snapshot (since it started, when it has written none)",
+    registry=REGISTRY)
 
 _last_snapshot = time.monotonic()
 SNAPSHOT_AGE.set_function(lambda: time.monotonic() - _last_snapshot)

@@ -248,3 +248,28 @@ def test_bad_arguments_are_refused_before_anything_starts(glyphs_small, no_orpha
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and message in out.stderr, out.stderr
     assert not (no_orphans / "run").exists()
+
+
+def test_a_fresh_run_refuses_shards_that_hold_another_runs_table(glyphs_small, shard_cluster,
+                                                                 tmp_path):
+    """Runs sharing shards (compose's long-lived shards) contaminated each other: a run with a
+    new train.out_dir trained on from the last run's rows. It is refused; the first run, which
+    owns the table, still resumes."""
+    from xcls.config import ConfigError, load_config
+    from xcls.run import build_run
+
+    shards = shard_cluster(2)
+    addresses = ",".join(s.address for s in shards)
+
+    def config(out: Path, steps: int) -> object:
+        path = write_config(glyphs_small, out, tmp_path / f"{out.name}.toml", steps)
+        return load_config(path, [f"ams.addresses={addresses}"])
+
+    first = build_run(config(tmp_path / "first", 3))
+    assert first.trainer.train().steps == 3
+    first.client.close()
+    with pytest.raises(ConfigError, match="already hold a table 'fc'.*another run's"):
+        build_run(config(tmp_path / "second", 3))
+    again = build_run(config(tmp_path / "first", 5))  # the owner resumes from its checkpoint
+    assert again.trainer.train().steps == 5
+    again.client.close()

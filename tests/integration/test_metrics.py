@@ -1,5 +1,6 @@
-"""Prometheus metrics, scraped over HTTP from a real shard process and read from the registry of
-an in-process training run. Only counts are checked, never timings."""
+"""Prometheus metrics, scraped over HTTP from real shard, scheduler and training processes (each
+exports its own role's families only) and read from the registry of an in-process training
+run. Only counts are checked, never timings."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import urllib.request
 
 import pytest
 import torch
-from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import ams
 from ams import errors
 from ams.cluster.lease import Role
 from ams.cluster.scheduler import SchedulerClient
-from workers.metrics import PHASES
+from workers.metrics import PHASES, REGISTRY
 from xcls.config import load_config
 from xcls.run import build_run
 from xcls.shards import spawn, stop
@@ -39,6 +39,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def xcls_families(m: dict[tuple[str, tuple], float]) -> set[str]:
+    """The xcls metric prefixes a scrape holds: 'xcls_shard', 'xcls_trainer', ..."""
+    return {"_".join(name.split("_")[:2]) for name, _ in m if name.startswith("xcls_")}
+
+
 def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
     port = free_port()
     (proc,) = shard_cluster(1, ["--metrics-port", str(port)])
@@ -58,6 +63,8 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
         client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
 
     m = scrape(port)
+    assert xcls_families(m) == {"xcls_shard"}  # no worker's or scheduler's families
+    assert m["process_cpu_seconds_total", ()] > 0  # the process's own, as every role has
     table = (("table", "fc"),)
     assert m["xcls_shard_rows_pulled_total", table] == pulled
     assert m["xcls_shard_pulls_total", table] == pulls
@@ -98,6 +105,7 @@ def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
         with SchedulerClient(f"127.0.0.1:{int(port_file.read_text())}") as sched:
             sched.register(Role.WORKER, 0, "worker-0", "w0")
             m = scrape(port)
+            assert xcls_families(m) == {"xcls_scheduler"}  # it serves no shard, has no store
             assert m["xcls_scheduler_leases", (("role", "worker"),)] == 1
             assert m["xcls_scheduler_leases", (("role", "shard"),)] == 0
             assert m["xcls_scheduler_generation", ()] == 0
@@ -127,6 +135,35 @@ def overrides(data, out, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def test_a_training_worker_exports_its_own_families_only(glyphs_small, tmp_path):
+    port, config = free_port(), tmp_path / "empty.toml"
+    config.write_text("")  # every field from the overrides
+    child = spawn("train", [sys.executable, "-m", "xcls", "train", str(config),
+                            "--metrics-port", str(port),
+                            *[a for o in overrides(glyphs_small, tmp_path / "run",
+                                                   **{"train.max_steps": 100000})
+                              for a in ("--set", o)]], log_path=tmp_path / "train.log")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert child.proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "train.log").read_text()[-2000:]
+            try:
+                m = scrape(port)
+            except OSError:
+                m = {}
+            if m.get(("xcls_trainer_step", ()), 0) >= 2:
+                break
+            time.sleep(0.2)
+        # the embedded AMS's shards run in this process, but their families are a shard's:
+        # an alert on xcls_shard_snapshot_age_seconds must not fire on workers
+        families = xcls_families(m)
+        assert "xcls_trainer" in families and not families & {"xcls_shard", "xcls_scheduler"}, \
+            sorted(families)
+    finally:
+        stop([child], 60)
 
 
 def sample(name: str, **labels: str) -> float:

@@ -1,0 +1,88 @@
+"""How a torchrun worker group ends under the launchers (``python -m xcls.torchrun``, run by
+scripts/launch_worker.sh, ``xcls cluster up`` and the compose worker): a config refusal is
+exit 2 and one line, once, never a restart into a hung rendezvous; SIGTERM is a checkpoint and
+exit 143 with one line (beside the run's logs), never a traceback. Real torchrun, real workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "scripts" / "launch_worker.sh"
+
+
+def launch(*args: str, cwd: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMS_", "MASTER_"))}
+    return subprocess.Popen(["bash", str(WORKER), "--nproc-per-node", "2",
+                             "--max-restarts", "3", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s (a restarted group hung):\n{err[-3000:]}")
+    return proc.returncode, out + err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # valid alone, refused for two workers: it was raised inside the process group
+    (["--set", "gear.enabled=true"], "error: gear.slow: an in-process slow gear"),
+    (["--set", "train.max_stepz=5"], "error: --set train.max_stepz: unknown key"),  # a typo
+])
+def test_a_refused_config_exits_2_with_one_line_and_is_not_restarted(tmp_path, overrides,
+                                                                     message):
+    proc = launch("--ams", "127.0.0.1:1", str(ROOT / "configs" / "glyphs-2k-knn.toml"),
+                  "--set", f"train.out_dir={tmp_path / 'run'}", *overrides, cwd=tmp_path)
+    code, output = finish(proc, timeout=120)
+    assert code == 2, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(message), output
+    assert "rollback" not in output and "Traceback" not in output
+
+
+def test_sigterm_checkpoints_and_exits_143_with_one_line(glyphs_small, tmp_path):
+    out = tmp_path / "run"
+    config = tmp_path / "c.toml"
+    config.write_text(f"""
+[data]
+train = "{glyphs_small / 'train'}"
+test = ""
+batch_size = 16
+num_workers = 0
+[model]
+dim = 32
+[head]
+kind = "partial"
+[train]
+max_steps = 100000
+epochs = 1000
+checkpoint_every = 0
+log_every = 1000
+threads = 1
+out_dir = "{out}"
+""")
+    proc = launch("--collective", str(config), cwd=tmp_path)
+    deadline = time.monotonic() + 180
+    while not list(out.glob("checkpoints/step-*")):  # the step-0 checkpoint: training began
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 10)
+        time.sleep(0.2)
+    time.sleep(1)
+    os.kill(proc.pid, signal.SIGTERM)  # launch_worker.sh execs the launcher: its pid
+    code, output = finish(proc, timeout=120)
+    assert code == 143, output
+    assert "Traceback" not in output and "SignalException" not in output, output
+    stops = [line for line in output.splitlines() if not line.startswith("ts=")]
+    assert len(stops) == 1 and stops[0].startswith("stopped by SIGTERM after step "), output
+    steps = sorted(out.glob("checkpoints/step-*"))
+    assert len(steps) >= 2, steps  # the stop's checkpoint beside step 0

@@ -1,0 +1,110 @@
+"""``python -m xcls.torchrun``: torchrun as xcls's launchers run it.
+
+The same flags as ``torchrun`` (``python -m torch.distributed.run``), and the same elastic agent,
+with three differences that make a worker group's end read as what it was:
+
+* **A refusal is final.** A worker that refuses its input (exit 2: a config typo, a dataset
+  that is not there) would refuse it again, so the group is not restarted, whatever
+  ``--max-restarts`` says: the launcher exits 2 at once and prints the worker's one line, once
+  (``xcls train`` leaves it in torchrun's error file). torchrun restarts it, and the next
+  rendezvous fails or hangs for good. Any other failure, the rollback exit 75 above all,
+  restarts the group as before.
+* **A stop is a stop.** SIGTERM or SIGINT (``docker compose down``, a scheduler, Ctrl-C) is
+  passed to the workers, which checkpoint at the next step boundary and exit; the launcher then
+  exits 128 + the signal's number (143 for SIGTERM, as a worker that stopped on it does),
+  without torchrun's ``SignalException`` traceback.
+* **One line for a failure.** When the group fails past its restarts, one log line names the
+  rank and its exit code, and the launcher exits with that code (torchrun printed a report
+  of the failure and a traceback, and exited 1).
+
+A restarted group also gets a rendezvous store of its own
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, docs/reliability.md), so ``xcls cluster up``,
+``scripts/launch_worker.sh`` and the compose file's worker need not each remember it.
+
+    python -m xcls.torchrun --standalone --nproc-per-node 2 --max-restarts 3 \\
+        -m xcls train configs/glyphs-2k-knn.toml
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from torch.distributed import run as torch_run
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher import api as launcher_api
+
+from xcls.cli import EXIT_BAD_INPUT
+from xcls.logs import setup_logging
+
+log = logging.getLogger("xcls.torchrun")
+
+# A restarted group must not read the addresses of the group before it from torchrun's shared
+# store (pytorch issue 135712); a store per restart avoids that.
+RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+class RefusalFinalAgent(LocalElasticAgent):
+    """torchrun's agent, except that a group one of whose workers exited with
+    ``EXIT_BAD_INPUT`` is not restarted."""
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and any(
+                f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+
+def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """(rank, failure) that ended the group: a refusal if any rank refused, else the lowest
+    rank's failure."""
+    failures = sorted(error.failures.items())
+    return next(((r, f) for r, f in failures if f.exitcode == EXIT_BAD_INPUT), failures[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse torchrun's flags, run the group, and exit as the module docstring says."""
+    parser = torch_run.get_args_parser()
+    parser.prog = "python -m xcls.torchrun"
+    parser.description = __doc__.split("\n\n")[0] + ": " + " ".join(
+        __doc__.split("\n\n")[1].split())
+    args = parser.parse_args(argv)
+    setup_logging(0)
+    # torchrun's own narration (the OMP_NUM_THREADS banner, "failed (exitcode: 2)", "Sending
+    # process ... closing signal") is what this module sums up in one line
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):  # each has its own level (env LOGLEVEL)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    for key, value in RESTARTABLE_ENV.items():
+        os.environ.setdefault(key, value)
+    launcher_api.LocalElasticAgent = RefusalFinalAgent
+    try:
+        torch_run.run(args)
+    except SignalException as e:
+        # the workers said where they stopped ("stopped by SIGTERM after step N, checkpoint
+        # saved"): that is the one line of a clean stop
+        log.debug("workers_stopped signal=%s", signal.Signals(e.sigval).name)
+        return 128 + e.sigval
+    except ChildFailedError as e:
+        rank, failure = first_failure(e)
+        if failure.exitcode == EXIT_BAD_INPUT:
+            # the worker's one line (xcls train writes it to torchrun's error file)
+            print(failure.message if isinstance(failure.message, str) else
+                  f"error: rank {rank} refused its input", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        code = failure.exitcode
+        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+        log.error("workers_failed rank=%d exit_code=%d restarts=%d", rank, code,
+                  args.max_restarts)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
