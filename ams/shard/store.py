@@ -278,7 +278,7 @@ class ShardStore:
                 table.dedupe.add(client_id, sequence)
             if table.touched is None:  # 1 byte per row, only for tables that take pushes
                 table.touched = torch.zeros(table.owned, dtype=torch.bool)
-            table.touched.numpy()[unique.numpy()] = True  # numpy: torch's index_put costs more
+            table.touched[unique] = True
         return True
 
     def take_touched(self, name: str, max_ids: int | None = None) -> torch.Tensor:
