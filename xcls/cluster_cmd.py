@@ -21,6 +21,7 @@ from pathlib import Path
 
 from workers.settings import ExperimentConfig
 from xcls.config import ConfigError, load_config
+from xcls.secret_files import read_token
 from xcls.shards import (
     Child,
     ShardProcess,
@@ -162,8 +163,8 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
                          "CONFIG' (or scripts/launch_worker.sh)")
     if cfg.ams.addresses:
         log.warning("config_addresses_replaced was=%s", ",".join(cfg.ams.addresses))
-    if cfg.ams.token_file and not Path(cfg.ams.token_file).is_file():
-        raise SystemExit(f"error: ams.token_file: {cfg.ams.token_file} does not exist")
+    if cfg.ams.token_file:  # the shards' and the workers' token: refused here, once
+        read_token(cfg.ams.token_file, "ams.token_file")
     return cfg
 
 
@@ -236,7 +237,7 @@ class Cluster:
         import ams
         from ams.errors import AmsError
 
-        token = Path(self.token_file).read_text().strip() if self.token_file else None
+        token = read_token(self.token_file, "ams.token_file") if self.token_file else None
         try:
             with ams.connect(self.addresses, token=token, timeout=10, ready_timeout=5) as c:
                 stats = c.stats()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from xcls.cli_help import DefaultsHelpFormatter
-from xcls.secret_files import read_secret
+from xcls.secret_files import read_secret, read_token
 
 log = logging.getLogger("xcls.graph")
 
@@ -106,7 +106,7 @@ def run_build(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise SystemExit(f"error: --method ivf: {e}") from None
     nprobe = DEFAULT_NPROBE if args.nprobe is None else args.nprobe
-    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
+    token = read_token(args.auth_token_file, "--auth-token-file") \
         if args.auth_token_file else None
     tls_ca = read_secret(args.tls_ca, "--tls-ca") if args.tls_ca else None
     try:

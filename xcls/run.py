@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 
 from workers.settings import ExperimentConfig, GearConfig
 from xcls.config import REDACTED, ConfigError, redact_url_password, to_toml
-from xcls.secret_files import read_secret
+from xcls.secret_files import read_secret, read_secret_text, read_token
 
 if TYPE_CHECKING:  # the command line imports torch, grpc and redis only when a command runs
     import redis
@@ -212,7 +212,7 @@ def create_client(cfg: ExperimentConfig, out_dir: Path, rank: int, world: int, *
 
     if cfg.head.placement == Placement.COLLECTIVE:
         return collective_slices(cfg, out_dir, rank, world)
-    token = read_secret(cfg.ams.token_file, "ams.token_file").decode().strip() \
+    token = read_token(cfg.ams.token_file, "ams.token_file") \
         if cfg.ams.token_file else None
     tls_ca = read_secret(cfg.ams.tls_ca_file, "ams.tls_ca_file") \
         if cfg.ams.tls_ca_file else None
@@ -566,15 +566,7 @@ def redis_password(g: GearConfig, in_url: str | None) -> str | None:
         if password not in (None, REDACTED):
             raise ConfigError("gear.redis_password_file: gear.redis_url holds a password too; "
                               "give it in one place")
-        path = Path(g.redis_password_file)
-        try:
-            from_file = path.read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"gear.redis_password_file: cannot read {path}: {e.strerror}") \
-                from None
-        if not from_file:
-            raise ConfigError(f"gear.redis_password_file: {path} is empty")
-        return from_file
+        return read_secret_text(g.redis_password_file, "gear.redis_password_file")
     if password == REDACTED:
         raise ConfigError(f"gear.redis_url: its password was replaced by {REDACTED} when the "
                           "config was written out; give it with "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from workers.settings import MAX_THREADS
 from xcls.cli_help import DefaultsHelpFormatter
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
-from xcls.secret_files import read_secret
+from xcls.secret_files import read_secret, read_token
 
 if TYPE_CHECKING:
     from ams.cluster.scheduler import LeaseKeeper
@@ -155,7 +155,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         check_lease_ttl(args.lease_ttl)
     except InvalidArgument as e:
         raise SystemExit(f"error: --lease-ttl: {e}") from None
-    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
+    token = read_token(args.auth_token_file, "--auth-token-file") \
         if args.auth_token_file else None
     if not _is_loopback(args.host) and not token and not args.insecure:
         raise SystemExit(f"error: refusing to serve on {args.host} without --auth-token-file; "
@@ -267,7 +267,7 @@ def run_shard(args: argparse.Namespace) -> int:
                          "own")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("error: --tls-cert and --tls-key go together")
-    token = read_secret(args.auth_token_file, "--auth-token-file").decode().strip() \
+    token = read_token(args.auth_token_file, "--auth-token-file") \
         if args.auth_token_file else None
     tls = args.tls_cert is not None
     if not _is_loopback(args.host) and not (token or tls) and not args.insecure:
