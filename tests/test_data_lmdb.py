@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import lmdb
 import numpy as np
@@ -190,6 +193,71 @@ def test_bad_metadata_field(gray):
     env.close()
     with pytest.raises(DatasetError, match="'height'"):
         LmdbImageDataset(path)
+
+
+def noise_dataset(path, n=300, side=32):
+    """A dataset whose data.mdb spans many pages (noise does not compress); its data.mdb."""
+    images = np.random.default_rng(3).integers(0, 256, size=(n, side, side), dtype=np.uint8)
+    _write(path, images, np.arange(n) % 5)
+    return path / "data.mdb"
+
+
+def truncate(data, size):
+    with open(data, "r+b") as f:
+        f.truncate(size)
+
+
+# where an interrupted copy or download may have stopped, from the file's size
+CUTS = {"half": lambda size: size // 2, "one page short": lambda size: size - 4096,
+        "the meta pages only": lambda size: 8192, "one meta page": lambda size: 4096,
+        "inside the first page": lambda size: 100, "empty": lambda size: 0}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_truncated_data_file_is_one_line_not_a_bus_error(tmp_path, cut):
+    data = noise_dataset(tmp_path / "ds")
+    truncate(data, CUTS[cut](data.stat().st_size))
+    out = subprocess.run([sys.executable, "-m", "xcls", "data", "info", str(tmp_path / "ds")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2  # it was killed by SIGBUS (a shell's exit code 135)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {data}: truncated")
+
+
+OPEN_DATASET = """
+import sys
+from workers.data.errors import DatasetError
+from workers.data.lmdb_dataset import LmdbImageDataset
+try:
+    LmdbImageDataset(sys.argv[1])
+except DatasetError as e:
+    print(e)
+"""
+
+
+def test_a_truncated_data_file_raises_dataset_error(tmp_path):
+    data = noise_dataset(tmp_path / "ds")
+    size = data.stat().st_size
+    truncate(data, size // 2)
+    # in a process of its own: without the check, opening it kills the process
+    out = subprocess.run([sys.executable, "-c", OPEN_DATASET, str(tmp_path / "ds")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(rf"{re.escape(str(data))}: truncated: {size // 2} bytes, its meta page "
+                        rf"says {size} \(\d+ pages of \d+\); an interrupted copy or download\? "
+                        "copy or build it again", out.stdout.strip())
+
+
+def test_a_data_file_truncated_under_a_dataloader_fails_its_workers_cleanly(tmp_path):
+    data = noise_dataset(tmp_path / "ds")
+    ds = LmdbImageDataset(tmp_path / "ds")
+    ds[0]  # the parent has the file open (and never reads it again)
+    truncate(data, data.stat().st_size // 2)
+    # each worker opens the file again after fork: a DatasetError, not "killed by signal: Bus
+    # error"
+    with pytest.raises(DatasetError, match=f"{data}: truncated"):
+        for _ in DataLoader(ds, batch_size=8, num_workers=2):
+            pass
 
 
 def test_missing_dataset(tmp_path):

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 from ams.jsontext import parse_json
 from workers.data.errors import DatasetError
+from workers.data.lmdb_file import check_data_file
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +330,9 @@ def _open_env(path: Path) -> lmdb.Environment:
     if not (path / "data.mdb").is_file():
         raise DatasetError(f"{path}: no dataset here (expected an LMDB directory with data.mdb; "
                            "build one with 'xcls data glyphs|folder|rec')")
+    # in every process that opens it (DataLoader workers too): a page LMDB maps past the end
+    # of a file cut short would kill the process with SIGBUS
+    check_data_file(path / "data.mdb")
     try:
         # lock=False: datasets are read-only once written, and many readers may share the files.
         # readahead=False: access is random, readahead would fill the page cache with waste.
