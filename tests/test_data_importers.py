@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import resource
 import struct
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from PIL import Image
 
 from workers.data.errors import DatasetError
 from workers.data.importers import RECORDIO_MAGIC, import_folder, import_recordio
-from workers.data.lmdb_dataset import LmdbImageDataset
+from workers.data.lmdb_dataset import LmdbImageDataset, read_metadata
 
 
 def _png(value, size=(10, 8), mode="RGB"):
@@ -53,6 +55,11 @@ def _write_rec(tmp_path, images_labels, header=True):
     if header:
         for j, identity in enumerate(identities):
             entries.append((n + 1 + j, _pack([1.0 + identity, 2.0 + identity], b"", n + 1 + j)))
+    return _write_entries(tmp_path, entries)
+
+
+def _write_entries(tmp_path, entries):
+    """train.rec and train.idx holding ``entries``, (index, payload) pairs, in this order."""
     rec, idx = bytearray(), []
     for key, payload in entries:
         idx.append(f"{key}\t{len(rec)}")
@@ -107,6 +114,57 @@ def test_rec_header_range_past_the_index(tmp_path):
     (tmp_path / "train.idx").write_text("\n".join(lines[:2]) + "\n")  # record 2 dropped
     with pytest.raises(DatasetError, match="no record 2"):
         import_recordio(rec, tmp_path / "ds", size=8, channels=3)
+
+
+# The address space of an import of a lying file: enough for xcls with torch and a small
+# import (the first check of each test below), not for a list or a class table the size of
+# what the file claims.
+MEMORY_LIMIT = 1 << 30
+
+
+def import_rec_limited(rec, out, *options):
+    """``xcls data rec`` in a process of at most ``MEMORY_LIMIT`` bytes, for a minute."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    return subprocess.run([sys.executable, "-m", "xcls", "data", "rec", str(rec), "--out",
+                           str(out), "--size", "8", "--processes", "1", *options],
+                          capture_output=True, text=True, timeout=60, preexec_fn=limit,
+                          env={**os.environ, "TQDM_DISABLE": "1"})  # stderr: the error alone
+
+
+def one_line_error(done) -> str:
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("end", [2e8, 3e38])
+def test_rec_header_claiming_more_images_than_the_index_is_refused_at_once(tmp_path, end):
+    assert import_rec_limited(_write_rec(tmp_path, [(_png(1), 0), (_png(2), 1)]),
+                              tmp_path / "fine").returncode == 0
+    end = int(np.float32(end))  # as the header holds it: float32
+    rec = _write_entries(tmp_path, [(0, _pack([float(end), float(end) + 1], b"", 0)),
+                                    (1, _pack(0.0, _png(1), 1)), (2, _pack(1.0, _png(2), 2))])
+    assert one_line_error(import_rec_limited(rec, tmp_path / "ds")) == (
+        f"error: {rec}: header record 0 says images are 1..{end - 1}, but the index has no "
+        f"record 3 ({end - 3} missing)")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_rec_class_id_beyond_the_class_count_is_refused(tmp_path):
+    rec = _write_rec(tmp_path, [(_png(1), 0.0), (_png(2), 3e9)])
+    assert one_line_error(import_rec_limited(rec, tmp_path / "ds")) == (
+        f"error: {rec}: record 2 has class 3000000000, not below the class count 2 (by default "
+        "the number of images: a larger id means wrong or sparse labels; if they are right, "
+        "give the class count, --num-classes)")
+    rec = _write_rec(tmp_path, [(_png(1), 0.0), (_png(2), 7.0)])  # sparse ids, a subset
+    assert "record 2 has class 7, not below the class count 5" in one_line_error(
+        import_rec_limited(rec, tmp_path / "ds", "--num-classes", "5"))
+    assert not (tmp_path / "ds").exists()
+    assert import_rec_limited(rec, tmp_path / "ds", "--num-classes", "10").returncode == 0
+    meta = read_metadata(tmp_path / "ds")
+    assert meta.num_classes == 10 and LmdbImageDataset(tmp_path / "ds").labels().tolist() == [0, 7]
 
 
 def test_rec_bad_magic(tmp_path):

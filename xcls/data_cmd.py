@@ -57,7 +57,8 @@ def cmd_rec(args: argparse.Namespace) -> int:
     from workers.data.importers import import_recordio
 
     return _run(import_recordio, args.rec, args.out, size=args.size, channels=args.channels,
-                idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.processes)
+                idx=args.idx, split=args.split, overwrite=args.overwrite, workers=args.processes,
+                num_classes=args.num_classes)
 
 
 def cmd_bin(args: argparse.Namespace) -> int:
@@ -138,6 +139,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--processes", type=int, default=os.cpu_count() or 1,
                    help="decode processes (default: number of cores)")
     r.add_argument("--idx", help="path to train.idx (default: next to the .rec)")
+    r.add_argument("--num-classes", type=int, metavar="C",
+                   help="the class count: class ids are 0..C-1 (default: one more than the "
+                   "largest id, which may not exceed the number of images; give C for sparse "
+                   "ids, such as a subset of a larger set)")
     _add_output_options(r)
     r.add_argument("--channels", type=int, choices=(1, 3), default=3,
                    help="1 = grayscale, 3 = RGB (default 3)")

@@ -8,6 +8,9 @@
   ``<IfQQ`` (flag, label, id, id2); ``flag`` > 0 means ``flag`` float labels follow (the first is
   the class). Then the encoded image. insightface puts a header at index 0 with ``flag`` > 0
   whose first label is the end of the image range: records ``1 .. end-1`` are images.
+  Nothing a file says is allocated before it is checked against what the files hold: an image
+  range against the index, a record's labels against its length, a class id against the
+  number of classes (by default the number of images: insightface's ids are dense).
 """
 
 from __future__ import annotations
@@ -85,15 +88,16 @@ def _read_record(f: BinaryIO, file_size: int, offset: int, path: Path) -> bytes:
     return f.read(_seek_payload(f, file_size, offset, path))
 
 
-def _read_labels(f: BinaryIO, file_size: int, offset: int, path: Path, index: int
-                 ) -> tuple[float, ...]:
-    """The labels of the record at ``offset``, reading its header but not its image."""
+def _read_head(f: BinaryIO, file_size: int, offset: int, path: Path, index: int
+               ) -> tuple[int, float]:
+    """``(flag, label)`` of the record at ``offset`` (``_unpack``), reading its IRHeader and
+    first label but not its image."""
     length = _seek_payload(f, file_size, offset, path)
     head = f.read(min(length, IR_HEADER.size))
-    if len(head) == IR_HEADER.size:
-        flag = IR_HEADER.unpack_from(head)[0]
-        head += f.read(min(length - IR_HEADER.size, 4 * flag))
-    return _unpack(head, path, index)[1]
+    if len(head) == IR_HEADER.size and IR_HEADER.unpack_from(head)[0] > 0:
+        head += f.read(min(length - IR_HEADER.size, 4))
+    flag, label, _ = _unpack(head, path, index, length)
+    return flag, label
 
 
 def _seek_payload(f: BinaryIO, file_size: int, offset: int, path: Path) -> int:
@@ -117,28 +121,37 @@ def _seek_payload(f: BinaryIO, file_size: int, offset: int, path: Path) -> int:
     return length
 
 
-def _unpack(payload: bytes, path: Path, index: int) -> tuple[int, tuple[float, ...], bytes]:
-    """``(flag, labels, image bytes)`` of one record payload, as MXNet's ``recordio.unpack``
-    reads it: ``flag`` 0 gives the header's one float label, ``flag`` > 0 the ``flag`` floats
-    after the header."""
-    if len(payload) < IR_HEADER.size:
+def _unpack(payload: bytes, path: Path, index: int, length: int | None = None
+            ) -> tuple[int, float, bytes]:
+    """``(flag, label, image bytes)`` of one record payload (or of its first ``length``
+    bytes' head, given the record's ``length``), as MXNet's ``recordio.unpack`` reads it:
+    ``flag`` 0 gives the header's float label, ``flag`` > 0 means ``flag`` floats follow the
+    header, and ``label`` is the first of them (the class, or a header's end of images; the
+    others are never used, so never unpacked)."""
+    length = len(payload) if length is None else length
+    if length < IR_HEADER.size:
         raise DatasetError(f"{path}: record {index} is shorter than its IRHeader")
     flag, label, _, _ = IR_HEADER.unpack_from(payload)
     start = IR_HEADER.size
     if flag == 0:
-        return flag, (label,), payload[start:]
-    if len(payload) < start + 4 * flag:
+        return flag, label, payload[start:]
+    if length < start + 4 * flag:
         raise DatasetError(f"{path}: record {index} says {flag} labels but is too short")
-    return flag, struct.unpack_from(f"<{flag}f", payload, start), payload[start + 4 * flag:]
+    return flag, struct.unpack_from("<f", payload, start)[0], payload[start + 4 * flag:]
 
 
-def _class_of(labels: tuple[float, ...], path: Path, index: int) -> int:
-    """The class of an image record: its label, or the first of its labels (insightface)."""
-    value = labels[0]
-    if not math.isfinite(value) or value < 0 or value != int(value):
-        raise DatasetError(f"{path}: record {index} has label {value}; a class must be a "
+def _class_of(label: float, path: Path, index: int, num_classes: int) -> int:
+    """The class of an image record from its (first) label: a whole number in
+    ``[0, num_classes)``."""
+    if not math.isfinite(label) or label < 0 or label != int(label):
+        raise DatasetError(f"{path}: record {index} has label {label}; a class must be a "
                            "whole number >= 0")
-    return int(value)
+    if label >= num_classes:
+        raise DatasetError(f"{path}: record {index} has class {int(label)}, not below the "
+                           f"class count {num_classes} (by default the number of images: a "
+                           "larger id means wrong or sparse labels; if they are right, give "
+                           "the class count, --num-classes)")
+    return int(label)
 
 
 def read_index(idx_path: Path) -> dict[int, int]:
@@ -162,30 +175,33 @@ def image_keys(f: BinaryIO, file_size: int, index: dict[int, int], path: Path) -
     indices ``1 .. end-1`` and the records after them describe identities. Without such a
     header every record is an image (arcface_torch reads them the same way)."""
     if 0 in index:
-        flag, labels, _ = _unpack(_read_record(f, file_size, index[0], path), path, 0)
+        flag, end = _read_head(f, file_size, index[0], path, 0)
         if flag > 0:
-            end = labels[0]
             if not math.isfinite(end) or end < 1 or end != int(end):
                 raise DatasetError(f"{path}: header record 0 gives image range end {end}")
-            missing = [k for k in range(1, int(end)) if k not in index]
-            if missing:
-                raise DatasetError(f"{path}: header record 0 says images are 1..{int(end) - 1}, "
-                                   f"but the index has no record {missing[0]} "
-                                   f"({len(missing)} missing)")
-            return list(range(1, int(end)))
+            end = int(end)
+            # counted, never listed: a header may claim any range (3e38 is a float32)
+            present = sum(1 for k in index if 1 <= k < end)
+            if present < end - 1:
+                # one of the first present + 1 numbers is missing
+                first = next(k for k in range(1, end) if k not in index)
+                raise DatasetError(f"{path}: header record 0 says images are 1..{end - 1}, "
+                                   f"but the index has no record {first} "
+                                   f"({end - 1 - present} missing)")
+            return list(range(1, end))
     return sorted(index)
 
 
-def _encode_records(rec: Path, records: list[tuple[int, int]], size: int, channels: int
-                    ) -> list[tuple[int, bytes]]:
+def _encode_records(rec: Path, records: list[tuple[int, int]], size: int, channels: int,
+                    num_classes: int) -> list[tuple[int, bytes]]:
     """(class, encoded image) of each (index, offset) record: the original JPEG or PNG bytes
     when the image already has the dataset's size and colour mode, else resized to PNG."""
     out = []
     file_size = rec.stat().st_size
     with rec.open("rb") as f:
         for index, offset in records:
-            _, labels, image = _unpack(_read_record(f, file_size, offset, rec), rec, index)
-            out.append((_class_of(labels, rec, index),
+            _, label, image = _unpack(_read_record(f, file_size, offset, rec), rec, index)
+            out.append((_class_of(label, rec, index, num_classes),
                         encoded_image(image, size, channels, f"{rec} record {index}")))
     return out
 
@@ -205,12 +221,15 @@ def encoded_image(data: bytes, size: int, channels: int, where: str) -> bytes:
 
 def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int,
                     channels: int, idx: str | os.PathLike | None = None, split: str = "train",
-                    overwrite: bool = False, workers: int = 1) -> DatasetMetadata:
+                    overwrite: bool = False, workers: int = 1,
+                    num_classes: int | None = None) -> DatasetMetadata:
     """Import an insightface/MXNet ``.rec`` (with its ``.idx``, default: same stem).
 
     Records are read by their ``.idx`` offsets, never the whole file at once; ``workers``
     processes decode (and, where the size differs, resize) them, and the dataset keeps the
-    original JPEG bytes of images that already have its size.
+    original JPEG bytes of images that already have its size. ``num_classes``: the class
+    count (class ids are ``0 .. num_classes-1``); None: one more than the largest class id,
+    which may not exceed the number of images.
     """
     rec = Path(rec)
     idx_path = Path(idx) if idx else rec.with_suffix(".idx")
@@ -219,21 +238,25 @@ def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int
             raise DatasetError(f"{p}: file not found")
     if workers < 1:
         raise DatasetError(f"workers must be >= 1, got {workers}")
+    if num_classes is not None and num_classes < 1:
+        raise DatasetError(f"num_classes must be >= 1, got {num_classes}")
     index = read_index(idx_path)
     if not index:
         raise DatasetError(f"{idx_path}: index is empty")
     file_size = rec.stat().st_size
     with rec.open("rb") as f:
         keys = image_keys(f, file_size, index, rec)
+        limit = len(keys) if num_classes is None else num_classes
         # The class list must be known before the first write: one pass over the headers
         # (the images are read once, by the decoders).
-        classes = [_class_of(_read_labels(f, file_size, index[k], rec, k), rec, k)
+        classes = [_class_of(_read_head(f, file_size, index[k], rec, k)[1], rec, k, limit)
                    for k in tqdm(keys, desc="read labels", unit="rec", leave=False)]
     if not keys:
         raise DatasetError(f"{rec}: no image records")
-    num_classes = max(classes) + 1
+    num_classes = max(classes) + 1 if num_classes is None else num_classes
     chunks = [[(k, index[k]) for k in keys[i:i + _CHUNK]] for i in range(0, len(keys), _CHUNK)]
-    encode = partial(_encode_records, rec, size=size, channels=channels)
+    encode = partial(_encode_records, rec, size=size, channels=channels,
+                     num_classes=num_classes)
     with LmdbImageWriter(out, height=size, width=size, channels=channels,
                          class_names=[str(i) for i in range(num_classes)], split=split,
                          sources={"importer": "recordio", "rec": str(rec)},
