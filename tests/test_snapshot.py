@@ -7,8 +7,10 @@ import hashlib
 import json
 import logging
 import math
+import resource
 import shutil
 import sys
+from contextlib import contextmanager
 
 import lmdb
 import pytest
@@ -107,7 +109,7 @@ def test_latest_skips_corrupt_and_partial(tmp_path):
         assert torch.equal(a, b)
     with pytest.raises(SnapshotError, match="checksum mismatch"):
         fresh.restore(step=2)
-    with pytest.raises(SnapshotError, match="missing"):
+    with pytest.raises(SnapshotError, match=r"shards \[1\] of 2 wrote no piece"):
         fresh.restore(step=3)
 
 
@@ -465,6 +467,75 @@ def test_local_shards_prune_after_each_snapshot(tmp_path):
     for step in range(1, 6):
         default.snapshot(step=step)
     assert snapshot.list_steps(tmp_path / "default") == [5, 4, 3]
+
+
+@contextmanager
+def file_size_limit(limit):
+    """Writes of this process past ``limit`` bytes of a file fail with EFBIG, as on a full
+    disk (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# a piece of trained_client's table is 20 KiB: past its two meta pages its writes fail
+SNAPSHOT_FAILS = 8192
+
+
+def restore_messages(caplog):
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == restore.__name__]
+
+
+def test_a_failed_snapshot_leaves_no_step_and_no_restore_warning(tmp_path, caplog):
+    client = trained_client(tmp_path, 1)
+    client.snapshot(step=1)
+    good = full_state(client)
+    with file_size_limit(SNAPSHOT_FAILS), \
+            pytest.raises(SnapshotError, match="snapshot step 2 not written"):
+        client.snapshot(step=2)
+    assert snapshot.list_steps(tmp_path) == [1]  # no empty step-000000000002
+    fresh = STORAGE.connect(local_shards=1, data_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger=restore.__name__):
+        assert fresh.restore() == 1
+    # the restored step alone: nothing skipped, nothing to fall back from
+    assert restore_messages(caplog) == [
+        ("INFO", f"snapshot_restored step=1 path={snapshot.step_dir(tmp_path, 1)} tables=1")]
+    for a, b in zip(good, full_state(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_steps_shards_failed_to_write_are_reported_as_incomplete(tmp_path, caplog):
+    client = trained_client(tmp_path, 2, keep_snapshots=0)
+    client.snapshot(step=1)
+    client.shards[1].snapshot(2)
+    with file_size_limit(SNAPSHOT_FAILS), pytest.raises(SnapshotError, match="not written"):
+        client.shards[0].snapshot(2)
+    # shard 0's write is gone, shard 1's piece stays with its step directory
+    assert [p.name for p in snapshot.step_dir(tmp_path, 2).iterdir()] == [
+        snapshot.piece_name(1, 2)]
+    crashed = snapshot.step_dir(tmp_path, 3) / f".tmp-{snapshot.piece_name(0, 2)}-dead"
+    crashed.mkdir(parents=True)  # a write that a kill -9 interrupted
+    fresh = STORAGE.connect(local_shards=2, data_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger=restore.__name__):
+        assert fresh.restore() == 1
+    incomplete = [
+        ("WARNING", f"snapshot_incomplete step=3 reason='{snapshot.step_dir(tmp_path, 3)}: no "
+                    "shard wrote its piece (1 being written, or left by a crash)'; trying an "
+                    "older step"),
+        ("WARNING", f"snapshot_incomplete step=2 reason='{snapshot.step_dir(tmp_path, 2)}: "
+                    "shards [0] of 2 wrote no piece (their snapshot failed or was interrupted, "
+                    "or is being written)'; trying an older step")]
+    restored = ("INFO", f"snapshot_restored step=1 path={snapshot.step_dir(tmp_path, 1)} "
+                        "tables=1")
+    # each shard says so (the two restore side by side)
+    assert sorted(restore_messages(caplog)) == sorted(2 * [*incomplete, restored])
+
+    # pruning removes the crashed write, and the step directory that held nothing else
+    snapshot.prune_snapshots(tmp_path, 0, 2, keep=1)
+    assert snapshot.list_steps(tmp_path) == [2, 1]
 
 
 def test_large_table_beyond_lmdb_default_map_size(tmp_path):

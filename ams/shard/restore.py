@@ -21,7 +21,7 @@ from ams.errors import AmsError, RequestTooLarge, SnapshotError, StorageError, s
 from ams.shard.dedupe import PushDedupe
 from ams.shard.manifest import DTYPES, load_manifest, verify_files
 from ams.shard.neighbor_lists import NeighborTable
-from ams.shard.snapshot import PIECE_RE, list_steps, pieces_of, step_dir
+from ams.shard.snapshot import PIECE_RE, IncompleteStep, list_steps, pieces_of, step_dir
 from ams.shard.spec import TableSpec
 from ams.shard.storage import TableTensors
 from ams.shard.store import ShardStore
@@ -108,8 +108,9 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
     Every piece of the step is verified before any table is replaced, so a damaged snapshot
     leaves the live tables as they were. The push dedupe state is replaced with the tables'
     (a retry of a push the restored rows lack applies again). ``step=None``: the newest
-    complete snapshot; a partial or corrupt one is logged and skipped for an older one.
-    Raises ``SnapshotError`` when no usable snapshot exists.
+    complete snapshot; each newer step is logged with what is wrong with it, incomplete
+    (``snapshot_incomplete``: a shard wrote no piece) or damaged (``snapshot_skipped``), and
+    skipped for an older one. Raises ``SnapshotError`` when no usable snapshot exists.
     """
     candidates = list_steps(data_dir) if step is None else [step]
     if not candidates:
@@ -120,8 +121,9 @@ def restore_into(store: ShardStore, data_dir: Path, step: int | None = None) -> 
         try:
             tables = _assemble(store, pieces_of(path))
         except SnapshotError as e:
+            what = "incomplete" if isinstance(e, IncompleteStep) else "skipped"
             fallback = "; trying an older step" if step is None and s != candidates[-1] else ""
-            log.warning("snapshot_skipped step=%d reason=%r%s", s, str(e), fallback)
+            log.warning("snapshot_%s step=%d reason=%r%s", what, s, str(e), fallback)
             problems.append(str(e))
             continue
         for i, (spec, tensors, clock, graph, dedupe) in enumerate(tables):

@@ -10,11 +10,13 @@ Layout under a data dir shared by the shards of a cluster::
         manifest.sha256   the SHA-256 of manifest.json (``sha256sum -c`` reads it)
 
 A piece is written under a temporary name, fsynced, and renamed into place, so a piece either
-exists whole or not at all. Restore checks, in this order and before it installs anything: the
-manifest's checksum, the manifest's fields, every data file's size and checksum (before LMDB
-maps the file: a truncated file would kill the process with SIGBUS), then every value as it
-loads (``ams.shard.manifest``, ``ams.shard.restore``). A step with a missing, partial or corrupt
-piece is skipped for an older one. A snapshot of S shards restores into any S' shards: each
+exists whole or not at all; a write that fails removes its temporary, and the step directory
+when nothing else is in it, so a failed snapshot leaves no trace. Restore checks, in this
+order and before it installs anything: the manifest's checksum, the manifest's fields, every
+data file's size and checksum (before LMDB maps the file: a truncated file would kill the
+process with SIGBUS), then every value as it loads (``ams.shard.manifest``,
+``ams.shard.restore``). A step with a missing (``IncompleteStep``), partial or corrupt piece
+is skipped for an older one. A snapshot of S shards restores into any S' shards: each
 restoring shard reads the rows it owns from every piece. ``prune_snapshots`` removes old steps
 and leftovers of interrupted writes.
 """
@@ -57,6 +59,9 @@ from ams.sharding import piece_name
 log = logging.getLogger(__name__)
 
 COMMIT_BYTES = 256 << 20  # written values held in memory before LMDB commits them
+# a piece's step directory is made again at most this often when other shards' failed writes
+# remove it, empty, under this one (each time, another write failed at that very moment)
+_MAKE_TMP_TRIES = 3
 # Step numbers are zero-padded to 12 digits so that names sort; larger steps grow wider.
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
@@ -66,6 +71,11 @@ _DEDUPE_BYTES = PUSH_DEDUPE_CLIENTS * (PUSH_DEDUPE_WINDOW * 22 + 6 * MAX_CLIENT_
 # process, so a pruner never takes a write in progress for the leftover of a dead one.
 _PIECE_LOCKS: dict[tuple[str, int, int], threading.Lock] = {}
 _PIECE_LOCKS_GUARD = threading.Lock()
+
+
+class IncompleteStep(SnapshotError):
+    """A step some shards wrote no piece of: their snapshot failed or a crash interrupted it,
+    or they are still writing it. Not damage: an older step is the one to restore."""
 
 
 def step_dir(data_dir: Path, step: int) -> Path:
@@ -178,20 +188,20 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
         raise SnapshotError(f"step={shorten(step)} must be an integer >= 0")
     final = step_dir(data_dir, step) / piece_name(store.shard_id, store.num_shards)
     with _piece_lock(data_dir, store.shard_id, store.num_shards):
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp = None
         try:
+            tmp = _new_tmp(final)
             manifest = _write_data(store, tmp, step)
             _seal(tmp, manifest)
         except (OSError, lmdb.Error, RequestTooLarge, StorageError) as e:
             # a full disk, a file-size limit, no room for an mmap table's scratch copy
-            shutil.rmtree(tmp, ignore_errors=True)
+            _drop_write(tmp, final.parent)
             raise SnapshotError(
                 f"{final}: snapshot step {step} not written ({type(e).__name__}: "
                 f"{shorten(str(e), 300)}; a full disk or a file-size limit?); nothing of it "
                 "was kept, the tables serve on unchanged and older snapshots stay") from e
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _drop_write(tmp, final.parent)
             raise
         if final.exists():  # a snapshot of the same step again: replace it whole
             shutil.rmtree(final)
@@ -200,6 +210,41 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
     log.info("snapshot_written step=%d path=%s bytes=%d", step, final,
              manifest["files"][DATA_FILE]["size"])
     return final
+
+
+def _new_tmp(final: Path) -> Path:
+    """A new directory to write ``final``'s piece in, beside it, its step directory made too.
+    Another shard removes that directory when its own write fails and leaves it empty; were
+    that to happen between the two, the step directory is made again."""
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    for attempt in range(1, _MAKE_TMP_TRIES + 1):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir()
+            break
+        except FileNotFoundError:
+            if attempt == _MAKE_TMP_TRIES:
+                raise
+    return tmp
+
+
+def _drop_write(tmp: Path | None, step_path: Path) -> None:
+    """Remove a failed write's temporary directory, and its step directory if that leaves it
+    empty (no other shard's piece or write in it): a step directory without pieces would make
+    every later restore report a snapshot that never existed."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _remove_if_empty(step_path)
+
+
+def _remove_if_empty(step_path: Path) -> bool:
+    """Remove ``step_path`` if it is empty; whether this call removed it (False too when
+    another shard did first)."""
+    try:
+        step_path.rmdir()
+    except OSError:
+        return False  # other shards' pieces (or their writes) are in it, or it is gone
+    return True
 
 
 def _write_data(store: ShardStore, tmp: Path, step: int) -> dict:
@@ -254,11 +299,17 @@ def list_steps(data_dir: Path) -> list[int]:
 
 
 def pieces_of(step_path: Path) -> list[Path]:
+    """Every piece of the step at ``step_path``, one per shard of the count that wrote it;
+    ``IncompleteStep`` when a shard wrote none."""
     if not step_path.is_dir():
         raise SnapshotError(f"{step_path} does not exist")
-    pieces = sorted(p for p in step_path.iterdir() if PIECE_RE.match(p.name))
+    entries = list(step_path.iterdir())
+    pieces = sorted(p for p in entries if PIECE_RE.match(p.name))
     if not pieces:
-        raise SnapshotError(f"{step_path}: no shard pieces")
+        writes = sum(p.name.startswith(".tmp-") for p in entries)
+        raise IncompleteStep(f"{step_path}: no shard wrote its piece" + (
+            f" ({writes} being written, or left by a crash)" if writes else
+            " (the snapshot failed)"))
     totals = {int(PIECE_RE.match(p.name).group(2)) for p in pieces}
     if len(totals) != 1:
         raise SnapshotError(f"{step_path}: pieces of different shard counts {sorted(totals)}")
@@ -266,7 +317,8 @@ def pieces_of(step_path: Path) -> list[Path]:
     have = {int(PIECE_RE.match(p.name).group(1)) for p in pieces}
     missing = sorted(set(range(total)) - have)
     if missing:
-        raise SnapshotError(f"{step_path}: pieces for shards {missing} of {total} are missing")
+        raise IncompleteStep(f"{step_path}: shards {shorten(missing)} of {total} wrote no piece "
+                             "(their snapshot failed or was interrupted, or is being written)")
     return pieces
 
 
@@ -336,9 +388,12 @@ def _remove_leftover_writes(root: Path, piece: str) -> list[Path]:
     for step_path in root.iterdir():
         if not _STEP_RE.match(step_path.name) or not step_path.is_dir():
             continue
-        for tmp in step_path.glob(f".tmp-{piece}-*"):
+        leftovers = list(step_path.glob(f".tmp-{piece}-*"))
+        for tmp in leftovers:
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp)
+        if leftovers and _remove_if_empty(step_path):  # the step was only that write
+            removed.append(step_path)
     return removed
 
 
@@ -355,9 +410,6 @@ def _remove_pieces(step_path: Path, shard_id: int, num_shards: int) -> list[Path
         if m and int(m.group(1)) % num_shards == shard_id:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
-    try:
-        step_path.rmdir()
+    if _remove_if_empty(step_path):
         removed.append(step_path)
-    except OSError:
-        pass  # other shards' pieces (or their leftovers) are still in it
     return removed
