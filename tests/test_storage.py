@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import subprocess
@@ -23,11 +24,12 @@ import torch
 import ams
 from ams.errors import InvalidArgument, SnapshotError, StorageError, TableNotFound
 from ams.shard import restore, snapshot
-from ams.shard.mapped import TABLE_JSON, table_dir_name
+from ams.shard.mapped import SUMMED_FILES, TABLE_JSON, table_dir_name
 from ams.shard.page_advice import resident_pages
 from ams.shard.slots import slot_capacity
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
+from ams.shard.table_sums import SUMS_KEY, file_sums
 from tests.conftest import in_position_order
 
 N, D = 103, 6
@@ -188,6 +190,36 @@ def _repeated_slot(piece):
     return path
 
 
+def _nan_row(piece):
+    path = piece / "fc" / "rows.bin"
+    rows = np.memmap(path, dtype=np.float32, mode="r+")
+    rows[D:2 * D] = np.nan  # the row in slot 1
+    rows.flush()
+    del rows
+    return path
+
+
+def _flipped_bit(piece, name="state.bin"):
+    path = piece / "fc" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _edit_json(piece, **fields):
+    path = piece / "fc" / TABLE_JSON
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return path
+
+
+def _resealed(piece, damage):
+    """``damage`` done, and table.json's checksums made to match it."""
+    bad = damage(piece)
+    _edit_json(piece, **{SUMS_KEY: file_sums(piece / "fc", SUMMED_FILES)})
+    return bad
+
+
 def _unknown_format(piece):
     path = piece / "fc" / TABLE_JSON
     doc = json.loads(path.read_text())
@@ -198,7 +230,13 @@ def _unknown_format(piece):
 DAMAGE = {
     "truncated rows.bin": (_truncate, "truncated or damaged"),
     "truncated slots.bin": (lambda piece: _truncate(piece, "slots.bin"), "truncated or damaged"),
-    "repeated slot in slots.bin": (_repeated_slot, "two rows share a slot"),
+    "NaN in rows.bin": (_nan_row, "its checksum is not the one its table recorded"),
+    "a flipped bit in state.bin": (_flipped_bit, "changed or damaged since"),
+    "repeated slot in slots.bin": (_repeated_slot, "its checksum is not the one"),
+    "repeated slot behind matching checksums": (lambda piece: _resealed(piece, _repeated_slot),
+                                                "two rows share a slot"),
+    "checksum of a file missing": (lambda piece: _edit_json(piece, **{SUMS_KEY: {
+        "rows.bin": "0" * 64}}), f"malformed \\({SUMS_KEY}"),
     "format of a newer version": (_unknown_format, "format 3, need 2"),
     "grown state.bin": (_grow, "truncated or damaged"),
     "missing row_clock.bin": (_delete, "missing"),
@@ -227,6 +265,82 @@ def test_damaged_or_foreign_files_are_refused_and_kept(tmp_path, damage):
     assert listing(tmp_path) == before  # nothing deleted, nothing made
     with pytest.raises(StorageError, match=needle):  # the lock was let go: refused again
         mmap_store(tmp_path)
+
+
+def test_a_table_closed_without_checksums_is_reopened_with_a_warning(tmp_path, caplog):
+    memory = ShardStore()
+    mapped = mmap_store(tmp_path)
+    for store in (memory, mapped):
+        store.create_table(spec())
+        drive(store, 3)
+    mapped.close()
+    piece = tmp_path / "shard-00000-of-00001"
+    doc = json.loads((piece / "fc" / TABLE_JSON).read_text())
+    assert sorted(doc[SUMS_KEY]) == sorted(["rows.bin", "state.bin", "row_clock.bin",
+                                            "slots.bin"])
+    del doc[SUMS_KEY]  # as a version before the checksums closed it
+    (piece / "fc" / TABLE_JSON).write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING, logger="ams.shard.mapped"):
+        reopened = mmap_store(tmp_path)
+    assert f"table_unverified table=fc path={piece / 'fc'} reason=no_checksums" in caplog.text
+    assert same_table(memory, reopened)
+    reopened.close()  # closed again, with its checksums
+    assert SUMS_KEY in json.loads((piece / "fc" / TABLE_JSON).read_text())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ams.shard.mapped"):
+        mmap_store(tmp_path).close()
+    assert "table_unverified" not in caplog.text
+
+
+def test_a_shard_refuses_a_damaged_table_in_one_line(tmp_path):
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path / "tables")
+    store.create_table(spec())
+    drive(store, 2)
+    store.close()
+    bad = _nan_row(tmp_path / "tables" / "shard-00000-of-00001")
+    out = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
+                          "--num-shards", "1", "--storage", "mmap", "--data-dir", str(tmp_path),
+                          "--port-file", str(tmp_path / "port")],
+                         capture_output=True, text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert errors == [f"error: --storage mmap: {bad}: its checksum is not the one its table "
+                      "recorded when it was closed (changed or damaged since); remove "
+                      f"{bad.parent} and restore a snapshot"]
+    assert not (tmp_path / "port").exists()
+
+
+def resident_in(path: Path) -> torch.Tensor:
+    """bool (pages,): which pages of the file at ``path`` are in the page cache."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        pages = torch.frombuffer(m, dtype=torch.uint8)
+        resident = resident_pages(pages).clone()
+        del pages  # before the map closes
+    return resident
+
+
+def test_checking_a_table_leaves_the_page_cache_as_it_found_it(tmp_path):
+    """The checksums read every file at close and at reopen; the pages that were not in the
+    page cache before are not after, and those that were stay: a table larger than memory
+    keeps its rows in use in the cache."""
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)
+    store.create_table(TableSpec(name="big", num_rows=50_000, dim=64, seed=1))
+    store.close()
+    rows = tmp_path / "shard-00000-of-00001" / "big" / "rows.bin"
+    fd = os.open(rows, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead still under way
+        os.pread(fd, 1 << 20, 0)  # the first 256 pages
+    finally:
+        os.close(fd)
+    before = resident_in(rows)
+    if not before[:256].all() or before[256:].any():
+        pytest.skip("this kernel keeps the pages (POSIX_FADV_DONTNEED)")
+    store = ShardStore(0, 1, storage="mmap", storage_dir=tmp_path)  # reads every page
+    assert torch.equal(resident_pages(store.table("big").rows), before)
+    store.close()
+    assert torch.equal(resident_in(rows), before)
 
 
 def test_files_of_another_shard_layout_are_refused(tmp_path):

@@ -12,16 +12,18 @@ a storage dir the shards may share::
             slots.bin                      once closed: each row's slot, int32 (or int64 past
                                            2**31 slots), in position order
             table.json                     spec, shard layout, slot count, "closed"; once
-                                           closed also the decay clock, the slots' cursor and
-                                           the push dedupe state
+                                           closed also the decay clock, the slots' cursor,
+                                           the push dedupe state and a checksum of each
+                                           file above (``ams.shard.table_sums``)
 
 Files are preallocated (``posix_fallocate``), so a full disk, a quota or a file-size limit
 fails when a table is made, with ``StorageFull``, not later as SIGBUS on a page's first write.
 A new table, created or restored, is built in a hidden directory beside the live ones and
 renamed into place once complete: a failure leaves no half-made files and the live table as
 it was. ``close_table`` flushes the maps (msync) and marks the table closed; a store opening
-the directory again reopens closed tables and discards the others, whose files may hold a
-half-applied push (the process died; a snapshot is the recovery). Copies for snapshots go to
+the directory again reopens closed tables, once their files match the checksums recorded at
+close, and discards the others, whose files may hold a half-applied push (the process died; a
+snapshot is the recovery). Copies for snapshots go to
 scratch files unlinked as soon as they are mapped: no RAM copy of the table, their disk space
 returns when the copy is dropped, and a crash leaves none behind. Pure: no gRPC.
 """
@@ -60,6 +62,7 @@ from ams.shard.storage import (
     TableLayout,
     TableTensors,
 )
+from ams.shard.table_sums import SUMS_KEY, check_sums, file_sums
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ TABLE_FORMAT = 2
 TABLE_JSON = "table.json"
 TENSORS = ("rows", "state", "row_clock")  # each in <name>.bin
 SLOTS_FILE = "slots.bin"
+# the files whose checksums a closed table records
+SUMMED_FILES = (*(f"{name}.bin" for name in TENSORS), SLOTS_FILE)
 LOCK_FILE = ".lock"
 # What a store makes beside its live tables: tables being built, tables being replaced,
 # scratch copies. Hidden names, so no table's directory can take one; a store removes the
@@ -231,8 +236,13 @@ class MmapStorage(Storage):
         files.flush()
         slots = tensors.slots
         _write_file(files.home / SLOTS_FILE, slots.slot_of.tobytes(), what)
+        try:
+            sums = file_sums(files.home, SUMMED_FILES)
+        except OSError as e:
+            raise StorageError(f"{what}: its files in {files.home} cannot be read back "
+                               f"({e.strerror or e})") from None
         doc = {**self._doc(spec, slots.capacity, closed=True), "decay_clock": clock,
-               "push_dedupe": dedupe, "cursor": slots.cursor}
+               "push_dedupe": dedupe, "cursor": slots.cursor, SUMS_KEY: sums}
         _write_json(files.home / TABLE_JSON, doc, what)
 
     def reopen(self, parse_spec: Callable[[dict], TableLayout],
@@ -298,8 +308,9 @@ class MmapStorage(Storage):
     def _check_closed(self, home: Path, doc: dict, spec: TableLayout,
                       parse_dedupe: Callable[[object], object]
                       ) -> tuple[float, object, RowSlots]:
-        """A closed table's files have their tensors' sizes; its clock, push dedupe state
-        and slot map parse. Returns (clock, dedupe, slots)."""
+        """A closed table's files have their tensors' sizes and the checksums recorded at
+        close; its clock, push dedupe state and slot map parse. Returns (clock, dedupe,
+        slots)."""
         fix = _fix(home)
         where = home / TABLE_JSON
         owned = self.owned(spec)
@@ -330,6 +341,15 @@ class MmapStorage(Storage):
             if size != want:
                 raise StorageError(f"{path}: {size} bytes, table {shorten(spec.name)} needs "
                                    f"{want} (truncated or damaged); {fix}")
+        if SUMS_KEY in doc:
+            try:
+                check_sums(home, doc[SUMS_KEY], SUMMED_FILES, fix)
+            except OSError as e:
+                raise StorageError(f"{home}: unreadable ({e.strerror or e}); {fix}") from None
+        else:
+            log.warning("table_unverified table=%s path=%s reason=no_checksums: closed by a "
+                        "version that recorded none; its files are trusted as they are",
+                        spec.name, home)
         try:
             slot_of = np.fromfile(home / SLOTS_FILE, dtype=slot_dtype(capacity))
             return float(clock), dedupe, RowSlots(slot_of, capacity, cursor)
