@@ -289,3 +289,13 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
         with open(tmp_path / name / "graph.csv", newline="") as f:
             assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
+
+
+def test_bench_table_files_quick_times_a_close_and_two_reopens() -> None:
+    done = run_benchmark("bench_table_files.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [(cells[3], cells[4]) for cells in table_rows(done.stdout, "100000")]
+    assert steps == [("close", "as after training"), ("reopen", "as the close left it"),
+                     ("reopen", "dropped (a reboot)")]
+    for cells in table_rows(done.stdout, "100000"):
+        assert float(cells[5]) > 0 and float(cells[6]) > 0, cells
