@@ -67,6 +67,13 @@ SECTIONS = (
             "d = 128, a 500k-row table, random unique ids; *throughput*: M rows/s per backend, "
             "ratios the medians of per-repeat ratios; *1-row pull*: ms; *CPU per xcls call*: ms "
             "in the client and the shards; *10k rows*: M rows/s per shard for pushes."),
+    Section("Table files (bench_table_files.py)", "bench_table_files",
+            "An mmap table of float32 rows with momentum, closed (a clean stop) and opened "
+            "again with `ams.connect(local_shards=1, storage=\"mmap\")`: seconds of each, of "
+            "which the checksums of its files (`ams.shard.table_sums`), which is what they add "
+            "(timed apart, in the same cache state: on a busy host the two timings differ by "
+            "more than the rest, and the share passes 100 %); *page cache*: as the close left "
+            "it, or the files dropped from it first (a reboot)."),
     Section("Graph build (bench_graph.py)", "bench_graph",
             "Exact KNN graph, k = 32 with the row itself, d = 128, clustered rows; recall@k "
             "against a float64 brute force; *ivf*: `graph.method = \"ivf\"`."),
