@@ -56,7 +56,10 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         full = CollectiveHead(client, "fc", N, margin, "full", rank=rank, world=world)
         before = client.pull("fc", torch.arange(N))
         step = full.forward_backward(features[mine], full.prepare(labels[mine]))
-        RowUpdater(client, "fc", [LR]).update(0, step.active_ids, step.row_grad)
+        updater = RowUpdater(client, "fc", [LR])
+        updater.update(0, step.active_ids, step.row_grad)
+        updater.flush()
+        updater.close()
         result["full"] = {"loss": step.loss, "accuracy": step.accuracy,
                           "feature_grad": step.feature_grad, "active": step.active_ids,
                           "row_grad": step.row_grad, "num_active": step.num_active,

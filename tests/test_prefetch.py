@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
+import ams
 from workers.heads import ActiveBatch
 from workers.prefetch import Prefetcher
+from workers.row_update import RowUpdater
 
 
 def labelled(count: int):
@@ -79,3 +82,60 @@ def test_restored_batches_are_not_prepared_again():
     finally:
         prefetcher.close()
     assert prepare.labels == [1, 2]
+
+
+class GatedStore:
+    """A real AMS client whose pushes wait for a gate: a push the test holds in flight."""
+
+    def __init__(self) -> None:
+        self.client = ams.connect(local_shards=1)
+        self.client.create_table("fc", num_rows=8, dim=2, momentum=0.0, weight_decay=0.0)
+        self.spec, self.gate = self.client.spec, threading.Event()
+
+    def push(self, *args, **kwargs) -> None:
+        self.gate.wait(timeout=30)
+        self.client.push(*args, **kwargs)
+
+
+def test_a_batch_is_prepared_only_after_the_push_depth_before_it_is_applied():
+    store = GatedStore()
+    rows = RowUpdater(store, "fc", [0.1] * 4)
+    prepare = Prepared()
+    prefetcher = Prefetcher(labelled(4), prepare, depth=1, start_step=0,
+                            wait_pushed=rows.wait_pushed)
+    try:
+        assert int(next(prefetcher).active.active_ids[0]) == 0
+        prefetcher.wait_prepared(0)  # batch 1: nothing to wait for before step 0
+        rows.update(0, torch.tensor([3]), torch.ones(1, 2))  # held in flight
+        prefetcher.step_done()
+        assert not prepare.seen(2, timeout=0.3)  # batch 2 pulls only after push 0 applied
+        store.gate.set()
+        assert prepare.seen(2, timeout=10)
+        assert rows.wait_pushed(0, timeout=0)
+    finally:
+        prefetcher.close()
+        rows.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
+def test_batches_are_staged_on_the_device_as_prepared():
+    device = torch.device("cuda", 0)
+
+    def prepare(labels: torch.Tensor) -> ActiveBatch:
+        g = torch.Generator().manual_seed(int(labels[0]))
+        return ActiveBatch(active_ids=torch.arange(5), target=torch.randint(5, (3,), generator=g),
+                           rows=torch.randn(5, 4, generator=g), log_weight=torch.rand(5))
+
+    prefetcher = Prefetcher(labelled(3), prepare, depth=1, start_step=0, device=device)
+    try:
+        for step in range(3):
+            prepared = next(prefetcher)
+            staged = prepared.on_device()
+            assert staged.rows.device == staged.target.device == device
+            assert staged.active_ids.device.type == "cpu"
+            for name in ("rows", "target", "log_weight"):
+                assert torch.equal(getattr(staged, name).cpu(), getattr(prepared.active, name))
+            prefetcher.wait_prepared(step)
+            prefetcher.step_done()
+    finally:
+        prefetcher.close()

@@ -119,9 +119,9 @@ class CollectiveHead:
         Returns ``loss`` and ``accuracy`` of the global batch (equal on every rank),
         ``feature_grad`` (B, dim) the gradient of the mean loss over this rank's samples (as
         ``ClassifierHead`` returns it; DDP's average over ranks makes it the global batch's),
-        ``active_ids`` / ``row_grad`` (A_r,), (A_r, dim) float32 CPU: this slice's active
-        classes and the gradient of the global batch's mean loss w.r.t. their rows, and
-        ``num_active`` the active classes of all slices together.
+        ``active_ids`` / ``row_grad`` (A_r,) on the CPU, (A_r, dim) float32 on the features'
+        device: this slice's active classes and the gradient of the global batch's mean loss
+        w.r.t. their rows, and ``num_active`` the active classes of all slices together.
         """
         labels = batch.target
         if features.dim() != 2 or features.shape[0] != labels.shape[0]:
@@ -149,7 +149,7 @@ class CollectiveHead:
         mine = self._reduce_scatter(feature_grad) * self.world
         return HeadStep(loss=loss, feature_grad=mine.to(features.dtype), accuracy=accuracy,
                         num_active=num_active,
-                        row_grad=row_grad.float().cpu(), active_ids=selection.active)
+                        row_grad=row_grad.float(), active_ids=selection.active)
 
     # ---- parts ------------------------------------------------------------------------
 

@@ -94,8 +94,9 @@ class HeadStep:
         backbone's backward with ``features.backward(step.feature_grad)``.
     accuracy: fraction of samples whose highest cosine among the active classes is their label.
     num_active: A, the number of classes in the softmax.
-    row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows),
-        in the order of ``active_ids``; the caller pushes it.
+    row_grad: (A, dim) float32 dL/dW of the active rows (w.r.t. the unnormalized rows), in
+        the order of ``active_ids``, on the features' device; the caller pushes it
+        (``workers.row_update`` copies it to the host without blocking).
     active_ids: int64 (A,) the classes of ``row_grad``'s rows.
     """
 
@@ -230,7 +231,8 @@ class ClassifierHead:
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
-        ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the CPU.
+        ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the
+        features' device.
         """
         if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
             raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
@@ -252,7 +254,7 @@ class ClassifierHead:
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
                         accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),
-                        row_grad=row_grad.cpu(), active_ids=batch.active_ids)
+                        row_grad=row_grad, active_ids=batch.active_ids)
 
     def sampler_state(self) -> torch.Tensor | None:
         """The state of the generator that draws random negatives (None if the head draws

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,13 +23,43 @@ from workers.heads import ActiveBatch
 
 @dataclass
 class PreparedBatch:
-    """A loaded batch with its active classes and pulled rows."""
+    """A loaded batch with its active classes and pulled rows (``active``, on the CPU: what a
+    checkpoint keeps), and the same on the training device (``staged``; ``copied``: the CUDA
+    event its copy records, None on the CPU)."""
 
     batch: Batch
     active: ActiveBatch
     # seconds this thread spent on it by phase ("data": waiting for the loader, "prepare":
     # select + pull), observed when its step ends (workers.metrics)
     seconds: dict[str, float] = field(default_factory=dict)
+    staged: ActiveBatch | None = None
+    copied: torch.cuda.Event | None = None
+
+    def on_device(self) -> ActiveBatch:
+        """The batch on the training device, once the current stream has waited for its copy
+        (call it on the thread that computes with it)."""
+        if self.staged is None:
+            return self.active
+        if self.copied is not None:
+            stream = torch.cuda.current_stream(self.staged.rows.device)
+            stream.wait_event(self.copied)
+            # made on the copy stream, used on this one: not reused before this one is done
+            for tensor in (self.staged.rows, self.staged.target, self.staged.log_weight):
+                tensor.record_stream(stream)
+        return self.staged
+
+
+def stage(active: ActiveBatch, device: torch.device, stream: torch.cuda.Stream
+          ) -> tuple[ActiveBatch, torch.cuda.Event]:
+    """``active``'s rows, targets and logQ weights on CUDA ``device``, copied from pinned host
+    memory on ``stream`` without blocking; the event is recorded once they are there.
+    ``active_ids`` stay on the CPU, where the row update needs them."""
+    with torch.cuda.stream(stream):
+        rows, target, log_weight = (t.pin_memory().to(device, non_blocking=True)
+                                    for t in (active.rows, active.target, active.log_weight))
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return replace(active, rows=rows, target=target, log_weight=log_weight), copied
 
 
 _END = object()
@@ -40,14 +70,23 @@ class Prefetcher:
 
     batches: the loader's batches from ``start_step`` on; prepare: labels int64 (B,) ->
     ActiveBatch; restored: ActiveBatches prepared before a checkpoint for the first batches
-    (used instead of preparing them again, so a resumed run sees the same rows).
+    (used instead of preparing them again, so a resumed run sees the same rows);
+    wait_pushed: ``wait_pushed(step, timeout)`` is True once the row update of ``step`` is
+    applied on the shards, False after ``timeout`` seconds
+    (``workers.row_update.RowUpdater.wait_pushed``; None: pushes are done when a step is);
+    device: where the trainer computes (CUDA: batches are staged there, see ``stage``).
     """
 
     def __init__(self, batches: Iterator[Batch], prepare: Callable[[torch.Tensor], ActiveBatch],
-                 depth: int, start_step: int, restored: list[ActiveBatch] | None = None) -> None:
+                 depth: int, start_step: int, restored: list[ActiveBatch] | None = None, *,
+                 wait_pushed: Callable[[int, float], bool] | None = None,
+                 device: torch.device | None = None) -> None:
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.depth = depth
+        self._wait_pushed = wait_pushed
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._batches = batches
         self._prepare = prepare
         self._restored = list(restored or [])
@@ -71,13 +110,18 @@ class Prefetcher:
                         lambda u=u: self._stop or self._steps_done >= u - self.depth)
                     if self._stop:
                         return
+                if not self._pushed(u - self.depth - 1):
+                    return
                 started = time.perf_counter()
                 active = self._restored.pop(0) if self._restored else self._prepare(batch[2])
                 seconds = {"data": loaded - mark, "prepare": time.perf_counter() - started}
+                prepared = PreparedBatch(batch, active, seconds)
+                if self._stream is not None:
+                    prepared.staged, prepared.copied = stage(active, self._device, self._stream)
                 with self._cond:
                     self._prepared = u + 1
                     self._cond.notify_all()
-                self._put(PreparedBatch(batch, active, seconds))
+                self._put(prepared)
                 mark = time.perf_counter()
         except BaseException as e:  # handed to the trainer thread
             self._error = e
@@ -86,6 +130,13 @@ class Prefetcher:
                 self._finished = True
                 self._cond.notify_all()
             self._put(_END)
+
+    def _pushed(self, step: int) -> bool:
+        """Wait until the push of ``step`` is applied; False when closed first."""
+        while self._wait_pushed is not None and not self._wait_pushed(step, 0.1):
+            if self._stop:
+                return False
+        return not self._stop
 
     def _put(self, item: object) -> None:
         while not self._stop:
