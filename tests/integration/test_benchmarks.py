@@ -74,6 +74,25 @@ def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
         assert heads == ["full", "partial", "knn"], (ams_kind, done.stdout)
 
 
+def test_bench_step_quick_times_every_contender_against_the_backbone(results_dir) -> None:
+    done = run_benchmark("bench_step.py", "--quick", "--threads", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # N | rows | head | where the rows live | rows pulled/step | images/s | ms/step |
+    # ÷ backbone | above backbone | steps; --quick: 5,000 classes, batch 16, k = 12, 10 %
+    rows = [(cells[2], cells[3], cells[4]) for cells in table_rows(done.stdout, "5,000")]
+    assert rows == [("backbone", "—", "—"),
+                    ("knn", "AMS, embedded (2 shards)", "192"),
+                    ("knn", "AMS, 2 shard processes", "192"),
+                    ("partial", "AMS, embedded (2 shards)", "500"),
+                    ("knn", "collective, 1 rank", "192"),
+                    ("partial", "collective, 1 rank", "500")], done.stdout
+    for cells in table_rows(done.stdout, "5,000"):
+        assert float(cells[5].replace(",", "")) > 0 and cells[9] == "2", cells
+    assert table_rows(done.stdout, "5,000")[0][7] == "1.000"
+    recorded = (results_dir / "bench_step.jsonl").read_text().splitlines()
+    assert len(recorded) == 6 and '"device": "' in recorded[0]
+
+
 def test_bench_ams_quick_measures_every_backend() -> None:
     """Every backend (embedded, xcls shards with and without shared buffers, Redis, raw
     socket, bare gRPC) moves rows in every cell of the quick table, the 1-row latencies are
