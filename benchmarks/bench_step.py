@@ -18,6 +18,11 @@ Contenders (``--contenders``, all by default), each on the same label and image 
   knn-collective      the knn head in collective placement, one rank: the rows in the worker's
                       own slice (``workers.collective``)
   partial-collective  the partial head in collective placement: PartialFC's algorithm
+  full-embedded       (not by default) the exact softmax over all N classes, embedded AMS:
+                      a (B, N) logit matrix does not fit at 10M, so the rows are pulled
+                      ``--full-block`` at a time, the log-sum-exp taken over all blocks, then
+                      each block's gradients pushed (``full_softmax_blocked``); the baseline
+                      a full softmax at this size needs
 
 A step runs as the trainer runs it (``Trainer._step``): the prefetch thread selects and pulls
 ``--prefetch-depth`` steps ahead and on CUDA stages the rows on the device, the backbone
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from bench_heads import clock, install_standin_graph
 from results import describe_device, markdown_rows, record
 
@@ -79,7 +85,9 @@ CONTENDERS = {  # name: (head, placement)
     "partial-embedded": ("partial", EMBEDDED),
     "knn-collective": ("knn", COLLECTIVE),
     "partial-collective": ("partial", COLLECTIVE),
+    "full-embedded": ("full", EMBEDDED),
 }
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if name != "full-embedded"]
 # Image batches made once and cycled: labels change every step, pixels need not.
 IMAGE_BATCHES = 4
 
@@ -96,7 +104,8 @@ class Contender:
     head: RowHead | None = None
     rows: RowUpdater | None = None
     prefetcher: Prefetcher | None = None
-    batches: Iterator | None = None  # the backbone's own, without a prefetch thread
+    batches: Iterator | None = None  # without a prefetch thread: the backbone's, full's
+    client: ShardedClient | None = None  # full's
     step: int = 0
     seconds: list[float] = field(default_factory=list)
     active: list[int] = field(default_factory=list)
@@ -140,12 +149,11 @@ def make_head(kind: str, placement: str, client: ShardedClient, n: int,
               args: argparse.Namespace) -> RowHead:
     """The head the trainer builds for ``placement``: the knn budget batch x k, partial's
     sample rate, an ArcFace margin (s = 64)."""
-    margin = CombinedMarginLoss.from_preset("arcface")
     options = dict(sample_rate=args.sample_rate, k=args.k, budget=args.batch * args.k,
                    seed=args.seed)
     if placement == COLLECTIVE:
-        return CollectiveHead(client, TABLE, n, margin, kind, rank=0, world=1, **options)
-    return build_head(kind, client, TABLE, n, margin, **options)
+        return CollectiveHead(client, TABLE, n, args.margin, kind, rank=0, world=1, **options)
+    return build_head(kind, client, TABLE, n, args.margin, **options)
 
 
 def make_contender(name: str, where: str, client: ShardedClient | None, n: int,
@@ -153,14 +161,55 @@ def make_contender(name: str, where: str, client: ShardedClient | None, n: int,
     net, optimizer, scaler = backbone_parts(args)
     c = Contender(name, where, net, optimizer, scaler)
     kind, placement = CONTENDERS[name]
-    if kind is None:
-        c.batches = step_batches(args, n)
+    if kind in (None, "full"):
+        c.batches, c.client = step_batches(args, n), client
         return c
     c.head = make_head(kind, placement, client, n, args)
     c.rows = RowUpdater(client, TABLE, [LR] * args.total_steps)
     c.prefetcher = Prefetcher(step_batches(args, n), c.head.prepare, args.prefetch_depth, 0,
                               wait_pushed=c.rows.wait_pushed, device=args.device)
     return c
+
+
+def full_softmax_blocked(client: ShardedClient, features: torch.Tensor, labels: torch.Tensor,
+                         margin: CombinedMarginLoss, block: int) -> tuple[float, torch.Tensor]:
+    """The exact softmax cross-entropy over every class of the table, rows pulled ``block``
+    at a time; each block's row gradients are pushed. features (B, d) float on the compute
+    device, labels (B,) int64. Returns (loss, dL/dfeatures (B, d) float32)."""
+    device, batch = features.device, features.shape[0]
+    n = client.spec(TABLE).num_rows
+    labels = labels.to(device)
+    x = features.detach().float().requires_grad_(True)
+    blocks = []
+    lse = torch.full((batch,), -torch.inf, device=device)
+    target_logit = torch.zeros(batch, device=device)
+    with torch.no_grad():
+        x_unit = F.normalize(x, dim=1)
+        for start in range(0, n, block):
+            ids = torch.arange(start, min(start + block, n), dtype=torch.int64)
+            rows = client.pull(TABLE, ids).to(device)
+            blocks.append((ids, rows))
+            local = torch.where((labels >= start) & (labels < start + ids.numel()),
+                                labels - start, -1)
+            logits = margin(x_unit @ F.normalize(rows.float(), dim=1).t(), local)
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
+            hit = local >= 0
+            target_logit[hit] = logits[hit, local[hit]]
+    feature_grad = torch.zeros_like(x)
+    for ids, rows in blocks:
+        start = int(ids[0])
+        w = rows.float().requires_grad_(True)
+        local = torch.where((labels >= start) & (labels < start + ids.numel()),
+                            labels - start, -1)
+        logits = margin(F.normalize(x, dim=1) @ F.normalize(w, dim=1).t(), local)
+        hit = (local >= 0).nonzero().squeeze(1)
+        # d/dlogits of mean(lse - target): softmax minus the one-hot target, over B
+        surrogate = (torch.exp(logits - lse[:, None]).sum()
+                     - logits[hit, local[hit]].sum()) / batch
+        dx, dw = torch.autograd.grad(surrogate, (x, w))
+        feature_grad += dx
+        client.push(TABLE, ids, dw.cpu(), LR)
+    return float((lse - target_logit).mean()), feature_grad
 
 
 def run_block(c: Contender, steps: int, args: argparse.Namespace) -> None:
@@ -170,9 +219,9 @@ def run_block(c: Contender, steps: int, args: argparse.Namespace) -> None:
     for _ in range(steps):
         if c.prefetcher is not None:
             prepared = next(c.prefetcher)
-            images = prepared.batch[1]
+            _, images, labels = prepared.batch
         else:
-            images = next(c.batches)[1]
+            _, images, labels = next(c.batches)
         with torch.autocast(device.type, enabled=args.amp):
             features = c.net(images_to_input(images.to(device, non_blocking=True)))
         if c.head is not None:
@@ -182,6 +231,11 @@ def run_block(c: Contender, steps: int, args: argparse.Namespace) -> None:
             c.rows.update(c.step, out.active_ids, out.row_grad)
             feature_grad = out.feature_grad
             c.active.append(out.num_active)
+        elif c.client is not None:
+            _, feature_grad = full_softmax_blocked(c.client, features, labels, args.margin,
+                                                   args.full_block)
+            feature_grad = feature_grad.to(features.dtype)
+            c.active.append(c.client.spec(TABLE).num_rows)
         else:
             feature_grad = args.feature_grad.to(features.dtype)
         step_backbone(features, feature_grad, c.optimizer, c.scaler)
@@ -312,7 +366,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 5,000 classes, batch 16, small images, few steps")
     parser.add_argument("--sizes", default="1000000,10000000", help="comma separated N")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                         help=f"comma separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where the backbone and heads compute (auto: CUDA if present); "
@@ -326,6 +380,8 @@ def parse_args() -> argparse.Namespace:
                         help="neighbors per class (the class itself included); knn budget "
                              "batch x k")
     parser.add_argument("--sample-rate", type=float, default=0.1, help="partial head")
+    parser.add_argument("--full-block", type=int, default=1 << 18,
+                        help="rows per block of the full softmax (full-embedded)")
     parser.add_argument("--shards", type=int, default=2, help="AMS shards")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="train.prefetch_depth")
@@ -359,6 +415,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.dim = 32
     args.total_steps = args.warmup + args.block * args.rounds
+    args.margin = CombinedMarginLoss.from_preset("arcface")
     feature = torch.Generator().manual_seed(args.seed)
     args.feature_grad = (torch.randn(args.batch, args.dim, generator=feature)
                          / args.batch).to(args.device)

@@ -118,7 +118,7 @@ def test_a_batch_is_prepared_only_after_the_push_depth_before_it_is_applied():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
-def test_batches_are_staged_on_the_device_as_prepared():
+def test_cuda_batches_are_staged_on_the_device_as_prepared():
     device = torch.device("cuda", 0)
 
     def prepare(labels: torch.Tensor) -> ActiveBatch:
