@@ -166,7 +166,7 @@ def make_contender(name: str, where: str, client: ShardedClient | None, n: int,
         return c
     c.head = make_head(kind, placement, client, n, args)
     c.rows = RowUpdater(client, TABLE, [LR] * args.total_steps)
-    c.prefetcher = Prefetcher(step_batches(args, n), c.head.prepare, args.prefetch_depth, 0,
+    c.prefetcher = Prefetcher(step_batches(args, n), c.head, args.prefetch_depth, 0,
                               wait_pushed=c.rows.wait_pushed, device=args.device)
     return c
 

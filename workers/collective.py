@@ -106,10 +106,19 @@ class CollectiveHead:
         """Check ``labels`` (int64 (B,)) and pass them on: selection needs every rank's labels,
         a collective, so it runs in :meth:`forward_backward` on the trainer's thread, never in
         the prefetch thread. The batch holds only ``target`` = the labels."""
-        labels = checked_labels(labels, self.num_classes)
+        return self.pull(self.select(labels))
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """``labels`` (int64 (B,)) checked, as the selection's ``target``; no class is chosen
+        here (see :meth:`prepare`)."""
         empty = torch.empty(0, dtype=torch.int64)
-        return ActiveBatch(active_ids=empty, target=labels, rows=torch.empty(0, 0),
-                           log_weight=torch.empty(0))
+        return Selection(active=empty, target=checked_labels(labels, self.num_classes),
+                         log_weight=torch.empty(0))
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of :meth:`select`'s labels; no row is read here (see :meth:`prepare`)."""
+        return ActiveBatch(active_ids=selection.active, target=selection.target,
+                           rows=torch.empty(0, 0), log_weight=selection.log_weight)
 
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
         """One step of the model-parallel softmax; a collective over all ranks.

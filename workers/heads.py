@@ -10,9 +10,11 @@ All three share one step and differ only in which classes are active:
 
 A step is split in two so the trainer's prefetch thread can run the first half one step ahead:
 
-1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes and
-   pull their rows. Only talks to the AMS; safe to run in another thread while the previous
-   batch is in ``forward_backward``.
+1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes
+   (:meth:`ClassifierHead.select`, which reads no row) and pull their rows
+   (:meth:`ClassifierHead.pull`). Only talks to the AMS; safe to run in another thread while the
+   previous batch is in ``forward_backward``; the prefetch thread selects while the previous
+   push is still being applied and pulls once it is.
 2. :meth:`ClassifierHead.forward_backward` (features, batch -> :class:`HeadStep`): normalize
    features and rows, cosine logits, margin, cross-entropy, backward; hand back dL/dX for the
    backbone and dL/dW of the active rows, which ``workers.row_update`` pushes.
@@ -184,6 +186,8 @@ class RowHead(Protocol):
     num_classes: int
     combine_row_grads: bool  # whether the ranks' row gradients of a step are one push
 
+    def select(self, labels: torch.Tensor) -> Selection: ...
+    def pull(self, selection: Selection) -> ActiveBatch: ...
     def prepare(self, labels: torch.Tensor) -> ActiveBatch: ...
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep: ...
     def sampler_state(self) -> torch.Tensor | None: ...
@@ -220,8 +224,15 @@ class ClassifierHead:
         Not reentrant (the selector's random generator is shared), but independent of
         ``forward_backward``, so one prefetch thread may call it while the trainer steps.
         """
-        labels = checked_labels(labels, self.num_classes)
-        selection = self.selector(labels)
+        return self.pull(self.select(labels))
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """The active classes for ``labels`` (int64 (B,) class ids); reads no row (a knn
+        selector reads the graph's lists). Not reentrant, as :meth:`prepare`."""
+        return self.selector(checked_labels(labels, self.num_classes))
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of ``selection`` with its rows pulled from the AMS."""
         rows = self.store.pull(self.table, selection.active)
         return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,
                            log_weight=selection.log_weight)

@@ -1,9 +1,17 @@
 """Prepare (select active classes + pull rows) for step t+depth while step t computes.
 
-Determinism: the rows of batch u are pulled after step ``u - depth - 1`` has finished and
-before step ``u - depth`` pushes (the trainer calls ``wait_prepared`` before it pushes). So the
-rows a step sees do not depend on thread timing, and a run is reproducible; ``depth = 0`` is
-the strict order (pull after the previous push).
+Determinism: the active classes of batch u are selected after step ``u - depth - 1`` has
+finished (a graph rebuild between steps included), and its rows pulled once that step's push is
+applied on the shards too (the row update pushes behind the trainer, ``workers.row_update``;
+``wait_pushed`` tells when), and before step ``u - depth`` pushes (the trainer calls
+``wait_prepared`` before it hands its push over). So the rows a step sees do not depend on
+thread timing, and a run is reproducible; ``depth = 0`` is the strict order (pull after the
+previous push). The selection, which reads no row, runs while that push is applied: only the
+pull waits for it.
+
+On CUDA the pulled rows are copied to pinned host memory and on to the device on a stream of
+this thread's own, without blocking: the copy of batch u runs while the trainer computes, and
+:meth:`PreparedBatch.on_device` makes the trainer's stream wait for it.
 """
 
 from __future__ import annotations
@@ -13,12 +21,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from workers.batch_plan import Batch
 from workers.heads import ActiveBatch
+from workers.selection import Selection
 
 
 @dataclass
@@ -65,20 +74,33 @@ def stage(active: ActiveBatch, device: torch.device, stream: torch.cuda.Stream
 _END = object()
 
 
+class Preparer(Protocol):
+    """The two halves of a head's ``prepare`` (``workers.heads.RowHead``)."""
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """labels int64 (B,) -> the batch's active classes; reads no row."""
+        ...
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of ``selection``, its rows pulled."""
+        ...
+
+
 class Prefetcher:
     """Iterates over ``PreparedBatch`` for steps ``start_step, start_step+1, ...``.
 
-    batches: the loader's batches from ``start_step`` on; prepare: labels int64 (B,) ->
-    ActiveBatch; restored: ActiveBatches prepared before a checkpoint for the first batches
-    (used instead of preparing them again, so a resumed run sees the same rows);
+    batches: the loader's batches from ``start_step`` on; head: selects a batch's classes and
+    pulls their rows (:class:`Preparer`); restored: ActiveBatches prepared before a checkpoint
+    for the first batches (used instead of preparing them again, so a resumed run sees the
+    same rows);
     wait_pushed: ``wait_pushed(step, timeout)`` is True once the row update of ``step`` is
     applied on the shards, False after ``timeout`` seconds
     (``workers.row_update.RowUpdater.wait_pushed``; None: pushes are done when a step is);
     device: where the trainer computes (CUDA: batches are staged there, see ``stage``).
     """
 
-    def __init__(self, batches: Iterator[Batch], prepare: Callable[[torch.Tensor], ActiveBatch],
-                 depth: int, start_step: int, restored: list[ActiveBatch] | None = None, *,
+    def __init__(self, batches: Iterator[Batch], head: Preparer, depth: int, start_step: int,
+                 restored: list[ActiveBatch] | None = None, *,
                  wait_pushed: Callable[[int, float], bool] | None = None,
                  device: torch.device | None = None) -> None:
         if depth < 0:
@@ -88,7 +110,7 @@ class Prefetcher:
         self._device = device if device is not None and device.type == "cuda" else None
         self._stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._batches = batches
-        self._prepare = prepare
+        self._head = head
         self._restored = list(restored or [])
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth + 1)
         self._cond = threading.Condition()
@@ -110,10 +132,16 @@ class Prefetcher:
                         lambda u=u: self._stop or self._steps_done >= u - self.depth)
                     if self._stop:
                         return
-                if not self._pushed(u - self.depth - 1):
-                    return
                 started = time.perf_counter()
-                active = self._restored.pop(0) if self._restored else self._prepare(batch[2])
+                if self._restored:
+                    active = self._restored.pop(0)
+                else:
+                    selection = self._head.select(batch[2])
+                    waited = time.perf_counter()
+                    if not self._pushed(u - self.depth - 1):
+                        return
+                    started += time.perf_counter() - waited  # not counted as preparing
+                    active = self._head.pull(selection)
                 seconds = {"data": loaded - mark, "prepare": time.perf_counter() - started}
                 prepared = PreparedBatch(batch, active, seconds)
                 if self._stream is not None:

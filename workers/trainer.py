@@ -199,7 +199,7 @@ class Trainer:
                     batch = (ids, images, labels)
                 yield batch
 
-        self._prefetcher = Prefetcher(batches(), self.head.prepare, self.cfg.train.prefetch_depth,
+        self._prefetcher = Prefetcher(batches(), self.head, self.cfg.train.prefetch_depth,
                                       self.step, resumed.get("prepared"),
                                       wait_pushed=self.rows.wait_pushed, device=self.device)
         bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True, desc="train",

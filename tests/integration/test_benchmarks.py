@@ -93,6 +93,26 @@ def test_bench_step_quick_times_every_contender_against_the_backbone(results_dir
     assert len(recorded) == 6 and '"device": "' in recorded[0]
 
 
+def test_bench_row_push_quick_counts_each_ranks_share(results_dir) -> None:
+    done = run_benchmark("bench_row_push.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # N | ranks | own | sent | received | pushed | KiB | pushed ÷ own | all at one rank | ms;
+    # --quick: 20,000 classes, batch 32 a rank, knn budget 32 x 12 = 384 rows a rank
+    rows = {cells[1]: cells for cells in table_rows(done.stdout, "20,000")}
+    assert set(rows) == {"2", "4"}, done.stdout
+    for world, cells in rows.items():
+        own, sent, received, pushed, funnel = (float(cells[i].replace(",", ""))
+                                               for i in (2, 3, 4, 5, 8))
+        w = int(world)
+        assert own == 384 and funnel == w * 384
+        # about (W - 1) / W of a rank's rows go to the others, as many come back
+        assert abs(sent - own * (w - 1) / w) < own / 4 and abs(received - sent) < own / 4
+        # each rank pushes about its share of the union, never the funnel's W shares
+        median, worst = (float(x) for x in cells[7].split(", "))
+        assert 0.8 < median <= 1.0 and worst < 1.5, cells
+    assert len((results_dir / "bench_row_push.jsonl").read_text().splitlines()) == 2
+
+
 def test_bench_ams_quick_measures_every_backend() -> None:
     """Every backend (embedded, xcls shards with and without shared buffers, Redis, raw
     socket, bare gRPC) moves rows in every cell of the quick table, the 1-row latencies are
