@@ -12,7 +12,7 @@ Where the class rows live while a job trains (``head.placement``):
   row gradient of its own slice into its own slice.
 * AMS (``workers.heads``): the rows live in a model server. Each rank selects and pulls its
   active rows, computes the softmax of its own samples, and the row gradients of all ranks
-  are gathered to rank 0, which makes one push (``workers.row_update.RowUpdater``).
+  are combined, each rank pushing its share (``workers.row_update.RowUpdater``).
 
 Three setups are timed, on the same label and image sequence:
 
@@ -198,8 +198,8 @@ def run_rank(rank: int, job: Job, port: int, args: argparse.Namespace, out: dict
             for kind in job.heads:
                 store = TimedStore(client)
                 head = make_head(placement, kind, store, job, rank, args)
-                # the trainer's rule: one push from rank 0 for the AMS heads, one per slice
-                # for the collective head
+                # the trainer's rule: the AMS heads' ranks push their shares of one update,
+                # a collective head's rank its own slice's
                 combine = head.combine_row_grads
                 updater = RowUpdater(client, TABLE, [LR] * (args.warmup + args.steps),
                                      rank=rank if combine else 0,
@@ -222,12 +222,15 @@ def run_rank(rank: int, job: Job, port: int, args: argparse.Namespace, out: dict
                 features = net(images_to_input(images.to(device, non_blocking=True)))
             result = c.head.forward_backward(features, active)
             updater.update(i, result.active_ids, result.row_grad)
+            updater.flush()  # in the step's time: the trainer overlaps it, this table not
             step_backbone(features, result.feature_grad, optimizer, scaler)
             optimizer.zero_grad(set_to_none=True)
             c.record(total=clock(device) - started, active=result.num_active)
 
         round_robin(contenders, args.warmup, step)
         drop_warmup(contenders, args.warmup)
+        for updater, *_ in parts.values():
+            updater.close()
         out[rank] = {(c.settings, c.name): c.samples for c in contenders}
         if job.world > 1:
             dist.barrier()  # no slice server stops while another rank still steps

@@ -96,7 +96,7 @@ class TimedStore:
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
              decay_clock: float | None = None) -> None:
         started = time.perf_counter()
-        self.client.push(table, ids, grads, lr, decay_clock)
+        self.client.push(table, ids, grads.cpu(), lr, decay_clock)  # from the head's device
         self.push_s += time.perf_counter() - started
 
     def neighbors(self, table: str, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ pages people read from these files; nothing else writes them. A benchmark calls:
     record("bench_topk", rows, device=describe_device(device))
 
 ``XCLS_RESULTS_DIR`` sends the records elsewhere (the tests point it at a temporary directory, so
-that a smoke run never touches the tracked files).
+that a smoke run never touches the tracked files). ``XCLS_RESULTS_COMMIT`` names the commit where
+the tree has no git history to tell it (a copy sent to a GPU host: ``scripts/gpu_checks.sh``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 RESULTS_DIR_ENV = "XCLS_RESULTS_DIR"
+COMMIT_ENV = "XCLS_RESULTS_COMMIT"
 
 # One stamp per process: every table a run records carries the same date.
 RUN_DATE = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -65,7 +67,7 @@ def results_dir() -> Path:
 def current_commit() -> str:
     """The short hash of the code measured, with ``-dirty`` when tracked files differ from it
     (the records themselves excepted), so a figure of uncommitted code never passes as the
-    commit's."""
+    commit's; ``$XCLS_RESULTS_COMMIT`` (else "unknown") in a tree without git history."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -75,7 +77,7 @@ def current_commit() -> str:
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
                       ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get(COMMIT_ENV) or "unknown"
     return f"{commit}-dirty" if changed else commit
 
 

@@ -41,7 +41,7 @@ def global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return features, labels
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, device: str) -> None:
     set_torchrun_env(rank, world, port)
     with process_group(world, torch.device("cpu")):
         shards = CollectiveShards(rank, world, data_dir=Path(out) / f"ams-{rank}",
@@ -49,6 +49,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         client = shards.client
         make_table(client)
         features, labels = global_batch(world)
+        features = features.to(device)  # gloo ranks on one GPU move CUDA tensors too
         mine = slice(rank * B, (rank + 1) * B)
         margin = CombinedMarginLoss(SCALE, m3=MARGIN)
         result = {}
@@ -56,10 +57,14 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         full = CollectiveHead(client, "fc", N, margin, "full", rank=rank, world=world)
         before = client.pull("fc", torch.arange(N))
         step = full.forward_backward(features[mine], full.prepare(labels[mine]))
-        RowUpdater(client, "fc", [LR]).update(0, step.active_ids, step.row_grad)
+        updater = RowUpdater(client, "fc", [LR])
+        updater.update(0, step.active_ids, step.row_grad)
+        updater.flush()
+        updater.close()
+        assert step.feature_grad.device == step.row_grad.device == features.device
         result["full"] = {"loss": step.loss, "accuracy": step.accuracy,
-                          "feature_grad": step.feature_grad, "active": step.active_ids,
-                          "row_grad": step.row_grad, "num_active": step.num_active,
+                          "feature_grad": step.feature_grad.cpu(), "active": step.active_ids,
+                          "row_grad": step.row_grad.cpu(), "num_active": step.num_active,
                           "before": before, "after": client.pull("fc", step.active_ids)}
 
         partial = CollectiveHead(client, "fc", N, margin, "partial", rank=rank, world=world,
@@ -112,9 +117,16 @@ def reference_step(world: int, rows: torch.Tensor, columns: torch.Tensor,
     return float(loss.detach()), dx, dw, float(accuracy)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_collective_heads_match_one_process_in_float64(tmp_path, world):
-    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
+
+
+@pytest.mark.parametrize("world, device", [
+    (2, "cpu"), (3, "cpu"),
+    # on CUDA: one rank, and two gloo ranks sharing the one GPU
+    pytest.param(1, "cuda", marks=CUDA), pytest.param(2, "cuda", marks=CUDA)])
+def test_collective_heads_match_one_process_in_float64(tmp_path, world, device):
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), device), nprocs=world,
+             join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     rows = parts[0]["full"]["before"].double()
     _, labels = global_batch(world)

@@ -68,7 +68,7 @@ def run_step(head, client, seed: int, lr: float = 0.1, device: str = "cpu"):
     features, labels = batch(seed)
     active = head.prepare(labels)
     step = head.forward_backward(features.to(device), active)
-    client.push("fc", active.active_ids, step.row_grad, lr=lr)
+    client.push("fc", active.active_ids, step.row_grad.cpu(), lr=lr)
     return step, all_rows(client)
 
 
@@ -89,7 +89,7 @@ def test_full_head_matches_dense_float64_sgd(device):
         assert step.loss == pytest.approx(loss.item(), abs=1e-5)
         assert step.num_active == N
         assert step.feature_grad.dtype == torch.float32
-        assert step.feature_grad.device.type == device
+        assert step.feature_grad.device.type == step.row_grad.device.type == device
         torch.testing.assert_close(step.feature_grad.cpu().double(), x.grad, rtol=0, atol=1e-6)
         torch.testing.assert_close(rows.double(), w.detach(), rtol=0, atol=1e-6)
 

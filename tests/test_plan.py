@@ -102,17 +102,18 @@ def test_step_traffic_by_hand():
     assert t.active == 3
     assert t.pull_bytes == 3 * (8 + 8)  # float16 rows of 4, int64 ids
     assert t.neighbor_bytes == 2 * (8 + 2 * 4)  # the labels' ids out, 2 int32 ids each back
-    assert t.pushed == 9  # the union of 3 workers' classes, at most
-    assert t.push_bytes == 9 * (16 + 8)  # float32 gradients and int64 ids
-    assert t.gather_bytes == 3 * (16 + 8)
+    assert t.pushed == 3  # a third of the union of 3 workers' classes (9 at most)
+    assert t.push_bytes == 3 * (16 + 8)  # float32 gradients and int64 ids
+    assert t.exchanged == 2  # 3 x 2/3 of a worker's classes go to the other two
+    assert t.exchange_bytes == 2 * (16 + 8)
     # shard 0 owns 4 of the 10 classes
     assert t.shard_out == 96  # 3 workers x (48 + 32) B x 4 / 10
-    assert t.shard_in == 87  # 216 B x 4 / 10 = 86.4, rounded up
+    assert t.shard_in == 87  # all pushes, 216 B x 4 / 10 = 86.4, rounded up
 
 
 def test_one_worker_gathers_nothing():
     t = step_traffic(small_job(workers=1, budget=3))
-    assert t.gather_bytes == 0
+    assert t.exchanged == t.exchange_bytes == 0
     assert t.pushed == 3
 
 

@@ -112,10 +112,11 @@ def test_printed_figures_by_hand(capsys):
     assert cells["graph"] == ("2.98 GiB", "5.96 GiB")  # 32 x 4 B a row
     assert cells["optimizer state"] == ("0 B", "0 B")
     assert cells["decay clocks"] == ("191 MiB", "381 MiB")  # 8 B a row
-    # 100,000 rows x (256 + 8) B pulled; rank 0 pushes 3 x 100,000 rows x (512 + 8) B
+    # 100,000 rows x (256 + 8) B pulled; each of the 3 workers pushes a third of the union of
+    # 3 x 100,000 rows x (512 + 8) B and first sends two thirds of its own to the others
     assert cells["pull, each worker"] == ("100,000", "25.2 MiB")
-    assert cells["push, rank 0"] == ("300,000", "149 MiB")
-    assert cells["gather, each worker"] == ("100,000", "49.6 MiB")
+    assert cells["push, each worker"] == ("100,000", "49.6 MiB")
+    assert cells["exchange, each worker"] == ("66,667", "33.1 MiB")
     assert "exact, 2.56e18 FLOP" in out  # ring: 2 x 1e16 x 128
     assert "fits" in out.splitlines()[-1]
 

@@ -139,3 +139,13 @@ def test_printed_tables_parse_into_figures() -> None:
                     {"N": 5, "head": "full", "ms/step": None, "speed-up": None}]
     assert results.table_row("   n |  dtype", "  25,000 | float16") == {"n": 25_000,
                                                                        "dtype": "float16"}
+
+
+def test_a_tree_without_git_takes_the_commit_it_is_told(tmp_path: Path, monkeypatch) -> None:
+    """A copy of the tree without its .git (sent to a GPU host) records the commit named in
+    XCLS_RESULTS_COMMIT, and "unknown" when none is named."""
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.delenv(results.COMMIT_ENV, raising=False)
+    assert results.current_commit() == "unknown"
+    monkeypatch.setenv(results.COMMIT_ENV, "abc1234")
+    assert results.current_commit() == "abc1234"

@@ -106,10 +106,19 @@ class CollectiveHead:
         """Check ``labels`` (int64 (B,)) and pass them on: selection needs every rank's labels,
         a collective, so it runs in :meth:`forward_backward` on the trainer's thread, never in
         the prefetch thread. The batch holds only ``target`` = the labels."""
-        labels = checked_labels(labels, self.num_classes)
+        return self.pull(self.select(labels))
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """``labels`` (int64 (B,)) checked, as the selection's ``target``; no class is chosen
+        here (see :meth:`prepare`)."""
         empty = torch.empty(0, dtype=torch.int64)
-        return ActiveBatch(active_ids=empty, target=labels, rows=torch.empty(0, 0),
-                           log_weight=torch.empty(0))
+        return Selection(active=empty, target=checked_labels(labels, self.num_classes),
+                         log_weight=torch.empty(0))
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of :meth:`select`'s labels; no row is read here (see :meth:`prepare`)."""
+        return ActiveBatch(active_ids=selection.active, target=selection.target,
+                           rows=torch.empty(0, 0), log_weight=selection.log_weight)
 
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
         """One step of the model-parallel softmax; a collective over all ranks.
@@ -119,9 +128,9 @@ class CollectiveHead:
         Returns ``loss`` and ``accuracy`` of the global batch (equal on every rank),
         ``feature_grad`` (B, dim) the gradient of the mean loss over this rank's samples (as
         ``ClassifierHead`` returns it; DDP's average over ranks makes it the global batch's),
-        ``active_ids`` / ``row_grad`` (A_r,), (A_r, dim) float32 CPU: this slice's active
-        classes and the gradient of the global batch's mean loss w.r.t. their rows, and
-        ``num_active`` the active classes of all slices together.
+        ``active_ids`` / ``row_grad`` (A_r,) on the CPU, (A_r, dim) float32 on the features'
+        device: this slice's active classes and the gradient of the global batch's mean loss
+        w.r.t. their rows, and ``num_active`` the active classes of all slices together.
         """
         labels = batch.target
         if features.dim() != 2 or features.shape[0] != labels.shape[0]:
@@ -149,7 +158,7 @@ class CollectiveHead:
         mine = self._reduce_scatter(feature_grad) * self.world
         return HeadStep(loss=loss, feature_grad=mine.to(features.dtype), accuracy=accuracy,
                         num_active=num_active,
-                        row_grad=row_grad.float().cpu(), active_ids=selection.active)
+                        row_grad=row_grad.float(), active_ids=selection.active)
 
     # ---- parts ------------------------------------------------------------------------
 

@@ -10,9 +10,11 @@ All three share one step and differ only in which classes are active:
 
 A step is split in two so the trainer's prefetch thread can run the first half one step ahead:
 
-1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes and
-   pull their rows. Only talks to the AMS; safe to run in another thread while the previous
-   batch is in ``forward_backward``.
+1. :meth:`ClassifierHead.prepare` (labels -> :class:`ActiveBatch`): select the active classes
+   (:meth:`ClassifierHead.select`, which reads no row) and pull their rows
+   (:meth:`ClassifierHead.pull`). Only talks to the AMS; safe to run in another thread while the
+   previous batch is in ``forward_backward``; the prefetch thread selects while the previous
+   push is still being applied and pulls once it is.
 2. :meth:`ClassifierHead.forward_backward` (features, batch -> :class:`HeadStep`): normalize
    features and rows, cosine logits, margin, cross-entropy, backward; hand back dL/dX for the
    backbone and dL/dW of the active rows, which ``workers.row_update`` pushes.
@@ -94,8 +96,9 @@ class HeadStep:
         backbone's backward with ``features.backward(step.feature_grad)``.
     accuracy: fraction of samples whose highest cosine among the active classes is their label.
     num_active: A, the number of classes in the softmax.
-    row_grad: (A, dim) float32 CPU dL/dW of the active rows (w.r.t. the unnormalized rows),
-        in the order of ``active_ids``; the caller pushes it.
+    row_grad: (A, dim) float32 dL/dW of the active rows (w.r.t. the unnormalized rows), in
+        the order of ``active_ids``, on the features' device; the caller pushes it
+        (``workers.row_update`` copies it to the host without blocking).
     active_ids: int64 (A,) the classes of ``row_grad``'s rows.
     """
 
@@ -183,6 +186,8 @@ class RowHead(Protocol):
     num_classes: int
     combine_row_grads: bool  # whether the ranks' row gradients of a step are one push
 
+    def select(self, labels: torch.Tensor) -> Selection: ...
+    def pull(self, selection: Selection) -> ActiveBatch: ...
     def prepare(self, labels: torch.Tensor) -> ActiveBatch: ...
     def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep: ...
     def sampler_state(self) -> torch.Tensor | None: ...
@@ -219,8 +224,15 @@ class ClassifierHead:
         Not reentrant (the selector's random generator is shared), but independent of
         ``forward_backward``, so one prefetch thread may call it while the trainer steps.
         """
-        labels = checked_labels(labels, self.num_classes)
-        selection = self.selector(labels)
+        return self.pull(self.select(labels))
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """The active classes for ``labels`` (int64 (B,) class ids); reads no row (a knn
+        selector reads the graph's lists). Not reentrant, as :meth:`prepare`."""
+        return self.selector(checked_labels(labels, self.num_classes))
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of ``selection`` with its rows pulled from the AMS."""
         rows = self.store.pull(self.table, selection.active)
         return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,
                            log_weight=selection.log_weight)
@@ -230,7 +242,8 @@ class ClassifierHead:
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
-        ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the CPU.
+        ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the
+        features' device.
         """
         if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
             raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
@@ -252,7 +265,7 @@ class ClassifierHead:
         accuracy = (cosine.detach().argmax(dim=1) == target).float().mean()
         return HeadStep(loss=float(loss.detach()), feature_grad=feature_grad.to(features.dtype),
                         accuracy=float(accuracy), num_active=int(batch.active_ids.numel()),
-                        row_grad=row_grad.cpu(), active_ids=batch.active_ids)
+                        row_grad=row_grad, active_ids=batch.active_ids)
 
     def sampler_state(self) -> torch.Tensor | None:
         """The state of the generator that draws random negatives (None if the head draws

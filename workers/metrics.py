@@ -37,10 +37,11 @@ if TYPE_CHECKING:
 PHASES = (
     "data",  # prefetch thread: waiting for the loader's batch
     "prepare",  # prefetch thread: select the active classes and pull their rows
-    "wait",  # trainer thread: blocked until the prefetch thread is far enough ahead
+    "wait",  # trainer thread: blocked until the prefetch thread is far enough ahead and the
+    # previous step's push is applied
     "backbone",  # forward, backward and optimizer step (gear mode: cache lookup, misses, slow gear)
     "head",  # margin softmax forward and backward over the active rows
-    "push",  # the row update to the shards
+    "push",  # handing the row gradients to the row update's pusher thread
 )
 
 # This role's registry (``xcls train`` and ``xcls gear slow`` serve it): a worker exports its own

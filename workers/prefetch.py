@@ -1,9 +1,17 @@
 """Prepare (select active classes + pull rows) for step t+depth while step t computes.
 
-Determinism: the rows of batch u are pulled after step ``u - depth - 1`` has finished and
-before step ``u - depth`` pushes (the trainer calls ``wait_prepared`` before it pushes). So the
-rows a step sees do not depend on thread timing, and a run is reproducible; ``depth = 0`` is
-the strict order (pull after the previous push).
+Determinism: the active classes of batch u are selected after step ``u - depth - 1`` has
+finished (a graph rebuild between steps included), and its rows pulled once that step's push is
+applied on the shards too (the row update pushes behind the trainer, ``workers.row_update``;
+``wait_pushed`` tells when), and before step ``u - depth`` pushes (the trainer calls
+``wait_prepared`` before it hands its push over). So the rows a step sees do not depend on
+thread timing, and a run is reproducible; ``depth = 0`` is the strict order (pull after the
+previous push). The selection, which reads no row, runs while that push is applied: only the
+pull waits for it.
+
+On CUDA the pulled rows are copied to pinned host memory and on to the device on a stream of
+this thread's own, without blocking: the copy of batch u runs while the trainer computes, and
+:meth:`PreparedBatch.on_device` makes the trainer's stream wait for it.
 """
 
 from __future__ import annotations
@@ -12,44 +20,97 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
 from workers.batch_plan import Batch
 from workers.heads import ActiveBatch
+from workers.selection import Selection
 
 
 @dataclass
 class PreparedBatch:
-    """A loaded batch with its active classes and pulled rows."""
+    """A loaded batch with its active classes and pulled rows (``active``, on the CPU: what a
+    checkpoint keeps), and the same on the training device (``staged``; ``copied``: the CUDA
+    event its copy records, None on the CPU)."""
 
     batch: Batch
     active: ActiveBatch
     # seconds this thread spent on it by phase ("data": waiting for the loader, "prepare":
     # select + pull), observed when its step ends (workers.metrics)
     seconds: dict[str, float] = field(default_factory=dict)
+    staged: ActiveBatch | None = None
+    copied: torch.cuda.Event | None = None
+
+    def on_device(self) -> ActiveBatch:
+        """The batch on the training device, once the current stream has waited for its copy
+        (call it on the thread that computes with it)."""
+        if self.staged is None:
+            return self.active
+        if self.copied is not None:
+            stream = torch.cuda.current_stream(self.staged.rows.device)
+            stream.wait_event(self.copied)
+            # made on the copy stream, used on this one: not reused before this one is done
+            for tensor in (self.staged.rows, self.staged.target, self.staged.log_weight):
+                tensor.record_stream(stream)
+        return self.staged
+
+
+def stage(active: ActiveBatch, device: torch.device, stream: torch.cuda.Stream
+          ) -> tuple[ActiveBatch, torch.cuda.Event]:
+    """``active``'s rows, targets and logQ weights on CUDA ``device``, copied from pinned host
+    memory on ``stream`` without blocking; the event is recorded once they are there.
+    ``active_ids`` stay on the CPU, where the row update needs them."""
+    with torch.cuda.stream(stream):
+        rows, target, log_weight = (t.pin_memory().to(device, non_blocking=True)
+                                    for t in (active.rows, active.target, active.log_weight))
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return replace(active, rows=rows, target=target, log_weight=log_weight), copied
 
 
 _END = object()
 
 
+class Preparer(Protocol):
+    """The two halves of a head's ``prepare`` (``workers.heads.RowHead``)."""
+
+    def select(self, labels: torch.Tensor) -> Selection:
+        """labels int64 (B,) -> the batch's active classes; reads no row."""
+        ...
+
+    def pull(self, selection: Selection) -> ActiveBatch:
+        """The batch of ``selection``, its rows pulled."""
+        ...
+
+
 class Prefetcher:
     """Iterates over ``PreparedBatch`` for steps ``start_step, start_step+1, ...``.
 
-    batches: the loader's batches from ``start_step`` on; prepare: labels int64 (B,) ->
-    ActiveBatch; restored: ActiveBatches prepared before a checkpoint for the first batches
-    (used instead of preparing them again, so a resumed run sees the same rows).
+    batches: the loader's batches from ``start_step`` on; head: selects a batch's classes and
+    pulls their rows (:class:`Preparer`); restored: ActiveBatches prepared before a checkpoint
+    for the first batches (used instead of preparing them again, so a resumed run sees the
+    same rows);
+    wait_pushed: ``wait_pushed(step, timeout)`` is True once the row update of ``step`` is
+    applied on the shards, False after ``timeout`` seconds
+    (``workers.row_update.RowUpdater.wait_pushed``; None: pushes are done when a step is);
+    device: where the trainer computes (CUDA: batches are staged there, see ``stage``).
     """
 
-    def __init__(self, batches: Iterator[Batch], prepare: Callable[[torch.Tensor], ActiveBatch],
-                 depth: int, start_step: int, restored: list[ActiveBatch] | None = None) -> None:
+    def __init__(self, batches: Iterator[Batch], head: Preparer, depth: int, start_step: int,
+                 restored: list[ActiveBatch] | None = None, *,
+                 wait_pushed: Callable[[int, float], bool] | None = None,
+                 device: torch.device | None = None) -> None:
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.depth = depth
+        self._wait_pushed = wait_pushed
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._batches = batches
-        self._prepare = prepare
+        self._head = head
         self._restored = list(restored or [])
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth + 1)
         self._cond = threading.Condition()
@@ -72,12 +133,23 @@ class Prefetcher:
                     if self._stop:
                         return
                 started = time.perf_counter()
-                active = self._restored.pop(0) if self._restored else self._prepare(batch[2])
+                if self._restored:
+                    active = self._restored.pop(0)
+                else:
+                    selection = self._head.select(batch[2])
+                    waited = time.perf_counter()
+                    if not self._pushed(u - self.depth - 1):
+                        return
+                    started += time.perf_counter() - waited  # not counted as preparing
+                    active = self._head.pull(selection)
                 seconds = {"data": loaded - mark, "prepare": time.perf_counter() - started}
+                prepared = PreparedBatch(batch, active, seconds)
+                if self._stream is not None:
+                    prepared.staged, prepared.copied = stage(active, self._device, self._stream)
                 with self._cond:
                     self._prepared = u + 1
                     self._cond.notify_all()
-                self._put(PreparedBatch(batch, active, seconds))
+                self._put(prepared)
                 mark = time.perf_counter()
         except BaseException as e:  # handed to the trainer thread
             self._error = e
@@ -86,6 +158,13 @@ class Prefetcher:
                 self._finished = True
                 self._cond.notify_all()
             self._put(_END)
+
+    def _pushed(self, step: int) -> bool:
+        """Wait until the push of ``step`` is applied; False when closed first."""
+        while self._wait_pushed is not None and not self._wait_pushed(step, 0.1):
+            if self._stop:
+                return False
+        return not self._stop
 
     def _put(self, item: object) -> None:
         while not self._stop:

@@ -6,7 +6,9 @@ One step (docs/architecture.md, "One training step"):
    batch's active classes and pulled their rows (``workers.prefetch``);
 2. the backbone computes features (in gear mode: the feature cache, ``workers.gear``);
 3. the head computes the margin softmax over the active rows: loss, dL/dX and dL/dW;
-4. the row update (``workers.row_update``) pushes dL/dW of the active rows to the shards;
+4. the row update (``workers.row_update``) pushes dL/dW of the active rows to the shards, on a
+   thread of its own: the push runs behind the next two parts, and the head of the next step
+   (and any pull it depends on) waits until it is applied;
 5. the backbone's backward (DDP all-reduces its gradients) and optimizer step, or in gear mode
    dL/dX handed to the slow gear.
 
@@ -197,8 +199,9 @@ class Trainer:
                     batch = (ids, images, labels)
                 yield batch
 
-        self._prefetcher = Prefetcher(batches(), self.head.prepare, self.cfg.train.prefetch_depth,
-                                      self.step, resumed.get("prepared"))
+        self._prefetcher = Prefetcher(batches(), self.head, self.cfg.train.prefetch_depth,
+                                      self.step, resumed.get("prepared"),
+                                      wait_pushed=self.rows.wait_pushed, device=self.device)
         bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True, desc="train",
                    disable=not (self.rank == 0 and sys.stderr.isatty()))
         self.backbone.train()
@@ -237,6 +240,7 @@ class Trainer:
             finally:
                 bar.close()
                 self._prefetcher.close()
+                self.rows.close()
         if result.terminated:
             result.steps = self.step
             return self._finish(result)
@@ -265,11 +269,14 @@ class Trainer:
             with torch.autocast(self.device.type, enabled=self._amp):
                 features = self.backbone(images)
         clock.lap("backbone")
-        # the pull for step+depth must see exactly the state before this push
+        # the pull for step+depth must see exactly the state before this push, and this
+        # head (a collective head pulls in it) the state after the previous one
         self._prefetcher.wait_prepared(self.step)
+        self.rows.wait_pushed(self.step - 1)
         clock.lap("wait")
-        out = self.head.forward_backward(features, prepared.active)
+        out = self.head.forward_backward(features, prepared.on_device())
         clock.lap("head")
+        # pushed behind the backbone's backward and the next forward
         self.rows.update(self.step, out.active_ids, out.row_grad)
         clock.lap("push")
         if self.gear is not None:
@@ -347,6 +354,7 @@ class Trainer:
     def _evaluate(self, result: TrainResult) -> None:
         """Rank 0 evaluates on the test split and the pair sets (if any) and records it in
         eval.csv."""
+        self.rows.flush()
         if self.rank != 0 or (self.test_set is None and not self.evaluator.pair_sets):
             return
         result.eval = {"step": self.step, **self.evaluator.evaluate(),
@@ -361,6 +369,7 @@ class Trainer:
         (the share of a fixed sample of classes' neighbors the rebuild replaced), whether it
         was full or refreshed the touched classes, how many lists it wrote, and the recall
         measured by an IVF build (empty otherwise)."""
+        self.rows.flush()
         self._barrier()
         if self.rank == 0:
             probe = self._graph_probe
@@ -394,6 +403,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Worker state + AMS snapshot of this step (rank 0 publishes; all ranks write their
         private part first)."""
+        self.rows.flush()
         out = self.out_dir
         checkpoint.save_rank(out, self.step, self.rank, {
             # plain tensors only: checkpoints are read with torch.load(weights_only=True)

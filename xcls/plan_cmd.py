@@ -290,12 +290,12 @@ def render(job: Job, mem: ShardMemory, step: StepTraffic, build: GraphBuild | No
         lines.append(_row("neighbor lists, each", f"{job.batch_size:,}",
                           fmt_bytes(step.neighbor_bytes),
                           note=f"the labels' lists of {job.graph_k} ids"))
-    lines.append(_row("push, rank 0", f"{step.pushed:,}", fmt_bytes(step.push_bytes),
-                      note="float32 gradients and int64 ids of every worker's classes"))
+    lines.append(_row("push, each worker", f"{step.pushed:,}", fmt_bytes(step.push_bytes),
+                      note="float32 gradients and int64 ids of its share of all classes"))
     if job.workers > 1:
-        lines.append(_row("gather, each worker", f"{step.active:,}",
-                          fmt_bytes(step.gather_bytes),
-                          note="to the other workers before rank 0 pushes"))
+        lines.append(_row("exchange, each worker", f"{step.exchanged:,}",
+                          fmt_bytes(step.exchange_bytes),
+                          note="to the workers that push those classes"))
     lines.append(_row("shard 0 sends, receives", fmt_bytes(step.shard_out),
                       fmt_bytes(step.shard_in), note="pulls and lookups out, the push in"))
     if build is not None:

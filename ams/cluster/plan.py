@@ -25,7 +25,7 @@ process, the slot map, the touched marks and the message buffers.
 
 Message buffers. A serving shard keeps the buffers of finished requests for the next ones
 (``ams.alloc.keep_large_buffers``): about one set per request served at a time, i.e. per
-client stream (each worker's prefetch pulls, rank 0's pushes), at most one per gRPC handler
+client stream (each worker's prefetch pulls and pushes), at most one per gRPC handler
 thread. The set's size is measured (``benchmarks/plan_rates.py``).
 
 Snapshots (``ams.shard.snapshot``). Writing copies each table at one instant (memory: a copy in RAM
@@ -308,10 +308,12 @@ class StepTraffic:
     active: classes each worker pulls (at most: the head's budget, never fewer than the
     batch's distinct labels); pull_bytes: each worker's pull, rows in the row dtype and their
     int64 ids; neighbor_bytes: each worker's neighbor-list lookup of its labels (knn);
-    pushed: rows rank 0 pushes (the union of every worker's active classes); push_bytes:
-    that push, float32 gradients and int64 ids; gather_bytes: what each worker sends the
-    others before the push (W > 1); shard_out, shard_in: bytes one shard sends (pulls,
-    lookups) and receives (the push) per step.
+    pushed: rows each worker pushes (its share of the union of every worker's active classes,
+    the classes c mod W of worker c mod W, ``workers.row_update``); push_bytes: that push,
+    float32 gradients and int64 ids; exchanged, exchange_bytes: what each worker sends the
+    others before the pushes, the gradients of its classes that other workers push (W > 1);
+    shard_out, shard_in: bytes one shard sends (pulls, lookups) and receives (its share of
+    all workers' pushes) per step.
     """
 
     active: int
@@ -319,7 +321,8 @@ class StepTraffic:
     neighbor_bytes: int
     pushed: int
     push_bytes: int
-    gather_bytes: int
+    exchanged: int
+    exchange_bytes: int
     shard_out: int
     shard_in: int
 
@@ -348,15 +351,18 @@ def step_traffic(job: Job) -> StepTraffic:
     active = active_classes(job)
     pull = active * (job.row_bytes + ID_BYTES)
     neighbors = job.batch_size * (ID_BYTES + job.graph_k * job.id_bytes) if job.graph_k else 0
-    pushed = min(job.num_classes, job.workers * active)
-    push = pushed * (job.dim * GRAD_BYTES + ID_BYTES)
-    gather = active * (job.dim * GRAD_BYTES + ID_BYTES) if job.workers > 1 else 0
+    grad_bytes = job.dim * GRAD_BYTES + ID_BYTES
+    union = min(job.num_classes, job.workers * active)
+    pushed = -(-union // job.workers)
+    # the rows of other workers' classes, (W - 1) / W of a worker's own (ceil, in integers)
+    exchanged = -(-active * (job.workers - 1) // job.workers)
     # Shard 0's share, in proportion to the classes it owns (ceil(x * owned / N), in integers)
     owned, n = owned_count(job.num_classes, 0, job.shards), job.num_classes
     return StepTraffic(active=active, pull_bytes=pull, neighbor_bytes=neighbors, pushed=pushed,
-                       push_bytes=push, gather_bytes=gather,
+                       push_bytes=pushed * grad_bytes, exchanged=exchanged,
+                       exchange_bytes=exchanged * grad_bytes,
                        shard_out=-(-job.workers * (pull + neighbors) * owned // n),
-                       shard_in=-(-push * owned // n))
+                       shard_in=-(-union * grad_bytes * owned // n))
 
 
 def ivf_flops(num_classes: int, dim: int, nlist: int, nprobe: int) -> int:

@@ -74,6 +74,45 @@ def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
         assert heads == ["full", "partial", "knn"], (ams_kind, done.stdout)
 
 
+def test_bench_step_quick_times_every_contender_against_the_backbone(results_dir) -> None:
+    done = run_benchmark("bench_step.py", "--quick", "--threads", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # N | rows | head | where the rows live | rows pulled/step | images/s | ms/step |
+    # ÷ backbone | above backbone | steps; --quick: 5,000 classes, batch 16, k = 12, 10 %
+    rows = [(cells[2], cells[3], cells[4]) for cells in table_rows(done.stdout, "5,000")]
+    assert rows == [("backbone", "—", "—"),
+                    ("knn", "AMS, embedded (2 shards)", "192"),
+                    ("knn", "AMS, 2 shard processes", "192"),
+                    ("partial", "AMS, embedded (2 shards)", "500"),
+                    ("knn", "collective, 1 rank", "192"),
+                    ("partial", "collective, 1 rank", "500")], done.stdout
+    for cells in table_rows(done.stdout, "5,000"):
+        assert float(cells[5].replace(",", "")) > 0 and cells[9] == "2", cells
+    assert table_rows(done.stdout, "5,000")[0][7] == "1.000"
+    recorded = (results_dir / "bench_step.jsonl").read_text().splitlines()
+    assert len(recorded) == 6 and '"device": "' in recorded[0]
+
+
+def test_bench_row_push_quick_counts_each_ranks_share(results_dir) -> None:
+    done = run_benchmark("bench_row_push.py", "--quick")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # N | ranks | own | sent | received | pushed | KiB | pushed ÷ own | all at one rank | ms;
+    # --quick: 20,000 classes, batch 32 a rank, knn budget 32 x 12 = 384 rows a rank
+    rows = {cells[1]: cells for cells in table_rows(done.stdout, "20,000")}
+    assert set(rows) == {"2", "4"}, done.stdout
+    for world, cells in rows.items():
+        own, sent, received, pushed, funnel = (float(cells[i].replace(",", ""))
+                                               for i in (2, 3, 4, 5, 8))
+        w = int(world)
+        assert own == 384 and funnel == w * 384
+        # about (W - 1) / W of a rank's rows go to the others, as many come back
+        assert abs(sent - own * (w - 1) / w) < own / 4 and abs(received - sent) < own / 4
+        # each rank pushes about its share of the union, never the funnel's W shares
+        median, worst = (float(x) for x in cells[7].split(", "))
+        assert 0.8 < median <= 1.0 and worst < 1.5, cells
+    assert len((results_dir / "bench_row_push.jsonl").read_text().splitlines()) == 2
+
+
 def test_bench_ams_quick_measures_every_backend() -> None:
     """Every backend (embedded, xcls shards with and without shared buffers, Redis, raw
     socket, bare gRPC) moves rows in every cell of the quick table, the 1-row latencies are
@@ -197,48 +236,27 @@ def test_chaos_quick_rolls_back_to_the_same_model(glyphs_small, no_orphans) -> N
     assert cells["top-1"][0] == cells["top-1"][1] != "-", done.stdout
 
 
-def test_bench_scale_quick_reports_every_size_and_storage() -> None:
-    done = run_benchmark("bench_scale.py", "--quick", "--threads", "1",
-                         "--prefetch-depths", "1,2")
+def test_bench_capacity_quick_measures_both_storages_against_the_plan(results_dir) -> None:
+    done = run_benchmark("bench_capacity.py", "--quick")
     assert done.returncode == 0, done.stderr[-2000:]
-    # --quick: 20,000 classes in memory, 200,000 in mmap storage, batch 32, k=12
-    capacity = {cells[0]: cells for cells in table_rows(done.stdout, "20,000")
-                + table_rows(done.stdout, "200,000") if len(cells) == 11 and " + " in cells[3]}
-    assert {n: cells[1] for n, cells in capacity.items()} == {"20,000": "memory",
-                                                              "200,000": "mmap"}
-    # the plan's resident figure beside the measured one (memory storage only)
-    after_create, after_graph = (float(x) for x in capacity["20,000"][10].split(", "))
-    assert 0.5 < after_create < 2 and 0.5 < after_graph < 2 and capacity["200,000"][10] == "—"
-    step_rows = [cells for n in ("20,000", "200,000")
-                 for cells in table_rows(done.stdout, n)
-                 if len(cells) == 11 and " + " not in cells[3]]
-    steps = [(cells[0], cells[2]) for cells in step_rows]
-    # disk pages read / dirtied / written per step: three counts
-    assert all(len(cells[7].split(" / ")) == 3 for cells in step_rows)
-    # the CPU the pages made dirty cost: measured on the mmap table only
-    assert {(cells[1], cells[9] == "—") for cells in step_rows} == {("memory", True),
-                                                                   ("mmap", False)}
-    assert all(float(cells[9]) >= 0 for cells in step_rows if cells[1] == "mmap")
-    # the host's CPU while the steps ran: three shares of its time, adding up to 100 %
-    shares = [[float(x.rstrip("%")) for x in cells[10].split(" / ")] for cells in step_rows]
-    assert all(len(s) == 3 and 99 <= sum(s) <= 101 for s in shares), shares
-    assert sorted(steps) == sorted(
-        [(n, ams) for n in ("20,000", "200,000")
-         for ams in ("gRPC (4 processes)", "embedded (4 shards)",
-                     "gRPC (4 processes), pulls 1 step ahead as the trainer's prefetch "
-                     "(train.prefetch_depth = 1)",
-                     "gRPC (4 processes), pulls 2 steps ahead as the trainer's prefetch "
-                     "(train.prefetch_depth = 2)")])
-    heads = [cells[1] for cells in table_rows(done.stdout, "20,000") if len(cells) == 6]
-    assert heads == ["full softmax (blocked, exact)", "knn (k=12, budget 384)"]
+    # --quick: 20,000 classes, d = 128 float16, graph k = 12, 4 shards
+    rows = {cells[1]: cells for cells in table_rows(done.stdout, "20,000")}
+    assert set(rows) == {"memory", "mmap"}, done.stdout
+    for cells in rows.values():
+        # what the shards report: 20,000 x (128 x 2 B rows + 12 x 4 B lists), no state
+        assert cells[7] == f"{20_000 * (256 + 48) / 2**30:,.2f}", cells
+        assert float(cells[8].replace(",", "")) >= float(cells[9].replace(",", "")) > 0, cells
+    after_create, after_graph = (float(x) for x in rows["memory"][11].split(", "))
+    assert 0.5 < after_create < 2 and 0.5 < after_graph < 2 and rows["mmap"][11] == "—"
+    assert len((results_dir / "bench_capacity.jsonl").read_text().splitlines()) == 2
 
 
-def test_bench_scale_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
-    """The blocked full softmax the scale benchmark times is the library's full head: same
+def test_bench_step_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
+    """The blocked full softmax the step benchmark times is the library's full head: same
     loss, dL/dX and pushed rows, computed here both ways on the same table."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from bench_scale import TABLE, full_softmax_blocked
+        from bench_step import LR, TABLE, full_softmax_blocked
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     import ams
@@ -255,13 +273,13 @@ def test_bench_scale_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
         with ams.connect(local_shards=2) as client:
             client.create_table(TABLE, n, dim, momentum=0.0, weight_decay=0.0, init_std=1.0)
             if blocked:
-                loss, feature_grad = full_softmax_blocked(client, n, features, labels, margin,
+                loss, feature_grad = full_softmax_blocked(client, features, labels, margin,
                                                           block=777)
             else:
                 head = build_head("full", client, TABLE, n, margin)
                 active = head.prepare(labels)
                 step = head.forward_backward(features, active)
-                client.push(TABLE, active.active_ids, step.row_grad, 0.1)
+                client.push(TABLE, active.active_ids, step.row_grad, LR)
                 loss, feature_grad = step.loss, step.feature_grad
             results.append((loss, feature_grad, client.pull(TABLE, torch.arange(n))))
     (loss_a, grad_a, rows_a), (loss_b, grad_b, rows_b) = results
