@@ -178,7 +178,7 @@ def start_workers(net: Network, tmp: Path, config: Path, placement: list[str]) -
     return [net.start(host, host, [
         "bash", str(ROOT / "scripts" / "launch_worker.sh"), "--nnodes", "2",
         "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "multihost",
-        "--max-restarts", "2", *placement, str(config)], tmp / f"{host}.log")
+        *placement, str(config)], tmp / f"{host}.log")
         for host in ("worker0", "worker1")]
 
 
@@ -217,7 +217,8 @@ def test_ams_placement_across_hosts_survives_a_cut_link(network, glyphs_small, t
     shards = [net.start(f"shard{i}", f"shard-{i}", shard_cmd(i), tmp_path / f"shard{i}.log")
               for i in range(2)]
     out = tmp_path / "run"
-    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=40)
+    # long enough that the cut, right after step 10, always comes before the end
+    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=60)
     workers = start_workers(net, tmp_path, config, [
         "--scheduler", scheduler, "--auth-token-file", str(token), "--tls-ca", str(cert)])
 
@@ -241,12 +242,15 @@ def test_ams_placement_across_hosts_survives_a_cut_link(network, glyphs_small, t
 
     logs = [log("worker0"), log("worker1")]
     line = summary_line(logs)
-    assert line.startswith("trained 40 steps"), line
+    assert line.startswith("trained 60 steps"), line
     assert float(re.search(r"test top-1 ([\d.]+)%", line).group(1)) > CHANCE, line
     assert any("rollback_needed" in text for text in logs), logs
-    (back_to,) = {int(s) for text in logs for s in re.findall(r"rollback restart=\d+ "
-                                                              r"to_step=(\d+)", text)}
-    assert back_to >= 10 and f"resumed step={back_to}" in "".join(logs), logs
+    # every restart (the cut's; a lease missed on a loaded machine would add one) went back
+    # to a checkpoint and resumed from it
+    back_to = {int(s) for text in logs for s in re.findall(r"rollback restart=\d+ "
+                                                           r"to_step=(\d+)", text)}
+    assert back_to and max(back_to) >= 10, logs
+    assert all(f"resumed step={step}" in "".join(logs) for step in back_to), logs
     assert "restored step=" in log("shard1")
     # every member came over the network: shards at their own addresses, with TLS and the
     # token; both ranks registered from their hosts
