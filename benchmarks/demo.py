@@ -1,14 +1,15 @@
 """The figures of one run of ``scripts/demo.sh``, printed, and with ``--record`` appended to
 ``benchmarks/results/demo.jsonl`` (the README's demo time and RESULTS.md's "Demo" are rendered
-from there). demo.sh calls it at its end with what only it measured (when it started, the
-dataset's seconds, the load then, the class-means evaluation's output); the rest is read from
-the run: the dataset's summary.json beside data.train, the run's train.csv and eval.csv.
+from there). demo.sh calls it at its end with what only it knows (when it started, the
+dataset's seconds, the load then, the class-means evaluation's output, whether the run
+resumed); the rest is read from the run: the dataset's summary.json beside data.train, the
+run's train.csv and eval.csv.
 
     python benchmarks/demo.py configs/glyphs-2k-knn.toml --started EPOCH_S --load 11.9 \\
-        [--dataset-s 270] --eval-output FILE [--record]
+        [--dataset-s 270] --eval-output FILE [--resumed] [--record]
 
-A run that resumed an earlier one (its step-0 checkpoint is older than ``--started``) timed
-only a part of the demo: it is printed and never recorded.
+A run that resumed an earlier one (``--resumed``: its run directory held a checkpoint when
+the demo started) timed only a part of the demo: it is printed and never recorded.
 """
 
 from __future__ import annotations
@@ -35,17 +36,14 @@ def rows(path: Path) -> list[dict[str, str]]:
 
 
 def demo_figures(config: Path, *, started: float, load: float, dataset_s: float | None,
-                 eval_output: str, now: float) -> tuple[dict, bool]:
-    """The demo's figures, and whether the run trained from its start after ``started`` (a
-    whole demo, worth recording)."""
+                 eval_output: str, now: float) -> dict:
+    """The figures of the demo run of ``config`` that began at ``started``."""
     cfg = load_config(config, [])
     run = Path(cfg.train.out_dir)
     summary = json.loads((Path(cfg.data.train).parent / "summary.json").read_text())
     trained = rows(run / "train.csv")
     evaluated = rows(run / "eval.csv")
     means = re.search(r"class-means rows: top-1 ([\d.]+)%", eval_output)
-    step0 = run / "checkpoints" / f"step-{0:012d}"
-    fresh = step0.exists() and step0.stat().st_mtime >= started
     figures = {
         "classes": summary["classes"], "train images": summary["images"]["train"],
         "test images": summary["images"]["test"],
@@ -57,7 +55,7 @@ def demo_figures(config: Path, *, started: float, load: float, dataset_s: float 
         "class means top-1 %": float(means.group(1)) if means else None,
         "load (1 min)": f"{load:.1f}-{os.getloadavg()[0]:.1f}",
     }
-    return figures, fresh
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the dataset took (none: it existed already)")
     parser.add_argument("--eval-output", type=Path, required=True,
                         help="what 'xcls eval --rows class-means' printed")
+    parser.add_argument("--resumed", action="store_true",
+                        help="the run resumed an earlier one: never recorded")
     parser.add_argument("--record", action="store_true",
                         help="append the figures to benchmarks/results/demo.jsonl")
     args = parser.parse_args(argv)
-    figures, fresh = demo_figures(args.config, started=args.started, load=args.load,
+    figures = demo_figures(args.config, started=args.started, load=args.load,
                                   dataset_s=args.dataset_s,
                                   eval_output=args.eval_output.read_text(), now=time.time())
     dataset = "an existing dataset" if figures["dataset s"] is None else \
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: {figures['total s']} s ({dataset}), {figures['steps']} steps at "
           f"{figures['images/s']} images/s, load {figures['load (1 min)']}; top-1 "
           f"{figures['top-1 %']:.2f}%, by class means {figures['class means top-1 %']}%")
-    if args.record and not fresh:
+    if args.record and args.resumed:
         print(f"demo: not recorded: the run resumed an earlier one in "
               f"{load_config(args.config, []).train.out_dir} (remove it to time a whole demo)")
     elif args.record:

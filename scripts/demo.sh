@@ -13,6 +13,9 @@ source scripts/env.sh
 start=$(date +%s)
 load=$(cut -d ' ' -f 1 /proc/loadavg)
 data=data/glyphs-2k
+# a run that resumes an earlier one (the config's train.out_dir) times a part of the demo only
+resumed=()
+[ -d runs/glyphs-2k-knn/checkpoints ] && resumed=(--resumed)
 dataset_s=()
 if [ ! -f "$data/summary.json" ]; then
   xcls data glyphs --classes 2000 --out "$data"
@@ -28,5 +31,5 @@ else
   record=()
   [ "${XCLS_DEMO_RECORD:-0}" = 1 ] && record=(--record)
   "$XCLS_PY" benchmarks/demo.py configs/glyphs-2k-knn.toml --started "$start" --load "$load" \
-    "${dataset_s[@]}" --eval-output "$means" "${record[@]}"
+    "${dataset_s[@]}" --eval-output "$means" "${resumed[@]}" "${record[@]}"
 fi
