@@ -219,6 +219,29 @@ def _heads_speedups(root: Path) -> str:
          "whole step, gRPC shards", "commit"], rows))
 
 
+def _demo_times(root: Path) -> str:
+    """The README's demo times: per machine, the newest run of scripts/demo.sh recorded, with
+    what its time depends on (the load, whether the dataset was built) and its top-1."""
+    newest: dict[str, Record] = {}
+    for r in load(root / RESULTS / "demo.jsonl"):
+        if r.command.endswith("bash scripts/demo.sh"):
+            newest[r.device] = r
+    lines = []
+    for device, r in newest.items():
+        f = r.figures
+        line = f"**{cell(f['total s'])} s** on a {device}"
+        if f.get("load (1 min)") is not None:
+            line += f" at a load average of {f['load (1 min)']} (start-end)"
+        line += f": the dataset {cell(f['dataset s'])} s of it" \
+            if f.get("dataset s") is not None else ": the dataset built before"
+        if f.get("top-1 %") is not None:
+            line += f"; top-1 {f['top-1 %']:.2f} %"
+            if f.get("class means top-1 %") is not None:
+                line += f", by class means {f['class means top-1 %']:.2f} %"
+        lines.append(f"* {line} ({r.date[:10]}, {r.commit})")
+    return "\n".join(lines)
+
+
 def blocks(root: Path) -> dict[str, Callable[[], str]]:
     """The generated blocks, by the name their markers carry."""
     def runs() -> list[acc.Run]:
@@ -230,6 +253,7 @@ def blocks(root: Path) -> dict[str, Callable[[], str]]:
         "accuracy": lambda: acc.seeds_table(runs(), settings=False),
         "accuracy-settings": lambda: acc.seeds_table(runs(), settings=True),
         "error-ranks": lambda: _error_ranks(root),
+        "demo-time": lambda: _demo_times(root),
     }
 
 

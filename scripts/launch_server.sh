@@ -18,7 +18,11 @@ Runs in the foreground; SIGTERM (or Ctrl-C) stops it cleanly: in-flight pushes f
                           find the shards there); start it once, on any host, with
                           xcls serve scheduler --num-shards NUM_SHARDS --host 0.0.0.0 \
                               --port 7000 --auth-token-file FILE
-  --advertise HOST        the name the scheduler hands to workers (default: this host's name)
+  --advertise HOST        the name the scheduler hands to workers (default: this host's name);
+                          with TLS, a name (or IP address) the certificate holds
+  --tls-cert FILE         serve TLS with this PEM certificate chain (gRPC and the data port);
+  --tls-key FILE          and its PEM private key. Workers name the signing authority
+                          (launch_worker.sh --tls-ca)
   --data-port PORT        the port pulls and pushes travel on (default: a free one, which
                           clients learn from the shard); open both it and PORT in a firewall
   --metrics-port PORT     serve Prometheus /metrics on PORT, every interface
@@ -37,6 +41,7 @@ EOF
 
 dry_run=0
 scheduler="" advertise="" metrics_port="" data_port="" token=${AMS_TOKEN_FILE:-}
+tls_cert="" tls_key=""
 args=()
 need_value() {
     if (($2 < 2)); then
@@ -53,6 +58,8 @@ while (($#)); do
         --advertise) need_value "$1" $#; advertise=$2; shift 2 ;;
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
         --data-port) need_value "$1" $#; data_port=$2; shift 2 ;;
+        --tls-cert) need_value "$1" $#; tls_cert=$2; shift 2 ;;
+        --tls-key) need_value "$1" $#; tls_key=$2; shift 2 ;;
         -*) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) args+=("$1"); shift ;;
     esac
@@ -79,6 +86,10 @@ if [[ -n $scheduler ]] && ! [[ $scheduler =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
     echo "error: --scheduler must be HOST:PORT, got '$scheduler'" >&2
     exit 2
 fi
+if [[ -z $tls_cert && -n $tls_key || -n $tls_cert && -z $tls_key ]]; then
+    echo "error: --tls-cert and --tls-key go together" >&2
+    exit 2
+fi
 if [[ -n $advertise && -z $scheduler ]]; then
     echo "error: --advertise needs --scheduler" >&2
     exit 2
@@ -97,6 +108,9 @@ if [[ -n $scheduler ]]; then
 fi
 if [[ -n $data_port ]]; then
     cmd+=(--data-port "$data_port")
+fi
+if [[ -n $tls_cert ]]; then
+    cmd+=(--tls-cert "$tls_cert" --tls-key "$tls_key")
 fi
 if [[ -n $metrics_port ]]; then
     cmd+=(--metrics-port "$metrics_port" --metrics-host 0.0.0.0)

@@ -28,6 +28,8 @@ Options (each falls back to the environment variable named, then the default):
                           sliced over the ranks (head.placement =
                           collective); give this, --ams or --scheduler
   --auth-token-file FILE  the shards' shared secret                    AMS_TOKEN_FILE (none)
+  --tls-ca FILE           the authority that signed TLS shards'        AMS_TLS_CA_FILE (none:
+                          certificates (PEM)                           plaintext)
   --rdzv-endpoint H:P     c10d rendezvous (a host all can reach; any   RDZV_ENDPOINT (none:
                           free port)                                   static)
   --rdzv-id ID            job id; the same on every host, new per job  RDZV_ID (xcls)
@@ -65,6 +67,7 @@ scheduler=${AMS_SCHEDULER:-}
 metrics_port=${METRICS_PORT:-}
 max_restarts=${MAX_RESTARTS:-3}
 token=${AMS_TOKEN_FILE:-}
+tls_ca=${AMS_TLS_CA_FILE:-}
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
 master_addr=${MASTER_ADDR:-127.0.0.1}
@@ -100,6 +103,7 @@ while (($#)); do
         --metrics-port) need_value "$1" $#; metrics_port=$2; shift 2 ;;
         --max-restarts) need_value "$1" $#; max_restarts=$2; shift 2 ;;
         --auth-token-file) need_value "$1" $#; token=$2; shift 2 ;;
+        --tls-ca) need_value "$1" $#; tls_ca=$2; shift 2 ;;
         --rdzv-endpoint) need_value "$1" $#; rdzv_endpoint=$2; shift 2 ;;
         --rdzv-id) need_value "$1" $#; rdzv_id=$2; shift 2 ;;
         --torchrun) need_value "$1" $#; torchrun_args+=("$2"); shift 2 ;;
@@ -119,6 +123,10 @@ if [[ -z $config ]]; then
 fi
 if ((collective)) && [[ -n $ams || -n $scheduler ]]; then
     echo "error: --collective keeps the rows in the workers; give no --ams or --scheduler" >&2
+    exit 2
+fi
+if ((collective)) && [[ -n $tls_ca ]]; then
+    echo "error: --tls-ca names the shards' authority; with --collective there are none" >&2
     exit 2
 fi
 if [[ -z $ams && -z $scheduler ]] && ! ((collective)); then
@@ -198,6 +206,9 @@ if [[ -n $metrics_port ]]; then
 fi
 if [[ -n $token ]]; then
     cmd+=(--set "ams.token_file=$token")
+fi
+if [[ -n $tls_ca ]]; then
+    cmd+=(--set "ams.tls_ca_file=$tls_ca")
 fi
 cmd+=("${train_args[@]}")
 if ((dry_run)); then

@@ -14,7 +14,12 @@ import pytest
 from PIL import Image
 
 from workers.data.errors import DatasetError
-from workers.data.importers import RECORDIO_MAGIC, import_folder, import_recordio
+from workers.data.importers import (
+    RECORDIO_MAGIC,
+    import_folder,
+    import_folder_splits,
+    import_recordio,
+)
 from workers.data.lmdb_dataset import LmdbImageDataset, read_metadata
 
 
@@ -246,6 +251,67 @@ def test_folder_non_image(tmp_path):
     with pytest.raises(DatasetError, match="x.jpg: not a readable image"):
         import_folder(tmp_path / "src", tmp_path / "ds", size=6, channels=1)
     assert not (tmp_path / "ds").exists()
+
+
+def _classes(root, counts: dict[str, int]) -> None:
+    """ROOT/<class>/<k>.png, image k of a class having the gray value k (its identity)."""
+    for c, n in counts.items():
+        (root / c).mkdir(parents=True)
+        for k in range(n):
+            Image.new("L", (7, 7), k).save(root / c / f"{k}.png")
+
+
+def _values(path) -> list[tuple[int, int]]:
+    ds = LmdbImageDataset(path)
+    return sorted((int(ds[i][2]), int(ds[i][1][0, 0, 0])) for i in range(len(ds)))
+
+
+def test_folder_splits_hold_out_a_share_of_each_class(tmp_path):
+    _classes(tmp_path / "src", {"a": 20, "b": 10, "c": 1})
+    train, test = import_folder_splits(tmp_path / "src", tmp_path / "ds", size=7, channels=1,
+                                       test_fraction=0.2, seed=3)
+    assert (train.split, test.split) == ("train", "test")
+    assert train.class_names == test.class_names == ["a", "b", "c"]
+    held, kept = _values(tmp_path / "ds" / "test"), _values(tmp_path / "ds" / "train")
+    # 4 of a's 20, 2 of b's 10; c's one image stays in training
+    assert [label for label, _ in held] == [0] * 4 + [1] * 2
+    assert sorted(held + kept) == sorted((label, k) for label, n in enumerate((20, 10, 1))
+                                         for k in range(n))
+    # another seed holds out other images; the same seed the same ones
+    again = import_folder_splits(tmp_path / "src", tmp_path / "ds2", size=7, channels=1,
+                                 test_fraction=0.2, seed=3)
+    assert again[1].num_samples == 6 and _values(tmp_path / "ds2" / "test") == held
+    import_folder_splits(tmp_path / "src", tmp_path / "ds3", size=7, channels=1,
+                         test_fraction=0.2, seed=4)
+    assert _values(tmp_path / "ds3" / "test") != held
+
+
+@pytest.mark.parametrize("fraction, message", [
+    (0.0, "must be above 0 and below 1"), (1.0, "must be above 0 and below 1"),
+    (0.01, "holds out no image"),
+])
+def test_folder_splits_refuse_a_fraction_that_makes_no_test_split(tmp_path, fraction, message):
+    _classes(tmp_path / "src", {"a": 3, "b": 3})
+    with pytest.raises(DatasetError, match=message):
+        import_folder_splits(tmp_path / "src", tmp_path / "ds", size=7, channels=1,
+                             test_fraction=fraction)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_cli_folder_with_a_test_fraction_writes_train_and_test(tmp_path, capsys):
+    from xcls.cli import main
+    _classes(tmp_path / "src", {"a": 10, "b": 10})
+    out = tmp_path / "ds"
+    assert main(["data", "folder", str(tmp_path / "src"), "--out", str(out), "--size", "7",
+                 "--test-fraction", "0.1"]) == 0
+    assert capsys.readouterr().out.strip() == \
+        f"wrote {out}/train (18 images) and {out}/test (2 images), 2 classes"
+    assert main(["data", "folder", str(tmp_path / "src"), "--out", str(tmp_path / "x"),
+                 "--test-fraction", "0.1", "--split", "val"]) == 2
+    assert "with it the splits are OUT/train and OUT/test" in capsys.readouterr().err
+    assert main(["data", "folder", str(tmp_path / "src"), "--out", str(tmp_path / "one")]) == 0
+    assert capsys.readouterr().out.strip() == \
+        f"wrote {tmp_path / 'one'} (20 images, 2 classes, split train)"
 
 
 def test_cli_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):

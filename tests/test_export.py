@@ -204,3 +204,23 @@ def test_a_directory_that_is_not_an_export_is_not_replaced(tmp_path):
     empty.mkdir()
     _write(empty, [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))])
     assert Classifier.load(empty, device="cpu").rows.shape == (CLASSES, DIM)
+
+
+def test_export_files_are_readable_as_the_umask_says(tmp_path):
+    """Every file of an export takes the process's umask (0644 under 022), as any file a
+    command writes: a model directory is shared (safetensors wrote its file 0600)."""
+    import os
+
+    before = os.umask(0o022)
+    try:
+        out = write_export(tmp_path / "model", build_backbone("resnet_small", DIM, 1, SIZE),
+                           [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))],
+                           backbone_name="resnet_small", num_classes=CLASSES, dim=DIM,
+                           image_size=SIZE, channels=1,
+                           class_names=[f"class{i}" for i in range(CLASSES)], step=1,
+                           config_toml="")
+    finally:
+        os.umask(before)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert modes == dict.fromkeys(modes, "0o644") and "backbone.safetensors" in modes, modes
+    assert oct(out.stat().st_mode & 0o777) == "0o755"

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "scripts" / "launch_server.sh"
 WORKER = ROOT / "scripts" / "launch_worker.sh"
 # the variables launch_worker.sh reads, cleared so the caller's environment cannot leak in
-WORKER_ENV = ("AMS_ADDRESSES", "AMS_SCHEDULER", "AMS_TOKEN_FILE", "NNODES", "NODE_RANK",
-              "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "METRICS_PORT", "MAX_RESTARTS",
-              "RDZV_ENDPOINT", "RDZV_ID", "PYTHON")
+WORKER_ENV = ("AMS_ADDRESSES", "AMS_SCHEDULER", "AMS_TOKEN_FILE", "AMS_TLS_CA_FILE", "NNODES",
+              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "METRICS_PORT",
+              "MAX_RESTARTS", "RDZV_ENDPOINT", "RDZV_ID", "PYTHON")
 
 
 def run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -75,6 +75,14 @@ def test_server_with_a_scheduler_and_metrics():
     assert (args.port, args.data_port) == (7002, 7102)
 
 
+def test_server_with_tls_serves_tls_and_the_token():
+    argv = dry_run(SERVER, "--tls-cert", "/etc/xcls/cert.pem", "--tls-key", "/etc/xcls/key.pem",
+                   "--auth-token-file", "/etc/xcls/token", "0", "2", "7001", "/data/ams")
+    args = xcls_args(argv[3:])
+    assert (str(args.tls_cert), str(args.tls_key)) == ("/etc/xcls/cert.pem", "/etc/xcls/key.pem")
+    assert str(args.auth_token_file) == "/etc/xcls/token"
+
+
 # every case but the first two has a token file in the environment, so that exactly one
 # thing is wrong in each
 @pytest.mark.parametrize("argv, token, message", [
@@ -89,6 +97,8 @@ def test_server_with_a_scheduler_and_metrics():
     (["--data-port", "7x", "0", "2", "7001", "/d"], "/t", "--data-port must be a number"),
     (["0", "2", "70x1", "/d"], "/t", "PORT must be a number"),
     (["--bogus", "0", "2", "7001", "/d"], "/t", "unknown option"),
+    (["--tls-cert", "c.pem", "0", "2", "7001", "/d"], "/t", "--tls-cert and --tls-key go"),
+    (["--tls-key", "k.pem", "0", "2", "7001", "/d"], "/t", "--tls-cert and --tls-key go"),
 ])
 def test_server_bad_args(argv, token, message):
     out = run(SERVER, *argv, AMS_TOKEN_FILE=token)
@@ -163,6 +173,37 @@ def test_worker_with_a_scheduler_and_metrics():
     assert load_config(None, args.overrides).ams.scheduler == "sched:7000"
 
 
+def test_worker_names_the_shards_tls_authority():
+    argv = dry_run(WORKER, "--ams", "s0:7001", "--tls-ca", "/etc/xcls/ca.pem", "exp.toml")
+    overrides = xcls_args(torchrun_parser().parse_args(argv[3:]).training_script_args).overrides
+    assert overrides == ["ams.addresses=s0:7001", "ams.tls_ca_file=/etc/xcls/ca.pem"]
+    env = dry_run(WORKER, "--ams", "s0:7001", "exp.toml", AMS_TLS_CA_FILE="/ca.pem")
+    assert "ams.tls_ca_file=/ca.pem" in torchrun_parser().parse_args(env[3:]).training_script_args
+
+    from xcls.config import load_config
+
+    assert load_config(None, overrides).ams.tls_ca_file == "/etc/xcls/ca.pem"
+
+
+@pytest.mark.parametrize("endpoint", [
+    ["--standalone"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:1"],
+    ["--nnodes", "2", "--master-addr", "127.0.0.1"],
+])
+def test_torchrun_on_one_host_keeps_torchruns_own_addresses(endpoint, monkeypatch):
+    """``xcls.torchrun`` sets the rendezvous addresses only across hosts (tests/integration/
+    test_multihost.py); on one host, or toward a name that does not resolve, it leaves
+    torchrun's own."""
+    from xcls.torchrun import meeting_point
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    args = torchrun_parser().parse_args([*endpoint, "-m", "xcls", "train", "exp.toml"])
+    before = vars(args).copy()
+    meeting_point(args)
+    assert vars(args) == before and "GLOO_SOCKET_IFNAME" not in os.environ
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ams", "h:1"], "CONFIG is required"),
     (["exp.toml"], "--ams (or AMS_ADDRESSES) or --scheduler"),
@@ -182,6 +223,7 @@ def test_worker_with_a_scheduler_and_metrics():
      "torchrun assigns the ranks"),
     (["--ams", "h:1", "--rdzv-id", "", "e.toml"], "--rdzv-id must be a non-empty word"),
     (["--ams", "h:1", "--torchrun"], "needs a value"),
+    (["--collective", "--tls-ca", "ca.pem", "e.toml"], "with --collective there are none"),
 ])
 def test_worker_bad_args(argv, message):
     out = run(WORKER, "--dry-run", *argv)

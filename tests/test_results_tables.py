@@ -149,3 +149,22 @@ def test_a_tree_without_git_takes_the_commit_it_is_told(tmp_path: Path, monkeypa
     assert results.current_commit() == "unknown"
     monkeypatch.setenv(results.COMMIT_ENV, "abc1234")
     assert results.current_commit() == "abc1234"
+
+
+@needs_history
+def test_a_recorded_demo_run_becomes_the_readmes_demo_time(tree: Path, monkeypatch) -> None:
+    """The README's demo time is the newest scripts/demo.sh run of each machine, as recorded
+    (benchmarks/demo.py), never a typed figure."""
+    monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tree / render_results.RESULTS))
+    device = "2-core CPU VM (AMD EPYC, AVX-512)"
+    results.record("demo", [{"classes": 2000, "dataset s": 270.4, "steps": 900,
+                             "total s": 931, "top-1 %": 97.3, "class means top-1 %": 97.97,
+                             "load (1 min)": "11.9-12.1"}],
+                   command="bash scripts/demo.sh", device=device)
+    assert Path("README.md") in render_results.stale(tree)
+    render_results.main([], root=tree)
+    readme = (tree / "README.md").read_text()
+    assert (f"* **931 s** on a {device} at a load average of 11.9-12.1 (start-end): the "
+            "dataset 270.4 s of it; top-1 97.30 %, by class means 97.97 %") in readme
+    assert readme.count(f"s** on a {device} ") == 1  # the machine's older runs are not shown
+    assert "**445 s** on a 2-core CPU VM (AMD EPYC, no AVX-512)" in readme  # another machine's

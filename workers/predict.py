@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from ams.graph.topk import merge_top_lists, resolve_device
@@ -184,7 +184,9 @@ def _write_export_files(out: Path, backbone: Backbone,
                         onnx: bool, rows_dtype: str) -> None:
     """The backbone's files and rows.npy of ``write_export``, in ``out``."""
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
-    save_file(state, str(out / "backbone.safetensors"))
+    # written as any file is (mode 0666 less the umask): safetensors' save_file makes it 0600,
+    # which other users of a shared model directory cannot read
+    (out / "backbone.safetensors").write_bytes(save(state))
     if onnx:
         export_onnx(backbone, image_size, channels, out / "backbone.onnx")
     rows = np.lib.format.open_memmap(out / "rows.npy", mode="w+", dtype=np.dtype(rows_dtype),

@@ -167,6 +167,9 @@ class Trainer:
         # resume from the newest checkpoint; a graph before the first knn step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         fresh = not self.try_resume()
+        if not fresh:
+            log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
+            record_resume()
         resumed = self._resumed or {}
         if self.gear is not None:
             self.gear.begin(resumed.get("gear"))
@@ -431,9 +434,10 @@ class Trainer:
         self._checkpointed_step = self.step
 
     def try_resume(self) -> bool:
-        """Continue from the newest checkpoint in out_dir (and the AMS snapshot of its step).
-        This rank's private part (prepared batches, sampler and gear state) is used only when
-        the worker count is the one it was saved with."""
+        """Load the newest checkpoint in out_dir (and the AMS snapshot of its step); False
+        when there is none (or train.resume is off). This rank's private part (prepared
+        batches, sampler and gear state) is used only when the worker count is the one it was
+        saved with. Says nothing: training logs that it resumed, evaluation what it evaluates."""
         out = self.out_dir
         step = checkpoint.latest_step(out) if self.cfg.train.resume else None
         if step is None:
@@ -479,6 +483,4 @@ class Trainer:
                         private.get("world") if private else None, self.world)
         if self.compressor is not None:
             self.compressor.step = self.step
-        log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
-        record_resume()
         return True

@@ -47,10 +47,27 @@ def cmd_glyphs(args: argparse.Namespace) -> int:
 
 
 def cmd_folder(args: argparse.Namespace) -> int:
-    from workers.data.importers import import_folder
+    from workers.data.importers import import_folder, import_folder_splits
 
-    return _run(import_folder, args.root, args.out, size=args.size, channels=args.channels,
-                split=args.split, overwrite=args.overwrite)
+    if args.test_fraction is None:
+        def build() -> None:
+            meta = import_folder(args.root, args.out, size=args.size, channels=args.channels,
+                                 split=args.split, overwrite=args.overwrite)
+            print(f"wrote {args.out} ({meta.num_samples} images, {meta.num_classes} classes, "
+                  f"split {meta.split})")
+        return _run(build)
+    if args.split != "train":
+        print("error: --split names the one split written without --test-fraction; with it "
+              "the splits are OUT/train and OUT/test", file=sys.stderr)
+        return 2
+
+    def build_splits() -> None:
+        train, test = import_folder_splits(
+            args.root, args.out, size=args.size, channels=args.channels,
+            test_fraction=args.test_fraction, seed=args.seed, overwrite=args.overwrite)
+        print(f"wrote {args.out}/train ({train.num_samples} images) and {args.out}/test "
+              f"({test.num_samples} images), {train.num_classes} classes")
+    return _run(build_splits)
 
 
 def cmd_rec(args: argparse.Namespace) -> int:
@@ -122,9 +139,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     f = sub.add_parser("folder", help="import ROOT/<class>/<image> folders",
                        description="One sub-folder per class (sorted names become labels 0..N-1); "
-                       "every image inside is resized to --size x --size.")
+                       "every image inside is resized to --size x --size. Writes the dataset "
+                       "OUT; with --test-fraction, OUT/train and OUT/test (data.train and "
+                       "data.test of a config).")
     f.add_argument("root", help="folder holding one sub-folder per class")
     _add_output_options(f)
+    f.add_argument("--test-fraction", type=float, metavar="F",
+                   help="hold out this share of each class's images, chosen at random, as a "
+                   "test split: writes OUT/train and OUT/test (e.g. 0.1; every class keeps at "
+                   "least one training image)")
+    f.add_argument("--seed", type=int, default=0,
+                   help="seed of the --test-fraction choice (default 0)")
     f.add_argument("--channels", type=int, choices=(1, 3), default=3,
                    help="1 = grayscale, 3 = RGB (default 3)")
     f.set_defaults(func=cmd_folder)

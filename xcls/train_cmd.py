@@ -10,7 +10,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -188,9 +187,12 @@ def run_train(args: argparse.Namespace) -> int:
                   "same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
     if rank == 0:
-        # a finished run started again trains no step: it has no loss of its own to show
-        line = f"trained {result.steps} steps, last loss {result.last_loss:.4f}" \
-            if not math.isnan(result.last_loss) else \
+        # the loss of the last log line (and train.csv's last row), not the last step's alone,
+        # which a reader could not find in the log; a finished run started again trains no
+        # step and logs none
+        logged = result.history[-1] if result.history else None
+        line = (f"trained {result.steps} steps, loss {logged['loss']:.4f} (as logged at step "
+                f"{logged['step']}: the mean since the log line before)") if logged else \
             f"already trained {result.steps} steps (train.max_steps); nothing to do"
         if result.eval:
             line += (f"; test top-1 {100 * result.eval['top1']:.2f}% top-5 "
@@ -200,7 +202,9 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resumed_run(args: argparse.Namespace) -> Run:
+def _resumed_run(args: argparse.Namespace, doing: str) -> Run:
+    """The run of CONFIG at its newest checkpoint, for ``doing`` ("evaluating",
+    "exporting"), which the log says."""
     from ams.errors import AmsError
     from workers.checkpoint import CheckpointError
 
@@ -221,11 +225,12 @@ def _resumed_run(args: argparse.Namespace) -> Run:
             raise ConfigError(f"train.out_dir: no checkpoint in {cfg.train.out_dir}; train first")
     except (ConfigError, AmsError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
+    log.info("%s step=%d out_dir=%s", doing, run.trainer.step, cfg.train.out_dir)
     return run
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    run = _resumed_run(args)
+    run = _resumed_run(args, "evaluating")
     if run.trainer.test_set is None:
         raise SystemExit("error: data.test: no test split configured")
     result = run.trainer.evaluator.evaluate(rows=args.rows)
@@ -243,7 +248,7 @@ def run_export(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("error: --onnx needs the onnx and onnxscript packages: "
                              "pip install 'xcls[onnx]'") from None
-    run = _resumed_run(args)
+    run = _resumed_run(args, "exporting")
     meta = run.train_set.metadata
     try:
         out = write_export(args.out, run.backbone, run.trainer.evaluator.row_blocks(args.rows),

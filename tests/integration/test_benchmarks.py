@@ -317,3 +317,46 @@ def test_bench_table_files_quick_times_a_close_and_two_reopens() -> None:
                      ("reopen", "dropped (a reboot)")]
     for cells in table_rows(done.stdout, "100000"):
         assert float(cells[5]) > 0 and float(cells[6]) > 0, cells
+
+
+def test_demo_records_a_whole_run_and_never_a_resumed_one(glyphs_small, tmp_path, capsys,
+                                                          results_dir) -> None:
+    """benchmarks/demo.py as scripts/demo.sh calls it, on a tiny run of the demo's config."""
+    import json
+    import time
+
+    from xcls.cli import main
+
+    config = tmp_path / "demo.toml"
+    out = tmp_path / "run"
+    sets = [f"data.train={glyphs_small / 'train'}", f"data.test={glyphs_small / 'test'}",
+            f"train.out_dir={out}", "train.max_steps=3", "data.batch_size=32",
+            "data.num_workers=0"]
+    assert main(["config", "print", str(ROOT / "configs" / "glyphs-2k-knn.toml"),
+                 *[x for s in sets for x in ("--set", s)]]) == 0
+    config.write_text(capsys.readouterr().out)
+    started = time.time() - 1
+    assert main(["train", str(config)]) == 0
+    means = tmp_path / "eval.txt"
+    means.write_text("step 3, class-means rows: top-1 12.50%  top-5 30.00%  (131 test samples)")
+
+    def demo(*resumed: str) -> subprocess.CompletedProcess:
+        return run_benchmark("demo.py", str(config), "--started", str(started), "--load",
+                             "1.5", "--dataset-s", "20", "--eval-output", str(means),
+                             *resumed, "--record")
+
+    done = demo()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "demo: recorded in" in done.stdout, done.stdout
+    (line,) = (results_dir / "demo.jsonl").read_text().splitlines()
+    figures = json.loads(line)["figures"]
+    top1 = float((out / "eval.csv").read_text().splitlines()[-1].split(",")[1])
+    assert figures["classes"] == 120 and figures["steps"] == 3 and figures["batch"] == 32
+    assert figures["top-1 %"] == round(100 * top1, 2)
+    assert figures["class means top-1 %"] == 12.5 and figures["dataset s"] == 20
+    assert figures["load (1 min)"].startswith("1.5-")
+    assert json.loads(line)["command"] == "bash scripts/demo.sh"
+    # a run that resumed an earlier one timed a part of the demo: never recorded
+    late = demo("--resumed")
+    assert late.returncode == 0 and "not recorded" in late.stdout, late.stdout
+    assert len((results_dir / "demo.jsonl").read_text().splitlines()) == 1

@@ -86,3 +86,20 @@ out_dir = "{out}"
     assert len(stops) == 1 and stops[0].startswith("stopped by SIGTERM after step "), output
     steps = sorted(out.glob("checkpoints/step-*"))
     assert len(steps) >= 2, steps  # the stop's checkpoint beside step 0
+
+
+def test_a_rendezvous_nobody_serves_is_one_line_and_exit_1(tmp_path):
+    """A worker host whose rendezvous endpoint nobody serves (its host not up yet, a typo in
+    the port) ends with one line naming the endpoint and why, not torchrun's Python traceback
+    (torch's C++ socket layer still logs its own error above it)."""
+    from tests.conftest import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = launch("--ams", "127.0.0.1:1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+                  "--torchrun", "--rdzv-conf=is_host=false,read_timeout=2",
+                  str(ROOT / "configs" / "glyphs-2k-knn.toml"), cwd=tmp_path)
+    code, output = finish(proc, timeout=120)
+    assert code == 1, output
+    last = output.strip().splitlines()[-1]
+    assert f"rendezvous_failed endpoint={endpoint}" in last and "timed out" in last, output
+    assert "Traceback" not in output

@@ -1,6 +1,8 @@
 """Importers from common image-classification layouts into the LMDB dataset format.
 
-* ``import_folder``: ``ROOT/<class name>/<image>``, one sub-folder per class.
+* ``import_folder``: ``ROOT/<class name>/<image>``, one sub-folder per class;
+  ``import_folder_splits`` the same into a train and a test split, holding out a share of each
+  class's images.
 * ``import_pairs_bin``: an insightface verification ``.bin`` (LFW, CFP-FP, AgeDB-30 pairs).
 * ``import_recordio``: insightface ``train.rec`` + ``train.idx`` (MXNet RecordIO), read without
   mxnet. A record is ``<II`` (magic 0xced7230a, lrecord: continuation flag in the top 3 bits,
@@ -62,25 +64,72 @@ def load_image(data: bytes | Path, size: int, channels: int, where: str) -> np.n
         raise DatasetError(f"{where}: not a readable image ({exc})") from exc
 
 
+def _folder_images(root: Path) -> tuple[list[str], list[list[Path]]]:
+    """The class names of ROOT/<class>/<image> (sorted folder names: label i is the i-th) and
+    each class's image files, sorted."""
+    if not root.is_dir():
+        raise DatasetError(f"{root}: not a directory")
+    classes = sorted(p for p in root.iterdir() if p.is_dir())
+    images = [[f for f in sorted(d.rglob("*")) if f.is_file()
+               and f.suffix.lower() in IMAGE_SUFFIXES] for d in classes]
+    if not any(images):
+        raise DatasetError(f"{root}: no images found (expected ROOT/<class>/<image>, suffixes "
+                           f"{sorted(IMAGE_SUFFIXES)})")
+    return [d.name for d in classes], images
+
+
+def _write_folder_split(root: Path, out: str | os.PathLike, files: list[tuple[int, Path]],
+                        class_names: list[str], *, size: int, channels: int, split: str,
+                        overwrite: bool, sources: dict) -> DatasetMetadata:
+    with LmdbImageWriter(out, height=size, width=size, channels=channels,
+                         class_names=class_names, split=split,
+                         sources={"importer": "folder", "root": str(root), **sources},
+                         overwrite=overwrite) as writer:
+        for label, path in tqdm(files, desc=f"import folder ({split})", unit="img"):
+            writer.add(load_image(path, size, channels, str(path)), label)
+    return writer.close_metadata
+
+
 def import_folder(root: str | os.PathLike, out: str | os.PathLike, *, size: int, channels: int,
                   split: str = "train", overwrite: bool = False) -> DatasetMetadata:
     """One sub-folder per class (sorted names -> labels 0..); every image file inside."""
     root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"{root}: not a directory")
-    classes = sorted(p for p in root.iterdir() if p.is_dir())
-    files = [(label, f) for label, d in enumerate(classes) for f in sorted(d.rglob("*"))
-             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
-    if not files:
-        raise DatasetError(f"{root}: no images found (expected ROOT/<class>/<image>, suffixes "
-                           f"{sorted(IMAGE_SUFFIXES)})")
-    with LmdbImageWriter(out, height=size, width=size, channels=channels,
-                         class_names=[d.name for d in classes], split=split,
-                         sources={"importer": "folder", "root": str(root)},
-                         overwrite=overwrite) as writer:
-        for label, path in tqdm(files, desc="import folder", unit="img"):
-            writer.add(load_image(path, size, channels, str(path)), label)
-    return writer.close_metadata
+    class_names, images = _folder_images(root)
+    files = [(label, f) for label, paths in enumerate(images) for f in paths]
+    return _write_folder_split(root, out, files, class_names, size=size, channels=channels,
+                               split=split, overwrite=overwrite, sources={})
+
+
+def import_folder_splits(root: str | os.PathLike, out: str | os.PathLike, *, size: int,
+                         channels: int, test_fraction: float, seed: int = 0,
+                         overwrite: bool = False) -> tuple[DatasetMetadata, DatasetMetadata]:
+    """``import_folder`` into two datasets, ``out/train`` and ``out/test``, with the same
+    classes: of each class's n images, round(``test_fraction`` * n) chosen at random (by
+    ``seed``; at most n - 1, so every class keeps a training image) go to the test split.
+    ``0 < test_fraction < 1``."""
+    if not 0 < test_fraction < 1:
+        raise DatasetError(f"test fraction {test_fraction}: must be above 0 and below 1")
+    root = Path(root)
+    class_names, images = _folder_images(root)
+    rng = np.random.default_rng(seed)
+    train: list[tuple[int, Path]] = []
+    test: list[tuple[int, Path]] = []
+    for label, paths in enumerate(images):
+        count = min(round(test_fraction * len(paths)), max(len(paths) - 1, 0))
+        held = set(rng.choice(len(paths), count, replace=False).tolist())
+        for i, path in enumerate(paths):
+            (test if i in held else train).append((label, path))
+    if not test:
+        raise DatasetError(f"{root}: a test fraction of {test_fraction} holds out no image "
+                           f"({len(train)} images in {len(class_names)} classes); raise it")
+    sources = {"test_fraction": test_fraction, "seed": seed}
+    out = Path(out)
+    return (_write_folder_split(root, out / "train", train, class_names, size=size,
+                                channels=channels, split="train", overwrite=overwrite,
+                                sources=sources),
+            _write_folder_split(root, out / "test", test, class_names, size=size,
+                                channels=channels, split="test", overwrite=overwrite,
+                                sources=sources))
 
 
 def _read_record(f: BinaryIO, file_size: int, offset: int, path: Path) -> bytes:
