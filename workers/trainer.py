@@ -47,7 +47,7 @@ from workers.predict import images_to_input
 from workers.prefetch import Prefetcher, PreparedBatch
 from workers.row_update import RowUpdater
 from workers.run_log import RunLog
-from workers.schedule import lr_at
+from workers.schedule import lr_at, row_warmup_steps
 from workers.termination import TerminationRequest
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ class LoopOptions:
     lr: float = 0.1
     head_lr: float = 0.1
     warmup_steps: int = 100
+    # the class rows' warm-up, -1: until each class has been a label a few times
+    # (workers.schedule.row_warmup_steps)
+    head_warmup_steps: int = -1
     schedule: str = "cosine"
     log_every: int = 50
     eval_every: int = 0
@@ -157,6 +160,9 @@ class Trainer:
         self._epoch_of_step = self.plan.epoch_of_steps(options.epochs)
         total = len(self._epoch_of_step)
         self.total_steps = min(total, options.max_steps) if options.max_steps else total
+        self.head_warmup_steps = row_warmup_steps(
+            options.head_warmup_steps, options.warmup_steps, head.num_classes,
+            self.plan.batch_size * world)
         combine = head.combine_row_grads
         self.rows = RowUpdater(client, table, [self._head_lr(t) for t in range(self.total_steps)],
                                rank=rank if combine else 0, world=world if combine else 1)
@@ -308,7 +314,7 @@ class Trainer:
                      self.options.schedule) * self._batch_scale(step)
 
     def _head_lr(self, step: int) -> float:
-        return lr_at(step, self.options.head_lr, self.options.warmup_steps, self.total_steps,
+        return lr_at(step, self.options.head_lr, self.head_warmup_steps, self.total_steps,
                      self.options.schedule) * self._batch_scale(step)
 
     def _batch_scale(self, step: int) -> float:

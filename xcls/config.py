@@ -129,6 +129,11 @@ class OptimConfig:
     features cached for a whole run is more stable at 5e-4 (docs/accuracy.md)"""
     warmup_steps: int = 100
     """steps of linear warmup from 0 to the peak learning rates, >= 0"""
+    head_warmup_steps: int = -1
+    """steps of linear warmup of the class rows' learning rate, >= 0, or -1: until each class
+    has been a label about 3 times (3 * classes / global batch steps), at least warmup_steps.
+    A row that sits out only decays, and its first label step at full rate leaves it a norm
+    so large that it hardly turns afterwards (benchmarks/trace_start.py traces it)"""
     schedule: str = "cosine"
     """after warmup: cosine (to 0 at the last step) | constant"""
 
@@ -460,6 +465,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(f"optim.lars_eta: must be > 0, got {cfg.optim.lars_eta}")
     if not 0 <= cfg.optim.momentum < 1:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    if cfg.optim.head_warmup_steps < -1:
+        raise ConfigError(f"optim.head_warmup_steps: must be >= 0 or -1 (auto), got "
+                          f"{cfg.optim.head_warmup_steps}")
     if not 0 <= cfg.optim.head_momentum < 1:
         raise ConfigError(f"optim.head_momentum: must be in [0, 1), got "
                           f"{cfg.optim.head_momentum}")
