@@ -310,7 +310,8 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     done = run_benchmark("accuracy_study.py", "--data", str(glyphs_small), "--heads",
                          "knn,knn-ivf,knn-touched", "--max-steps", "12", "--rebuild-every", "1",
                          "--batch-size", "32", "--nlist", "8", "--nprobe", "8",
-                         "--full-every", "2", "--threads", "1", "--out", str(tmp_path))
+                         "--full-every", "2", "--threads", "1", "--out", str(tmp_path),
+                         "--results", str(tmp_path / "results.csv"))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {cells[0]: cells for name in ("knn", "knn-ivf", "knn-touched")
             for cells in table_rows(done.stdout, name)}
@@ -321,6 +322,9 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     assert 0.99 <= float(rows["knn-ivf"][-1]) <= 1.0
     import csv
 
+    # one results row per head, in the order run
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert [r["head"] for r in csv.DictReader(f)] == ["knn", "knn-ivf", "knn-touched"]
     for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
         with open(tmp_path / name / "graph.csv", newline="") as f:
             assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
