@@ -6,29 +6,46 @@ Trains the same backbone, data order and schedule once per head (embedded AMS) a
 markdown table: top-1 / top-5 on typeface designs never seen in training, wall time per epoch,
 and rows pulled per step. Partial uses ``sample_rate``; knn gets the same number of active
 classes (labels + nearest neighbors, filled at random), so the comparison is at equal cost.
+
+Each finished run (one per head) is appended as a row to ``--results`` (default
+benchmarks/results/accuracy.csv, created with its header when absent), columns
+``RESULT_COLUMNS``: percents like 97.30, empty where not measured or where a setting does not
+apply to the head (full takes every class: no budget, k or random share; partial no k or random
+share); ``commit`` is the code the run started from, ``+dirty`` when a .py file differed from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from xcls.config import load_config
+import torch
+
+from xcls.config import ExperimentConfig, load_config
 from xcls.run import build_run
 
 # knn variants: how its graph is built and refreshed (docs/scale.md)
 GRAPH_VARIANTS = {"knn": {}, "knn-ivf": {"graph.method": "ivf"},
                   "knn-touched": {"graph.refresh": "touched"}}
+ROOT = Path(__file__).resolve().parents[1]
+# The results file's schema; docs tables are rendered from it, so it changes only on purpose.
+RESULT_COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budget", "k",
+                  "random_share", "seed", "top1", "top5", "class_means_top1",
+                  "seconds_per_epoch", "notes")
 
 
-def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
+def study_config(name: str, args: argparse.Namespace, num_classes: int) -> ExperimentConfig:
+    """The config of head ``name`` (full, partial, knn or a knn graph variant) for the study's
+    options ``args`` (``add_config_options``) on a dataset of ``num_classes`` classes."""
     budget = max(1, round(args.sample_rate * num_classes))
-    out = args.out / name
     kind = "knn" if name in GRAPH_VARIANTS else name
     sets = {
         "data.train": str(args.data / "train"), "data.test": str(args.data / "test"),
@@ -37,7 +54,7 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
-        "train.out_dir": str(out), "train.resume": False, "train.log_every": 20,
+        "train.out_dir": str(args.out / name), "train.resume": False, "train.log_every": 20,
         "train.seed": args.seed, "train.threads": args.threads,
         "train.max_steps": args.max_steps,
     }
@@ -53,7 +70,12 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
                      **({"graph.nlist": args.nlist} if args.nlist else {})})
     if name == "knn-touched":
         sets["graph.full_every"] = args.full_every
-    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    return load_config(None, [f"{k}={v}" for k, v in sets.items()] + list(args.set))
+
+
+def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
+    out = args.out / name
+    cfg = study_config(name, args, num_classes)
     run = build_run(cfg)
     started = time.perf_counter()
     result = run.trainer.train()
@@ -74,6 +96,7 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
         "random_share": cfg.head.random_share, "logq_correction": cfg.head.logq_correction,
         "head_momentum": cfg.optim.head_momentum,
         "head_weight_decay": cfg.optim.head_weight_decay,
+        "budget": cfg.head.budget, "k": cfg.head.k, "device": str(run.trainer.device),
     }
 
 
@@ -86,15 +109,96 @@ def graph_recalls(out: Path) -> list[float]:
         return [float(row["recall"]) for row in csv.DictReader(f) if row.get("recall")]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def code_version(root: Path = ROOT) -> str:
+    """``git rev-parse --short HEAD`` of ``root``, with ``+dirty`` when a tracked .py file
+    differs from it or an untracked one exists (the code that ran is then not that commit)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=all", "--", "*.py")
+    return commit + ("+dirty" if changed else "")
+
+
+def device_name(device: torch.device) -> str:
+    """The host a run trained on, as the results file names it: the GPU's name, or
+    "N-core CPU" (with " VM" when the CPU reports a hypervisor)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        virtual = " hypervisor" in Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        virtual = False
+    return f"{os.cpu_count()}-core CPU" + (" VM" if virtual else "")
+
+
+def run_notes(name: str, args: argparse.Namespace) -> str:
+    """What set this run apart from the defaults, for the results file's ``notes``: the knn
+    graph's rebuild period and variant, the options given explicitly, ``--set`` overrides,
+    a step limit, and ``--notes``."""
+    notes = []
+    if name in GRAPH_VARIANTS:
+        notes.append(f"rebuild_every={args.rebuild_every}")
+        notes += [f"{key}={value}" for key, value in GRAPH_VARIANTS[name].items()]
+    explicit = {"logq_correction": args.logq_correction, "head_momentum": args.head_momentum,
+                "head_lr": args.head_lr, "head_weight_decay": args.head_weight_decay}
+    if name in GRAPH_VARIANTS and args.random_share is not None:
+        explicit["random_share"] = args.random_share
+    notes += [f"{key}={value}" for key, value in explicit.items() if value is not None]
+    for key, value, default in (("batch_size", args.batch_size, 128), ("lr", args.lr, 0.1),
+                                ("warmup", args.warmup, 100), ("dim", args.dim, 128)):
+        if value != default:
+            notes.append(f"{key}={value}")
+    notes += list(args.set)
+    if args.max_steps:
+        notes.append(f"max_steps={args.max_steps}")
+    if args.notes:
+        notes.append(args.notes)
+    return "; ".join(notes)
+
+
+def result_row(r: dict, name: str, args: argparse.Namespace, num_classes: int, commit: str,
+               device: str) -> dict:
+    """The results file's row (``RESULT_COLUMNS``) of run ``r`` (``run_head``'s dict)."""
+    def percent(value: float | None) -> str:
+        return "" if value is None else f"{100 * value:.2f}"
+
+    kind = "knn" if name in GRAPH_VARIANTS else name
+    return {
+        "date": datetime.date.today().isoformat(), "commit": commit, "device": device,
+        "classes": num_classes, "epochs": args.epochs, "head": name,
+        "budget": "" if kind == "full" else r["budget"],
+        "k": r["k"] if kind == "knn" else "",
+        "random_share": r["random_share"] if kind == "knn" else "", "seed": args.seed,
+        "top1": percent(r["top1"]), "top5": percent(r["top5"]),
+        "class_means_top1": percent(r["top1_class_means"]),
+        "seconds_per_epoch": f"{r['seconds_per_epoch']:.0f}", "notes": run_notes(name, args),
+    }
+
+
+def append_result(path: Path, row: dict) -> None:
+    """Append ``row`` to the results CSV at ``path``, writing the header first when the file
+    is new; a file with another header is refused (rows must stay aligned with it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != RESULT_COLUMNS:
+            raise ValueError(f"{path}: its header {header} is not {list(RESULT_COLUMNS)}")
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """The options ``study_config`` reads (also the start tracer's, benchmarks/trace_start.py,
+    so that a traced run is the study's run)."""
     p.add_argument("--data", type=Path, required=True,
                    help="glyph dataset dir with train/ and test/ (xcls data glyphs)")
-    p.add_argument("--heads", default="full,partial,knn",
-                   help="comma-separated heads to run: full, partial, knn, and knn's graph "
-                        "variants knn-ivf (graph.method = ivf) and knn-touched (graph.refresh "
-                        "= touched)")
     p.add_argument("--nprobe", type=int, default=8, help="knn-ivf: lists each class scans")
     p.add_argument("--nlist", type=int, default=0, help="knn-ivf: inverted lists (0: auto)")
     p.add_argument("--full-every", type=int, default=10,
@@ -129,7 +233,23 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/accuracy-study"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other config field, as 'xcls train --set' takes it (repeatable; "
+                        "applied last)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_options(p)
+    p.add_argument("--heads", default="full,partial,knn",
+                   help="comma-separated heads to run: full, partial, knn, and knn's graph "
+                        "variants knn-ivf (graph.method = ivf) and knn-touched (graph.refresh "
+                        "= touched)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/accuracy.csv",
+                   help="CSV each finished run is appended to (default: %(default)s)")
+    p.add_argument("--notes", default="", help="free text for the results file's notes column")
     p.add_argument("--class-means", action="store_true",
                    help="also report top-1 with each class's mean training feature as its row "
                         "(xcls eval --rows class-means; one more pass over the training split)")
@@ -137,7 +257,13 @@ def main() -> int:
 
     summary = json.loads((args.data / "summary.json").read_text())
     num_classes = summary["classes"]
-    rows = [run_head(kind, args, num_classes) for kind in args.heads.split(",")]
+    commit = code_version()  # before the runs: the code they run, whatever is committed meanwhile
+    rows = []
+    for name in args.heads.split(","):
+        rows.append(run_head(name, args, num_classes))
+        device = device_name(torch.device(rows[-1]["device"]))
+        append_result(args.results, result_row(rows[-1], name, args, num_classes, commit,
+                                                device))
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share "

@@ -231,8 +231,8 @@ def test_a_growing_batch_scales_the_learning_rates_of_its_epochs(glyphs_small, t
     for scaling, factor in ((True, 2.0), (False, 1.0)):
         cfg = load_config(None, overrides(glyphs_small, tmp_path / f"run-{scaling}", **{
             "train.batch_schedule": "[32, 64]", "train.batch_lr_scaling": scaling,
-            "train.epochs": 3, "optim.warmup_steps": 0, "optim.schedule": "constant",
-            "optim.head_lr": 0.2}))
+            "train.epochs": 3, "optim.warmup_steps": 0, "optim.head_warmup_steps": 0,
+            "optim.schedule": "constant", "optim.head_lr": 0.2}))
         trainer = build_run(cfg).trainer
         first = n // 32
         assert trainer.total_steps == first + 2 * (n // 64)

@@ -177,6 +177,11 @@ class OptimConfig:
     features cached for a whole run is more stable at 5e-4 (docs/accuracy.md)"""
     warmup_steps: Annotated[int, NON_NEGATIVE] = 100
     """steps of linear warmup from 0 to the peak learning rates, >= 0"""
+    head_warmup_steps: Annotated[int, Range(ge=-1)] = -1
+    """steps of linear warmup of the class rows' learning rate, >= 0, or -1: until each class
+    has been a label about 3 times (3 * classes / global batch steps), at least warmup_steps.
+    A row that sits out only decays, and its first label step at full rate leaves it a norm
+    so large that it hardly turns afterwards (benchmarks/trace_start.py traces it)"""
     schedule: Schedule = "cosine"
     """after warmup: cosine (to 0 at the last step) | constant (workers.schedule.Schedule)"""
 

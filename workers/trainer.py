@@ -49,7 +49,7 @@ from workers.predict import images_to_input
 from workers.prefetch import Prefetcher, PreparedBatch
 from workers.row_update import RowUpdater
 from workers.run_log import RunLog
-from workers.schedule import lr_at
+from workers.schedule import lr_at, row_warmup_steps
 from workers.settings import ExperimentConfig
 from workers.termination import TerminationRequest
 
@@ -139,6 +139,9 @@ class Trainer:
         self._epoch_of_step = self.plan.epoch_of_steps(cfg.train.epochs)
         total = len(self._epoch_of_step)
         self.total_steps = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+        self.head_warmup_steps = row_warmup_steps(
+            cfg.optim.head_warmup_steps, cfg.optim.warmup_steps, head.num_classes,
+            self.plan.batch_size * world)
         combine = head.combine_row_grads
         self.rows = RowUpdater(client, self.table,
                                [self._head_lr(t) for t in range(self.total_steps)],
@@ -301,7 +304,7 @@ class Trainer:
 
     def _head_lr(self, step: int) -> float:
         o = self.cfg.optim
-        return lr_at(step, o.effective_head_lr(), o.warmup_steps, self.total_steps,
+        return lr_at(step, o.effective_head_lr(), self.head_warmup_steps, self.total_steps,
                      o.schedule) * self._batch_scale(step)
 
     def _batch_scale(self, step: int) -> float:

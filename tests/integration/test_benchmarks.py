@@ -293,7 +293,8 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     done = run_benchmark("accuracy_study.py", "--data", str(glyphs_small), "--heads",
                          "knn,knn-ivf,knn-touched", "--max-steps", "12", "--rebuild-every", "1",
                          "--batch-size", "32", "--nlist", "8", "--nprobe", "8",
-                         "--full-every", "2", "--threads", "1", "--out", str(tmp_path))
+                         "--full-every", "2", "--threads", "1", "--out", str(tmp_path),
+                         "--results", str(tmp_path / "results.csv"))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {cells[0]: cells for name in ("knn", "knn-ivf", "knn-touched")
             for cells in table_rows(done.stdout, name)}
@@ -304,6 +305,9 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     assert 0.99 <= float(rows["knn-ivf"][-1]) <= 1.0
     import csv
 
+    # one results row per head, in the order run
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert [r["head"] for r in csv.DictReader(f)] == ["knn", "knn-ivf", "knn-touched"]
     for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
         with open(tmp_path / name / "graph.csv", newline="") as f:
             assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
@@ -360,3 +364,46 @@ def test_demo_records_a_whole_run_and_never_a_resumed_one(glyphs_small, tmp_path
     late = demo("--resumed")
     assert late.returncode == 0 and "not recorded" in late.stdout, late.stdout
     assert len((results_dir / "demo.jsonl").read_text().splitlines()) == 1
+
+
+def test_trace_start_only_reads_the_run_it_traces(glyphs_small, tmp_path):
+    """The traced knn run takes the steps an untraced one takes (the same loss over its first
+    20 steps), stops where asked without shortening the schedule, and its rows add up: the
+    active set is labels + neighbors + random, and so is the probability mass."""
+    import csv
+
+    common = ["--data", str(glyphs_small), "--epochs", "3", "--batch-size", "32",
+              "--sample-rate", "0.5", "--k", "4", "--rebuild-every", "10", "--warmup", "4",
+              "--threads", "1", "--num-workers", "0", "--seed", "1"]
+    done = run_benchmark("trace_start.py", *common, "--head", "knn", "--stop-at", "20",
+                         "--every", "5", "--means-every", "10", "--probe", "16",
+                         "--out", str(tmp_path / "traced"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "traced" / "knn" / "trace.csv", newline="") as f:
+        trace = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in trace] == [1, 5, 10, 15, 20]
+    for r in trace:
+        for what in ("share", "mass"):
+            total = sum(float(r[f"{what}_{g}"]) for g in ("label", "neighbor", "random"))
+            assert total == pytest.approx(1, abs=2e-4), (what, r)
+        assert 0 <= float(r["frozen_share"]) <= 1 and 0 <= float(r["graph_vs_rows"]) <= 1
+    assert [r["graph_vs_means"] != "" for r in trace] == [False, False, True, False, True]
+    # rows warm up over max(4, 3 * 120 / 32) = 12 steps, then follow the cosine of the whole
+    # 3-epoch run: near their peak at step 20, where a 20-step schedule would be near 0
+    assert float(trace[-1]["lr_rows"]) > 0.9
+
+    done = run_benchmark("accuracy_study.py", *common, "--heads", "knn", "--out",
+                         str(tmp_path / "plain"), "--results", str(tmp_path / "results.csv"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def logged_loss(out: Path) -> float:
+        with open(out / "knn" / "train.csv", newline="") as f:
+            return next(float(r["loss"]) for r in csv.DictReader(f) if r["step"] == "20")
+
+    # the trainer's own log (mean loss of steps 1-20) is the same traced or not, and the
+    # trace's windows (step 1, then 4 + 5 + 5 + 5 steps) average to it
+    traced = logged_loss(tmp_path / "traced")
+    assert traced == logged_loss(tmp_path / "plain")
+    windows = [float(r["loss"]) for r in trace]
+    assert (windows[0] + 4 * windows[1] + 5 * sum(windows[2:])) / 20 == pytest.approx(traced,
+                                                                                      rel=1e-9)

@@ -1,0 +1,106 @@
+"""benchmarks/accuracy_study.py's results file: its schema, its rows, and the commit a run is
+recorded under, against rows and git states written out here."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = ("date,commit,device,classes,epochs,head,budget,k,random_share,seed,top1,top5,"
+          "class_means_top1,seconds_per_epoch,notes")
+
+
+@pytest.fixture(scope="module")
+def study():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("accuracy_study",
+                                                      ROOT / "benchmarks/accuracy_study.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def study_args(study, *extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    study.add_config_options(p)
+    p.add_argument("--notes", default="")
+    return p.parse_args(["--data", "d", "--epochs", "2", "--seed", "3", *extra])
+
+
+def run_dict(**overrides) -> dict:
+    base = {"top1": 0.973, "top5": 0.99874, "top1_class_means": None,
+            "seconds_per_epoch": 612.4, "budget": 4000, "k": 16, "random_share": 0.5}
+    return {**base, **overrides}
+
+
+def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_path):
+    args = study_args(study, "--rebuild-every", "300")
+    results = tmp_path / "sub" / "accuracy.csv"
+    for head in ("knn", "partial", "full"):
+        row = study.result_row(run_dict(top1_class_means=0.98016 if head == "knn" else None),
+                               head, args, 40000, "abc1234", "2-core CPU VM")
+        study.append_result(results, row)
+    lines = results.read_text().splitlines()
+    assert lines[0] == HEADER
+    rows = list(csv.DictReader(lines))
+    day = rows[0]["date"]
+    assert len(day) == 10 and day[4] == day[7] == "-"
+    common = f"{day},abc1234,2-core CPU VM,40000,2,"
+    assert lines[1] == common + "knn,4000,16,0.5,3,97.30,99.87,98.02,612,rebuild_every=300"
+    assert lines[2] == common + "partial,4000,,,3,97.30,99.87,,612,"
+    assert lines[3] == common + "full,,,,3,97.30,99.87,,612,"
+
+
+def test_notes_name_what_differs_from_the_defaults(study):
+    args = study_args(study, "--rebuild-every", "25", "--head-lr", "0.5", "--random-share",
+                      "0.25", "--set", "optim.head_warmup_steps=300", "--max-steps", "9",
+                      "--notes", "rerun")
+    assert study.run_notes("knn-ivf", args) == (
+        "rebuild_every=25; graph.method=ivf; head_lr=0.5; random_share=0.25; "
+        "optim.head_warmup_steps=300; max_steps=9; rerun")
+    # partial has no graph and no random share to set
+    assert study.run_notes("partial", args) == (
+        "head_lr=0.5; optim.head_warmup_steps=300; max_steps=9; rerun")
+
+
+def test_a_file_with_another_header_is_refused(study, tmp_path):
+    results = tmp_path / "accuracy.csv"
+    results.write_text("date,head,top1\n2024-01-01,knn,97.00\n")
+    row = study.result_row(run_dict(), "knn", study_args(study), 100, "abc", "cpu")
+    with pytest.raises(ValueError, match="header"):
+        study.append_result(results, row)
+    assert results.read_text() == "date,head,top1\n2024-01-01,knn,97.00\n"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_commit_is_marked_dirty_only_by_python_changes(study, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / "notes.md").write_text("text\n")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "--short", "HEAD")
+    assert study.code_version(repo) == head
+    (repo / "notes.md").write_text("changed\n")  # not code: still the commit's code
+    assert study.code_version(repo) == head
+    (repo / "a.py").write_text("x = 2\n")
+    assert study.code_version(repo) == head + "+dirty"
+    git(repo, "checkout", "--", "a.py")
+    (repo / "new.py").write_text("y = 1\n")  # an untracked module runs too
+    assert study.code_version(repo) == head + "+dirty"
