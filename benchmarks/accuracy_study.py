@@ -33,6 +33,9 @@ from xcls.config import ExperimentConfig, load_config
 from xcls.run import build_run
 
 # knn variants: how its graph is built and refreshed (docs/scale.md)
+# The study's graph rebuild period (docs/accuracy.md, "Setup"); a run at another period says so
+# in its notes.
+REBUILD_EVERY = 300
 GRAPH_VARIANTS = {"knn": {}, "knn-ivf": {"graph.method": "ivf"},
                   "knn-touched": {"graph.refresh": "touched"}}
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +142,8 @@ def run_notes(name: str, args: argparse.Namespace) -> str:
     a step limit, and ``--notes``."""
     notes = []
     if name in GRAPH_VARIANTS:
-        notes.append(f"rebuild_every={args.rebuild_every}")
+        if args.rebuild_every != REBUILD_EVERY:
+            notes.append(f"graph.rebuild_every={args.rebuild_every}")
         notes += [f"{key}={value}" for key, value in GRAPH_VARIANTS[name].items()]
     explicit = {"logq_correction": args.logq_correction, "head_momentum": args.head_momentum,
                 "head_lr": args.head_lr, "head_weight_decay": args.head_weight_decay}
@@ -209,7 +213,8 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-rate", type=float, default=0.1,
                    help="partial's active fraction; knn gets the same active-set size")
     p.add_argument("--k", type=int, default=16, help="knn: neighbors per label")
-    p.add_argument("--rebuild-every", type=int, default=200, help="knn graph rebuild period")
+    p.add_argument("--rebuild-every", type=int, default=REBUILD_EVERY,
+                   help=f"knn graph rebuild period in steps (default {REBUILD_EVERY})")
     p.add_argument("--random-share", type=float,
                    help="knn: fraction of the negative slots given to uniform random classes "
                         "(default: head.random_share's default)")

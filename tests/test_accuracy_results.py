@@ -56,7 +56,7 @@ def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_pat
     day = rows[0]["date"]
     assert len(day) == 10 and day[4] == day[7] == "-"
     common = f"{day},abc1234,2-core CPU VM,40000,2,"
-    assert lines[1] == common + "knn,4000,16,0.5,3,97.30,99.87,98.02,612,rebuild_every=300"
+    assert lines[1] == common + "knn,4000,16,0.5,3,97.30,99.87,98.02,612,"
     assert lines[2] == common + "partial,4000,,,3,97.30,99.87,,612,"
     assert lines[3] == common + "full,,,,3,97.30,99.87,,612,"
 
@@ -66,7 +66,7 @@ def test_notes_name_what_differs_from_the_defaults(study):
                       "0.25", "--set", "optim.head_warmup_steps=300", "--max-steps", "9",
                       "--notes", "rerun")
     assert study.run_notes("knn-ivf", args) == (
-        "rebuild_every=25; graph.method=ivf; head_lr=0.5; random_share=0.25; "
+        "graph.rebuild_every=25; graph.method=ivf; head_lr=0.5; random_share=0.25; "
         "optim.head_warmup_steps=300; max_steps=9; rerun")
     # partial has no graph and no random share to set
     assert study.run_notes("partial", args) == (
