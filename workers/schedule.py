@@ -28,7 +28,6 @@ def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int,
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-
 # The class rows' automatic warm-up lasts until each class has been a label this many times on
 # average (benchmarks/trace_start.py traces it).
 ROW_WARMUP_LABEL_VISITS = 3

@@ -20,11 +20,13 @@ from tests.integration.conftest import our_processes, wait_for_file
 CHECKPOINTS = "checkpoints"
 
 
-def write_config(glyphs: Path, out: Path, path: Path, max_steps: int) -> Path:
+def write_config(glyphs: Path, out: Path, path: Path, max_steps: int, test: str = "") -> Path:
+    """A small knn run's config (evaluating on ``test`` when given), checkpointing every 10
+    steps."""
     path.write_text(f"""
 [data]
 train = "{glyphs / 'train'}"
-test = ""
+test = "{test}"
 batch_size = 32
 num_workers = 0
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import our_processes
+from tests.integration.test_cluster import write_config
 from xcls.serve_cmd import EXIT_LEASE_LOST
 from xcls.shards import Child, spawn, stop
 
@@ -126,39 +127,6 @@ def network(no_orphans) -> Iterator[Network]:
         net.close()
 
 
-def write_config(glyphs: Path, out: Path, path: Path, max_steps: int) -> Path:
-    path.write_text(f"""
-[data]
-train = "{glyphs / 'train'}"
-test = "{glyphs / 'test'}"
-batch_size = 32
-num_workers = 0
-
-[model]
-dim = 64
-
-[head]
-kind = "knn"
-k = 8
-budget = 48
-
-[optim]
-warmup_steps = 5
-
-[graph]
-k = 16
-rebuild_every = 10
-
-[train]
-max_steps = {max_steps}
-checkpoint_every = 10
-log_every = 5
-threads = 1
-out_dir = "{out}"
-""")
-    return path
-
-
 def wait_until(condition, what: str, children: list[Child]) -> None:
     """Return once ``condition()`` holds; fail if ``what`` takes past PATIENCE_S or one of
     ``children`` exits first."""
@@ -218,7 +186,8 @@ def test_ams_placement_across_hosts_survives_a_cut_link(network, glyphs_small, t
               for i in range(2)]
     out = tmp_path / "run"
     # long enough that the cut, right after step 10, always comes before the end
-    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=60)
+    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=60,
+                          test=str(glyphs_small / "test"))
     workers = start_workers(net, tmp_path, config, [
         "--scheduler", scheduler, "--auth-token-file", str(token), "--tls-ca", str(cert)])
 
@@ -268,14 +237,15 @@ def test_collective_placement_across_hosts(network, glyphs_small, tmp_path):
     for host in ("worker0", "worker1"):
         net.add_host(host)
     out = tmp_path / "run"
-    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=20)
+    config = write_config(glyphs_small, out, tmp_path / "exp.toml", max_steps=40,
+                          test=str(glyphs_small / "test"))
     workers = start_workers(net, tmp_path, config, ["--collective"])
     for worker in workers:
         assert worker.proc.wait(PATIENCE_S) == 0, \
             (tmp_path / f"{worker.name}.log").read_text(errors="replace")
     logs = [(tmp_path / f"{w.name}.log").read_text(errors="replace") for w in workers]
     line = summary_line(logs)
-    assert line.startswith("trained 20 steps"), line
+    assert line.startswith("trained 40 steps"), line
     assert float(re.search(r"test top-1 ([\d.]+)%", line).group(1)) > CHANCE, line
     # each rank served its slice on its host's address, where the other rank reached it
     slices = {m for text in logs for m in re.findall(r"collective_slice rank=\d world=2 "
