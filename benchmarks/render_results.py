@@ -55,7 +55,23 @@ SECTIONS = (
     Section("Collective vs AMS placement (bench_collective.py)", "bench_collective",
             "A whole `resnet_small` step on 2 gloo ranks × 64 images, ms (medians, the slower "
             "rank's): rows sliced over the ranks against 2 `xcls serve shard` processes."),
-    Section("Scale: 1M to 100M classes (bench_scale.py)", "bench_scale",
+    Section("Whole step (bench_step.py)", "bench_step",
+            "Images/s of whole training steps as the trainer runs them (prefetch thread, "
+            "push behind the step), contenders in turns of a few steps on the same batches: "
+            "the backbone alone (the ceiling), knn and partial with the rows in the embedded "
+            "AMS or in shard processes, and in collective placement; CPU: `resnet_small` at "
+            "32×32, d = 128, batch 256; medians of the timed steps."),
+    Section("Row pushes of data-parallel ranks (bench_row_push.py)", "bench_row_push",
+            "W gloo ranks on one host, each with its own batch of 256 labels and knn rows "
+            "(budget batch × 12) of a 1M-row table on 4 shard processes, d = 128: rows per rank "
+            "and step it owns, sends, receives and pushes, against the rows one rank would "
+            "push if it gathered every rank's gradients; the push's time on the slowest rank."),
+    Section("Capacity: 1M to 100M classes (bench_capacity.py)", "bench_capacity",
+            "d = 128, float16 rows, no momentum, 4 shard processes on loopback: seconds to "
+            "create, each shard's resident memory after the create and with a k = 12 graph, "
+            "bytes per class, and `xcls plan`'s estimate against the measured."),
+    Section("Scale: 1M to 100M classes (bench_scale.py, since split into bench_capacity.py "
+            "and bench_step.py)", "bench_scale",
             "d = 128, float16 rows, 4 shard processes on loopback, batch 256; *capacity*: memory "
             "per shard and the plan's estimate; *knn step*: select + pull + forward/backward + "
             "push; *whole step*: knn against the exact blocked full softmax."),
