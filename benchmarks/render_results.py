@@ -70,11 +70,6 @@ SECTIONS = (
             "d = 128, float16 rows, no momentum, 4 shard processes on loopback: seconds to "
             "create, each shard's resident memory after the create and with a k = 12 graph, "
             "bytes per class, and `xcls plan`'s estimate against the measured."),
-    Section("Scale: 1M to 100M classes (bench_scale.py, since split into bench_capacity.py "
-            "and bench_step.py)", "bench_scale",
-            "d = 128, float16 rows, 4 shard processes on loopback, batch 256; *capacity*: memory "
-            "per shard and the plan's estimate; *knn step*: select + pull + forward/backward + "
-            "push; *whole step*: knn against the exact blocked full softmax."),
     Section("Slot layout (slot_layout_sim.py)", "slot_layout_sim",
             "The product's slot maps under 1,500 knn steps of uniform labels, 400,000 classes "
             "on 4 shards, k = 12, batch 256, 16 rows a page; graph-order slots are compacted "

