@@ -230,6 +230,32 @@ def _heads_speedups(root: Path) -> str:
          "whole step, gRPC shards", "commit"], rows))
 
 
+def _step_ratios(root: Path) -> str:
+    """The README's whole-step table: per machine and N, a whole training step with each head
+    over the backbone alone (bench_step: the rows' traffic behind the step)."""
+    records = current(load(root / RESULTS / "bench_step.jsonl"))
+    columns = (("knn", "AMS, embedded"), ("knn", "AMS, 2 shard"), ("knn", "collective"),
+               ("partial", "AMS, embedded"), ("partial", "collective"))
+    rows = []
+    for device, n in dict.fromkeys((r.device, r.figures["N"]) for r in records):
+        mine = [r.figures for r in records if r.device == device and r.figures["N"] == n]
+
+        def ratio(head: str, where: str, mine: list[dict] = mine) -> str:
+            hits = [f["÷ backbone"] for f in mine if f["head"] == head
+                    and str(f["where the rows live"]).startswith(where)]
+            return f"{hits[-1]:.2f}" if hits else "—"
+
+        backbone = next((f["images/s"] for f in mine if f["head"] == "backbone"), None)
+        commits = ", ".join(dict.fromkeys(r.commit for r in records
+                                          if r.device == device and r.figures["N"] == n))
+        rows.append([device, cell(n), cell(backbone), *(ratio(h, w) for h, w in columns),
+                     commits])
+    return "\n".join(markdown_table(
+        ["machine", "classes", "backbone alone, images/s", "knn, embedded AMS",
+         "knn, shard processes", "knn, collective", "partial 10 %, embedded AMS",
+         "partial 10 %, collective", "commit"], rows))
+
+
 def _demo_times(root: Path) -> str:
     """The README's demo times: per machine, the newest run of scripts/demo.sh recorded, with
     what its time depends on (the load, whether the dataset was built) and its top-1."""
@@ -261,6 +287,7 @@ def blocks(root: Path) -> dict[str, Callable[[], str]]:
     return {
         "accuracy-current": lambda: acc.readme_table(runs()),
         "heads": lambda: _heads_speedups(root),
+        "step": lambda: _step_ratios(root),
         "accuracy": lambda: acc.seeds_table(runs(), settings=False),
         "accuracy-settings": lambda: acc.seeds_table(runs(), settings=True),
         "error-ranks": lambda: _error_ranks(root),

@@ -168,3 +168,24 @@ def test_a_recorded_demo_run_becomes_the_readmes_demo_time(tree: Path, monkeypat
             "dataset 270.4 s of it; top-1 97.30 %, by class means 97.97 %") in readme
     assert readme.count(f"s** on a {device} ") == 1  # the machine's older runs are not shown
     assert "**445 s** on a 2-core CPU VM (AMD EPYC, no AVX-512)" in readme  # another machine's
+
+
+@needs_history
+def test_a_recorded_step_run_becomes_the_readmes_step_ratios(tree: Path, monkeypatch) -> None:
+    """The README's whole-step ratios are bench_step's recorded ÷ backbone, per machine and N."""
+    monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tree / render_results.RESULTS))
+    row = {"N": 10_000_000, "rows": "float32 x 512", "rows pulled/step": 3072, "ms/step": 1.0,
+           "above backbone, % of step": "—", "steps": 9}
+    results.record("bench_step", [
+        {**row, "head": "backbone", "where the rows live": None, "images/s": 2000.0,
+         "÷ backbone": 1.0},
+        {**row, "head": "knn", "where the rows live": "AMS, embedded (2 shards)",
+         "images/s": 1900.0, "÷ backbone": 1.053},
+        {**row, "head": "partial", "where the rows live": "collective, 1 rank",
+         "images/s": 1000.0, "÷ backbone": 2.0},
+    ], command="python benchmarks/bench_step.py --device cuda", device="Some GPU",
+        table="whole step")
+    assert Path("README.md") in render_results.stale(tree)
+    render_results.main([], root=tree)
+    readme = (tree / "README.md").read_text()
+    assert "| Some GPU | 10,000,000 | 2,000.0 | 1.05 | — | — | — | 2.00 |" in readme
