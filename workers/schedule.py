@@ -29,7 +29,7 @@ def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int,
 
 
 # The class rows' automatic warm-up lasts until each class has been a label this many times on
-# average (benchmarks/trace_start.py traces it).
+# average (docs/accuracy.md, "The start: the class rows' warm-up").
 ROW_WARMUP_LABEL_VISITS = 3
 
 

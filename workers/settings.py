@@ -181,7 +181,7 @@ class OptimConfig:
     """steps of linear warmup of the class rows' learning rate, >= 0, or -1: until each class
     has been a label about 3 times (3 * classes / global batch steps), at least warmup_steps.
     A row that sits out only decays, and its first label step at full rate leaves it a norm
-    so large that it hardly turns afterwards (benchmarks/trace_start.py traces it)"""
+    so large that it hardly turns afterwards (docs/accuracy.md, "The start")"""
     schedule: Schedule = "cosine"
     """after warmup: cosine (to 0 at the last step) | constant (workers.schedule.Schedule)"""
 

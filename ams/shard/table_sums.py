@@ -6,7 +6,7 @@ would also refuse every later push to it.
 A file's checksum is the SHA-256 of the SHA-256s of its 32 MiB blocks, in order, so that the
 blocks of all the files are hashed on every core at once (``hashlib`` lets go of the GIL): the
 cost is one read of the table's files at close and one at reopen, which
-``benchmarks/bench_table_files.py`` measures for a large table. The reads leave the page cache
+benchmarks/RESULTS.md ("Table files") states for a large table. The reads leave the page cache
 as they found it: a table may be larger than memory, and pushing its rows in use out of the
 cache for the files' tails would make the first steps after a restart read them from the disk
 again. So the pages that were not in the cache before a file was hashed are dropped from it
