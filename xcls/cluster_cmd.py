@@ -78,7 +78,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the shards' snapshot directory (default: TRAIN_OUT_DIR/ams, next to "
                         "the checkpoints, which is what resuming a run needs)")
     p.add_argument("--base-port", type=int, metavar="P",
-                   help="shard i listens on port P+i (default: free ports picked by the OS)")
+                   help="shard i listens on port P+i (default: free ports below the OS's "
+                        "ephemeral range, which a restarted shard gets back)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="M",
                    help="serve Prometheus metrics on 127.0.0.1: shard i on M+i, worker rank r "
                         "on M+S+r, slow-gear rank g on M+S+W+g (default: 0, off)")

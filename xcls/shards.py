@@ -6,6 +6,8 @@ in order: SIGTERM to all, then a wait for each, SIGKILL after ``stop_timeout``. 
 up``, the integration tests, the benchmarks and the examples all start shards through it.
 
 ``ShardSupervisor`` restarts a shard that exits or hangs, on its port, up to a restart budget.
+Ports left to us come from outside the kernel's ephemeral range (``restartable_ports``), where
+no outbound connection can take one while its shard is down.
 
 Every child runs in a session of its own, so a Ctrl-C in the terminal reaches the parent alone
 and the order in which things stop stays the parent's. ``spawn`` and ``stop`` are the process
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,10 @@ LOG_TAIL_CHARS = 4000
 # shard still answers within it; a stopped one never does).
 HEALTH_PROBE_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
+# Where restartable ports are drawn from when the kernel does not say where its ephemeral range
+# starts (Linux's default start; macOS's range begins higher still).
+EPHEMERAL_START = 32768
+LOWEST_RESTARTABLE_PORT = 10000
 
 
 class ShardStartError(RuntimeError):
@@ -163,6 +171,36 @@ def shard_serving(address: str, *, tls_ca: bytes | None = None, timeout: float =
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def restartable_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` now, drawn at random from below the kernel's
+    ephemeral range.
+
+    A restarted shard must get its port back. A port the OS picks (a bind to port 0) lies in
+    the ephemeral range, from which every outbound connection on this host also takes its local
+    port: while the shard is down, a client's connection can take that port and hold it for as
+    long as it lives, and the restart fails with "port in use". Below the range only explicit
+    binds hand ports out.
+    """
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = EPHEMERAL_START
+    candidates = range(LOWEST_RESTARTABLE_PORT, max(start, LOWEST_RESTARTABLE_PORT + 1000))
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    picked: list[int] = []
+    # SystemRandom: side-by-side pickers (test workers, several clusters) must not share a seed
+    for port in random.SystemRandom().sample(candidates, len(candidates)):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        picked.append(port)
+        if len(picked) == count:
+            return picked
+    raise OSError(f"no {count} free ports on {host} in {candidates.start}..{candidates.stop - 1}")
 
 
 class ShardProcess:
@@ -341,7 +379,7 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
     """Shards 0..``num_shards``-1 as processes, serving; stopped in order on exit.
 
     data_dir: their snapshot directory (``--data-dir``; None: they cannot snapshot); ports:
-    shard i listens on ``ports[i]`` (None: free ports the OS picks); token_file: the shared
+    shard i listens on ``ports[i]`` (None: ``restartable_ports``); token_file: the shared
     secret clients must send; tls: (certificate chain, private key) PEM files, the
     certificate also serving as the CA of the health checks; extra_args: more ``xcls serve
     shard`` options (e.g. ``["--restore", "latest"]``); xcls_flags: global ``xcls`` options
@@ -364,7 +402,9 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
     options += extra_args
     tls_ca = Path(tls[0]).read_bytes() if tls is not None else None
     with tempfile.TemporaryDirectory(prefix="xcls-shards-") as port_dir:
-        shards = [ShardProcess(s, num_shards, host=host, port=ports[s] if ports else 0,
+        if ports is None:
+            ports = restartable_ports(host, num_shards)
+        shards = [ShardProcess(s, num_shards, host=host, port=ports[s],
                                data_dir=data_dir, port_file=Path(port_dir) / f"port-{s}",
                                xcls_flags=xcls_flags, tls_ca=tls_ca,
                                options=[*options, "--metrics-port", str(metrics_ports[s])]

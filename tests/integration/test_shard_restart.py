@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -148,3 +149,19 @@ def test_supervisor_restarts_a_dead_and_a_hung_shard_then_gives_up(shard_cluster
         supervisor.check()
     client.close()
     again.close()
+
+
+def test_shards_listen_below_the_ephemeral_range_and_restart_on_their_ports(shard_cluster):
+    # a port in the ephemeral range can be taken by any outbound connection while its shard is
+    # down, and the restart would then fail with "port in use"
+    ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    procs = shard_cluster(2)
+    ports = [p.port for p in procs]
+    assert len(set(ports)) == 2 and all(0 < port < ephemeral_start for port in ports)
+    for p in procs:
+        p.kill9()
+        p.start()
+    assert [p.port for p in procs] == ports
+    client = ams.connect([p.address for p in procs])
+    assert len(client.stats()) == 2
+    client.close()
