@@ -296,6 +296,18 @@ def test_resume_after_kill_or_sigterm_is_bit_identical(glyphs_small, tmp_path):
     for a, b in zip(a_rows, b_rows, strict=True):
         assert torch.equal(a["rows"], b["rows"]) and torch.equal(a["state"], b["state"])
         assert torch.equal(a["graph_neighbors"], b["graph_neighbors"])
+    # both stops fall inside a log window (every 10 steps): every line the interrupted run
+    # logged, the replayed ones included, is the uninterrupted run's
+    a_losses = dict(logged_losses(straight))
+    b_losses = logged_losses(tmp_path / "interrupted")
+    assert list(a_losses) == ["10", "20", "30", "36"] and {s for s, _ in b_losses} == set(a_losses)
+    assert [(s, loss, a_losses[s]) for s, loss in b_losses if loss != a_losses[s]] == []
+
+
+def logged_losses(out: Path) -> list[tuple[str, str]]:
+    """(step, loss) of each line in the run's train.csv, replays after a resume included."""
+    with open(out / "train.csv", newline="") as f:
+        return [(row["step"], row["loss"]) for row in csv.DictReader(f)]
 
 
 def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path, capsys):

@@ -87,14 +87,18 @@ def step_backbone(features: torch.Tensor, feature_grad: torch.Tensor,
 
 
 class _Window:
-    """Loss and throughput over the steps since the last log line."""
+    """The steps since the last log line: their losses, carried over a resume so that the
+    line after it means what it would have without the stop, and the images and seconds of
+    those this process ran (for its speed)."""
 
-    def __init__(self) -> None:
-        self.start, self.images, self.losses = time.perf_counter(), 0, []
+    def __init__(self, losses: list[float] | None = None) -> None:
+        self.start, self.images, self.timed_steps = time.perf_counter(), 0, 0
+        self.losses = list(losses or [])
 
     def add(self, loss: float, images: int) -> None:
         self.losses.append(loss)
         self.images += images
+        self.timed_steps += 1
 
     def seconds(self) -> float:
         return max(time.perf_counter() - self.start, 1e-9)
@@ -159,6 +163,7 @@ class Trainer:
         self._resumed: dict | None = None  # this rank's private checkpoint part
         self._prefetcher: Prefetcher | None = None
         self._checkpointed_step = -1  # the step of this process's newest checkpoint
+        self._window = _Window()
         # evenly spaced ids: a fixed sample without a permutation of all N (100M) per rebuild
         n = head.num_classes
         self._graph_probe = torch.unique(
@@ -211,7 +216,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True, desc="train",
                    disable=not (self.rank == 0 and sys.stderr.isatty()))
         self.backbone.train()
-        window = _Window()
+        self._window = _Window(resumed.get("loss_window"))
         with TerminationRequest() as termination:
             try:
                 for prepared in self._prefetcher:
@@ -224,15 +229,15 @@ class Trainer:
                     self.step += 1
                     self.position = self.plan.advance(self.position)
                     result.last_loss = out.loss
-                    window.add(out.loss, prepared.batch[1].shape[0] * self.world)
+                    self._window.add(out.loss, prepared.batch[1].shape[0] * self.world)
                     bar.update(1)
 
                     # timing and logging
                     if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps:
-                        row = self._log_window(epoch, out, window)
+                        row = self._log_window(epoch, out, self._window)
                         result.history.append(row)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", ips=f"{row['images_per_s']:.0f}")
-                        window = _Window()
+                        self._window = _Window()
 
                     # between steps: graph rebuild, checkpoint, evaluation
                     self._boundary(end_of_epoch=self.position[1] == 0, result=result)
@@ -327,7 +332,7 @@ class Trainer:
         """Record the steps since the last log line (train.csv, the log) and return the row."""
         seconds = window.seconds()
         speed = window.images / seconds
-        eta = (self.total_steps - self.step) * seconds / max(len(window.losses), 1)
+        eta = (self.total_steps - self.step) * seconds / max(window.timed_steps, 1)
         row = {"step": self.step, "epoch": epoch,
                "loss": sum(window.losses) / len(window.losses), "train_acc": last.accuracy,
                "lr": self._lr(self.step - 1), "active": last.num_active,
@@ -419,6 +424,7 @@ class Trainer:
             "world": self.world,
             "gear": self.gear.state_dict() if self.gear is not None else None,
             "comm": self.compressor.state_dict() if self.compressor is not None else None,
+            "loss_window": self._window.losses,
         })
         self._barrier()
         if self.rank == 0:
