@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from xcls.shards import restartable_ports
 
 # Small fonts (fast coverage scan) that still give >= 4 families for the common hanja, plus a
 # two-design family (NanumGothic regular + bold) to check that families are held out whole.
@@ -20,10 +21,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, from outside the ephemeral range:
+    no outbound connection takes it before the process it is meant for binds it."""
+    return restartable_ports("127.0.0.1", 1)[0]
 
 
 def set_torchrun_env(rank: int, world: int, port: int) -> None:

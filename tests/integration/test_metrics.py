@@ -4,7 +4,6 @@ run. Only counts are checked, never timings."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 import urllib.request
@@ -17,18 +16,13 @@ import ams
 from ams import errors
 from ams.cluster.lease import Role
 from ams.cluster.scheduler import SchedulerClient
+from tests.conftest import free_port
 from workers.metrics import PHASES, REGISTRY
 from xcls.config import load_config
 from xcls.run import build_run
 from xcls.shards import spawn, stop
 
 N, D = 1000, 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
