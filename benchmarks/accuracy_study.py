@@ -10,8 +10,9 @@ classes (labels + nearest neighbors, filled at random), so the comparison is at 
 Each finished run (one per head) is appended as a row to ``--results`` (default
 benchmarks/results/accuracy.csv, created with its header when absent), columns
 ``RESULT_COLUMNS``: percents like 97.30, empty where not measured or where a setting does not
-apply to the head (full takes every class: no budget, k or random share; partial no k or random
-share); ``commit`` is the code the run started from, ``+dirty`` when a .py file differed from it.
+apply to the head (full has no k or random share, and its budget is every class; partial no k
+or random share); ``commit`` is the code the run started from, ``+dirty`` when a .py file
+differed from it.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def result_row(r: dict, name: str, args: argparse.Namespace, num_classes: int, c
     return {
         "date": datetime.date.today().isoformat(), "commit": commit, "device": device,
         "classes": num_classes, "epochs": args.epochs, "head": name,
-        "budget": "" if kind == "full" else r["budget"],
+        "budget": num_classes if kind == "full" else r["budget"],
         "k": r["k"] if kind == "knn" else "",
         "random_share": r["random_share"] if kind == "knn" else "", "seed": args.seed,
         "top1": percent(r["top1"]), "top5": percent(r["top5"]),

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import accuracy_tables  # noqa: E402
+
 HEADER = ("date,commit,device,classes,epochs,head,budget,k,random_share,seed,top1,top5,"
           "class_means_top1,seconds_per_epoch,notes")
 
@@ -44,6 +48,7 @@ def run_dict(**overrides) -> dict:
 
 
 def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_path):
+    """...and the tables read every row back (full's budget is all its classes)."""
     args = study_args(study, "--rebuild-every", "300")
     results = tmp_path / "sub" / "accuracy.csv"
     for head in ("knn", "partial", "full"):
@@ -58,7 +63,10 @@ def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_pat
     common = f"{day},abc1234,2-core CPU VM,40000,2,"
     assert lines[1] == common + "knn,4000,16,0.5,3,97.30,99.87,98.02,612,"
     assert lines[2] == common + "partial,4000,,,3,97.30,99.87,,612,"
-    assert lines[3] == common + "full,,,,3,97.30,99.87,,612,"
+    assert lines[3] == common + "full,40000,,,3,97.30,99.87,,612,"
+    runs = accuracy_tables.load_runs(results)
+    assert [(r.head, r.budget, r.k) for r in runs] == [("knn", 4000, 16), ("partial", 4000, None),
+                                                       ("full", 40000, None)]
 
 
 def test_notes_name_what_differs_from_the_defaults(study):
