@@ -193,7 +193,8 @@ def append_result(path: Path, row: dict) -> None:
         if tuple(header) != RESULT_COLUMNS:
             raise ValueError(f"{path}: its header {header} is not {list(RESULT_COLUMNS)}")
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        # "\n" like the rest of the tracked results (csv's default is "\r\n")
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         if new:
             writer.writeheader()
         writer.writerow(row)

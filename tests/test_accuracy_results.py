@@ -48,13 +48,15 @@ def run_dict(**overrides) -> dict:
 
 
 def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_path):
-    """...and the tables read every row back (full's budget is all its classes)."""
+    """...with the "\\n" line ends of the tracked file, and the tables read every row back
+    (full's budget is all its classes)."""
     args = study_args(study, "--rebuild-every", "300")
     results = tmp_path / "sub" / "accuracy.csv"
     for head in ("knn", "partial", "full"):
         row = study.result_row(run_dict(top1_class_means=0.98016 if head == "knn" else None),
                                head, args, 40000, "abc1234", "2-core CPU VM")
         study.append_result(results, row)
+    assert b"\r" not in results.read_bytes()
     lines = results.read_text().splitlines()
     assert lines[0] == HEADER
     rows = list(csv.DictReader(lines))
