@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,26 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import accuracy_study as study  # noqa: E402
 import accuracy_tables  # noqa: E402
 
 HEADER = ("date,commit,device,classes,epochs,head,budget,k,random_share,seed,top1,top5,"
           "class_means_top1,seconds_per_epoch,notes")
 
 
-@pytest.fixture(scope="module")
-def study():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("accuracy_study",
-                                                      ROOT / "benchmarks/accuracy_study.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
-def study_args(study, *extra: str) -> argparse.Namespace:
+def study_args(*extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     study.add_config_options(p)
     p.add_argument("--notes", default="")
@@ -47,10 +34,10 @@ def run_dict(**overrides) -> dict:
     return {**base, **overrides}
 
 
-def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_path):
+def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(tmp_path):
     """...with the "\\n" line ends of the tracked file, and the tables read every row back
     (full's budget is all its classes)."""
-    args = study_args(study, "--rebuild-every", "300")
+    args = study_args("--rebuild-every", "300")
     results = tmp_path / "sub" / "accuracy.csv"
     for head in ("knn", "partial", "full"):
         row = study.result_row(run_dict(top1_class_means=0.98016 if head == "knn" else None),
@@ -71,8 +58,8 @@ def test_rows_follow_the_schema_and_leave_what_a_head_lacks_empty(study, tmp_pat
                                                        ("full", 40000, None)]
 
 
-def test_notes_name_what_differs_from_the_defaults(study):
-    args = study_args(study, "--rebuild-every", "25", "--head-lr", "0.5", "--random-share",
+def test_notes_name_what_differs_from_the_defaults():
+    args = study_args("--rebuild-every", "25", "--head-lr", "0.5", "--random-share",
                       "0.25", "--set", "optim.head_warmup_steps=300", "--max-steps", "9",
                       "--notes", "rerun")
     assert study.run_notes("knn-ivf", args) == (
@@ -83,10 +70,10 @@ def test_notes_name_what_differs_from_the_defaults(study):
         "head_lr=0.5; optim.head_warmup_steps=300; max_steps=9; rerun")
 
 
-def test_a_file_with_another_header_is_refused(study, tmp_path):
+def test_a_file_with_another_header_is_refused(tmp_path):
     results = tmp_path / "accuracy.csv"
     results.write_text("date,head,top1\n2024-01-01,knn,97.00\n")
-    row = study.result_row(run_dict(), "knn", study_args(study), 100, "abc", "cpu")
+    row = study.result_row(run_dict(), "knn", study_args(), 100, "abc", "cpu")
     with pytest.raises(ValueError, match="header"):
         study.append_result(results, row)
     assert results.read_text() == "date,head,top1\n2024-01-01,knn,97.00\n"
@@ -97,7 +84,7 @@ def git(repo: Path, *args: str) -> str:
                           check=True).stdout.strip()
 
 
-def test_commit_is_marked_dirty_only_by_python_changes(study, tmp_path):
+def test_commit_is_marked_dirty_only_by_python_changes(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q")
