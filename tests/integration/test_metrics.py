@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,6 +34,18 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def scrape_when(port: int, done: Callable[[dict[tuple[str, tuple], float]], bool], what: str,
+                timeout: float = 30) -> dict[tuple[str, tuple], float]:
+    """The first scrape of PORT for which ``done`` holds; fails, saying ``what`` never came,
+    after ``timeout`` seconds. The data plane counts a call once its answer has gone out, so a
+    caller holding its answer may scrape a moment before the shard has counted it."""
+    deadline = time.monotonic() + timeout
+    while not done(m := scrape(port)):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return m
+
+
 def xcls_families(m: dict[tuple[str, tuple], float]) -> set[str]:
     """The xcls metric prefixes a scrape holds: 'xcls_shard', 'xcls_trainer', ..."""
     return {"_".join(name.split("_")[:2]) for name, _ in m if name.startswith("xcls_")}
@@ -56,7 +69,11 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
     with pytest.raises(errors.InvalidArgument, match="non-finite"):
         client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
 
-    m = scrape(port)
+    def calls(scraped: dict, method: str) -> float:
+        return scraped.get(("xcls_shard_request_seconds_count", (("method", method),)), 0)
+
+    m = scrape_when(port, lambda scraped: calls(scraped, "Pull") >= pulls
+                    and calls(scraped, "Push") >= pushes + 1, "the calls were never counted")
     assert xcls_families(m) == {"xcls_shard"}  # no worker's or scheduler's families
     assert m["process_cpu_seconds_total", ()] > 0  # the process's own, as every role has
     table = (("table", "fc"),)
@@ -68,18 +85,14 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
     assert m["xcls_shard_push_rejections_total", (("reason", "INVALID_ARGUMENT"),)] == 1
     assert m["xcls_shard_request_errors_total",
              (("code", "INVALID_ARGUMENT"), ("method", "Push"))] == 1
-
-    def calls(method: str) -> float:
-        return m["xcls_shard_request_seconds_count", (("method", method),)]
-
-    assert calls("Pull") == pulls
-    assert calls("Push") == pushes + 1  # the refused one too
+    assert calls(m, "Pull") == pulls
+    assert calls(m, "Push") == pushes + 1  # the refused one too
 
     client.snapshot(5)
     client.restore(5)  # new tables: the store's counters start again (a counter reset)
     client.close()
-    m = scrape(port)
-    assert calls("Snapshot") == calls("Restore") == 1
+    m = scrape(port)  # gRPC calls are counted before their answer leaves
+    assert calls(m, "Snapshot") == calls(m, "Restore") == 1
     assert m["xcls_shard_snapshot_seconds_count", ()] == 1
     assert m["xcls_shard_restores_total", ()] == 1
     assert m["xcls_shard_snapshot_age_seconds", ()] >= 0
@@ -105,11 +118,9 @@ def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
             assert m["xcls_scheduler_generation", ()] == 0
             assert m["xcls_scheduler_shards_missing", ()] == 1
             # never renewed: the reaper expires it, which moves the generation on
-            deadline = time.monotonic() + 60
-            while scrape(port).get(("xcls_scheduler_lease_expiries_total",
-                                    (("role", "worker"),))) != 1:
-                assert time.monotonic() < deadline, "the lease never expired"
-                time.sleep(0.1)
+            scrape_when(port, lambda m: m.get(("xcls_scheduler_lease_expiries_total",
+                                               (("role", "worker"),))) == 1,
+                        "the lease never expired", timeout=60)
             m = scrape(port)
             assert m["xcls_scheduler_leases", (("role", "worker"),)] == 0
             assert m["xcls_scheduler_generation", ()] == 1
