@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -24,6 +30,25 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, from outside the ephemeral range:
     no outbound connection takes it before the process it is meant for binds it."""
     return restartable_ports("127.0.0.1", 1)[0]
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], what: str, timeout: float,
+               alive: Sequence[subprocess.Popen] = (),
+               why: Callable[[], str] = lambda: "") -> T:
+    """``condition()``'s first truthy value, asked every 50 ms. Fails, naming ``what`` (the
+    thing waited for), once ``timeout`` seconds pass or a process of ``alive`` exits first; the
+    failure message ends with ``why()`` (the process's log, say), read only then."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        for proc in alive:
+            assert proc.poll() is None, \
+                f"{proc.args} exited with {proc.returncode} while waiting for {what}\n{why()}"
+        assert time.monotonic() < deadline, f"gave up waiting {timeout} s for {what}\n{why()}"
+        time.sleep(0.05)
+    return value
 
 
 def set_torchrun_env(rank: int, world: int, port: int) -> None:
@@ -159,12 +184,6 @@ def refused_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> s
 
 
 # --- Redis (gear bridge tests) -------------------------------------------------------------------
-
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 
 class RedisServer:
     """A real ``redis-server`` on 127.0.0.1:``port`` (no persistence), that tests may kill and

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 from bridge import MemoryFeatureCache, MemoryGradientAccumulator, WeightStore
 from bridge.codec import GradEntry, encode_features, encode_grad_entry
 from bridge.redis_accumulator import dead_letter_key, stream_key
+from tests.conftest import wait_until
 from workers import checkpoint
 from workers.backbones import build_backbone
 from workers.gear import Gear, SlowGear, SlowGearGroup, run_slow_worker
@@ -264,10 +264,8 @@ def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
     client = redis_server.client()
     try:
         # the worker is reading once its consumer group exists
-        deadline = time.monotonic() + 60
-        while not (client.exists(stream_key(prefix)) and client.xinfo_groups(stream_key(prefix))):
-            assert slow.poll() is None and time.monotonic() < deadline, slow.stderr.read()
-            time.sleep(0.05)
+        wait_until(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
+            stream_key(prefix)), "the slow group's consumer group", 60, [slow], slow.stderr.read)
         run = build_run(load_config(None, sets))
         result = run.trainer.train()
         out, err = slow.communicate(timeout=120)
@@ -316,18 +314,15 @@ def test_external_slow_gear_goes_back_with_the_trainers(glyphs_small, tmp_path, 
     store = WeightStore(client, prefix)
     model = build_backbone("resnet_small", 64, 1, 24)
 
-    def wait_until(done: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + 120
-        while not done():
-            assert slow.poll() is None and time.monotonic() < deadline, slow.stderr.read()
-            time.sleep(0.05)
+    def wait_for_slow(done: Callable[[], bool], what: str) -> None:
+        wait_until(done, what, 120, [slow], slow.stderr.read)
 
     try:
         # the worker is reading once its consumer group exists
-        wait_until(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
-            stream_key(prefix)))
+        wait_for_slow(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
+            stream_key(prefix)), "the slow group's consumer group")
         assert build_run(load_config(None, sets)).trainer.train().steps == 12
-        wait_until(lambda: client.xlen(stream_key(prefix)) == 0)  # it caught up (acked all)
+        wait_for_slow(lambda: client.xlen(stream_key(prefix)) == 0, "the slow group to ack all")
         discarded = store.published_version()
         # the rollback: steps 7-12 are gone, as after a shard lost them
         shutil.rmtree(checkpoint.checkpoint_dir(out, 12))
@@ -346,7 +341,7 @@ def test_external_slow_gear_goes_back_with_the_trainers(glyphs_small, tmp_path, 
         assert run.trainer.train().steps == 12
         assert started["version"] == started["gear"] > discarded
         assert all(torch.equal(model.state_dict()[k], v) for k, v in back.items())
-        wait_until(lambda: client.xlen(stream_key(prefix)) == 0)
+        wait_for_slow(lambda: client.xlen(stream_key(prefix)) == 0, "the slow group to ack all")
         slow.send_signal(signal.SIGTERM)  # it publishes what it has and stops
         stdout, stderr = slow.communicate(timeout=120)
     finally:

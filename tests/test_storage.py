@@ -30,7 +30,7 @@ from ams.shard.slots import slot_capacity
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
 from ams.shard.table_sums import SUMS_KEY, file_sums
-from tests.conftest import in_position_order
+from tests.conftest import in_position_order, wait_until
 
 N, D = 103, 6
 LR, WD = 0.1, 0.05
@@ -579,10 +579,7 @@ def test_rows_missing_from_memory_are_read_ahead_together(tmp_path, monkeypatch,
     time.sleep(0.2)
     assert not resident_pages(table.rows)[READ_PAGES].any()  # nothing reads them unasked
     prefetch_rows(table.tensors, READ_POSITIONS)
-    deadline = time.monotonic() + 5
-    while not resident_pages(table.rows)[READ_PAGES].all():
-        assert time.monotonic() < deadline, "the pages were not read"
-        time.sleep(0.01)
+    wait_until(lambda: resident_pages(table.rows)[READ_PAGES].all(), "the pages to be read", 5)
     # those pages only: no read-around window of neighbours nobody asked for
     assert resident_pages(table.rows).sum() <= READ_PAGES.numel() + 16
     store.close()

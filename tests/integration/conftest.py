@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from contextlib import ExitStack
@@ -75,17 +74,6 @@ def no_orphans(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes left running: {left}"
-
-
-def wait_for_file(path: Path, proc: subprocess.Popen, log_path: Path,
-                  timeout: float = 240.0) -> None:
-    """Return once ``path`` exists; fail with ``proc``'s log if it exits or ``timeout``
-    seconds pass first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ams.shard.restore import read_piece
-from tests.integration.conftest import our_processes, wait_for_file
+from tests.conftest import wait_until
+from tests.integration.conftest import our_processes
 
 CHECKPOINTS = "checkpoints"
 
@@ -140,7 +141,8 @@ def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for_file(out / "train.csv", proc, log_path)  # training is under way
+        wait_until((out / "train.csv").exists, "training to log its first step", 240, [proc],
+                   log_path.read_text)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=180)
     finally:
@@ -204,7 +206,7 @@ def test_a_killed_shard_is_restarted_and_the_workers_roll_back(glyphs_small, no_
         proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
     try:
         marker = out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt"
-        wait_for_file(marker, proc, log_path)  # training is past its first periodic checkpoint
+        wait_until(marker.exists, "the first periodic checkpoint", 240, [proc], log_path.read_text)
         os.kill(shard_pid(tmp, 1), signal.SIGKILL)
         code = proc.wait(timeout=240)
     finally:

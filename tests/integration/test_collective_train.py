@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.conftest import our_processes, wait_for_file
+from tests.conftest import wait_until
+from tests.integration.conftest import our_processes
 
 
 def write_config(glyphs: Path, out: Path, path: Path) -> Path:
@@ -76,7 +77,8 @@ def test_a_killed_rank_rolls_the_group_back_then_one_rank_reshards(glyphs_small,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={
             **os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
-        wait_for_file(out / "checkpoints" / f"step-{10:012d}" / "worker.pt", proc, log_path)
+        wait_until((out / "checkpoints" / f"step-{10:012d}" / "worker.pt").exists,
+                   "the first periodic checkpoint", 240, [proc], log_path.read_text)
         pid = rank_pid(tmp, 1)
         assert pid is not None, log_path.read_text()
         os.kill(pid, signal.SIGKILL)

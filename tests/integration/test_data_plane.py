@@ -751,7 +751,7 @@ def test_a_client_that_leaves_with_requests_unanswered_is_no_internal_error(shar
         return {labels: value for (name, labels), value in scraped.items()
                 if name == "xcls_shard_request_errors_total"}
 
-    m = scrape_when(metrics_port, errors, "the shard never noticed the peer had gone")
+    m = scrape_when(metrics_port, errors, "the shard to count the refused answer")
     assert errors(m) == {(("code", "CANCELLED"), ("method", "Pull")): 1.0}
     assert_no_traceback(tmp_path)
     log = "".join(path.read_text() for path in tmp_path.glob("*.log"))

@@ -5,7 +5,6 @@ run. Only counts are checked, never timings."""
 from __future__ import annotations
 
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ import ams
 from ams import errors
 from ams.cluster.lease import Role
 from ams.cluster.scheduler import SchedulerClient
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 from workers.metrics import PHASES, REGISTRY
 from xcls.config import load_config
 from xcls.run import build_run
@@ -36,14 +35,14 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def scrape_when(port: int, done: Callable[[dict[tuple[str, tuple], float]], bool], what: str,
                 timeout: float = 30) -> dict[tuple[str, tuple], float]:
-    """The first scrape of PORT for which ``done`` holds; fails, saying ``what`` never came,
-    after ``timeout`` seconds. The data plane counts a call once its answer has gone out, so a
-    caller holding its answer may scrape a moment before the shard has counted it."""
-    deadline = time.monotonic() + timeout
-    while not done(m := scrape(port)):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return m
+    """The first scrape of PORT for which ``done`` holds; fails, naming ``what`` (the counts
+    waited for), after ``timeout`` seconds. The data plane counts a call once its answer has
+    gone out, so a caller holding its answer may scrape a moment before the shard counted it."""
+    def scraped_when_done() -> dict[tuple[str, tuple], float] | None:
+        scraped = scrape(port)
+        return scraped if done(scraped) else None
+
+    return wait_until(scraped_when_done, what, timeout)
 
 
 def xcls_families(m: dict[tuple[str, tuple], float]) -> set[str]:
@@ -73,7 +72,7 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
         return scraped.get(("xcls_shard_request_seconds_count", (("method", method),)), 0)
 
     m = scrape_when(port, lambda scraped: calls(scraped, "Pull") >= pulls
-                    and calls(scraped, "Push") >= pushes + 1, "the calls were never counted")
+                    and calls(scraped, "Push") >= pushes + 1, "the calls' counts")
     assert xcls_families(m) == {"xcls_shard"}  # no worker's or scheduler's families
     assert m["process_cpu_seconds_total", ()] > 0  # the process's own, as every role has
     table = (("table", "fc"),)
@@ -100,15 +99,14 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
 
 def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
     port, port_file = free_port(), tmp_path / "scheduler.port"
+    log_path = tmp_path / "scheduler.log"
     child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
                                 "--num-shards", "1", "--lease-ttl", "1", "--port-file",
                                 str(port_file), "--metrics-port", str(port)],
-                  log_path=tmp_path / "scheduler.log")
+                  log_path=log_path)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert child.proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(port_file.exists, "the scheduler's port file", 60, [child.proc],
+                   log_path.read_text)
         with SchedulerClient(f"127.0.0.1:{int(port_file.read_text())}") as sched:
             sched.register(Role.WORKER, 0, "worker-0", "w0")
             m = scrape(port)
@@ -120,7 +118,7 @@ def test_scheduler_metrics_count_leases_and_expiries(tmp_path):
             # never renewed: the reaper expires it, which moves the generation on
             scrape_when(port, lambda m: m.get(("xcls_scheduler_lease_expiries_total",
                                                (("role", "worker"),))) == 1,
-                        "the lease never expired", timeout=60)
+                        "the lease's expiry", timeout=60)
             m = scrape(port)
             assert m["xcls_scheduler_leases", (("role", "worker"),)] == 0
             assert m["xcls_scheduler_generation", ()] == 1
@@ -145,23 +143,23 @@ def overrides(data, out, **extra) -> list[str]:
 def test_a_training_worker_exports_its_own_families_only(glyphs_small, tmp_path):
     port, config = free_port(), tmp_path / "empty.toml"
     config.write_text("")  # every field from the overrides
+    log_path = tmp_path / "train.log"
     child = spawn("train", [sys.executable, "-m", "xcls", "train", str(config),
                             "--metrics-port", str(port),
                             *[a for o in overrides(glyphs_small, tmp_path / "run",
                                                    **{"train.max_steps": 100000})
-                              for a in ("--set", o)]], log_path=tmp_path / "train.log")
+                              for a in ("--set", o)]], log_path=log_path)
+
+    def past_two_steps() -> dict[tuple[str, tuple], float] | None:
+        try:
+            m = scrape(port)
+        except OSError:  # its metrics server is not up yet
+            return None
+        return m if m.get(("xcls_trainer_step", ()), 0) >= 2 else None
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert child.proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "train.log").read_text()[-2000:]
-            try:
-                m = scrape(port)
-            except OSError:
-                m = {}
-            if m.get(("xcls_trainer_step", ()), 0) >= 2:
-                break
-            time.sleep(0.2)
+        m = wait_until(past_two_steps, "the trainer's second step", 120, [child.proc],
+                       lambda: log_path.read_text()[-2000:])
         # the embedded AMS's shards run in this process, but their families are a shard's:
         # an alert on xcls_shard_snapshot_age_seconds must not fire on workers
         families = xcls_families(m)

@@ -18,12 +18,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.integration.conftest import our_processes
 from tests.integration.test_cluster import write_config
 from xcls.serve_cmd import EXIT_LEASE_LOST
@@ -127,18 +127,6 @@ def network(no_orphans) -> Iterator[Network]:
         net.close()
 
 
-def wait_until(condition, what: str, children: list[Child]) -> None:
-    """Return once ``condition()`` holds; fail if ``what`` takes past PATIENCE_S or one of
-    ``children`` exits first."""
-    deadline = time.monotonic() + PATIENCE_S
-    while not condition():
-        for child in children:
-            assert child.proc.poll() is None, f"{child.name} exited with " \
-                f"{child.proc.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.2)
-
-
 def start_workers(net: Network, tmp: Path, config: Path, placement: list[str]) -> list[Child]:
     """``launch_worker.sh`` on both worker hosts: one worker each, a c10d rendezvous on
     worker0's address, as an operator types it on each machine."""
@@ -195,11 +183,13 @@ def test_ams_placement_across_hosts_survives_a_cut_link(network, glyphs_small, t
         return (tmp_path / f"{name}.log").read_text(errors="replace")
 
     # training is past its first periodic checkpoint: cut shard 1's host off
-    wait_until(lambda: (out / "checkpoints" / f"step-{10:012d}" / "worker.pt").exists(),
-               "the first periodic checkpoint", [sched, *shards, *workers])
+    wait_until((out / "checkpoints" / f"step-{10:012d}" / "worker.pt").exists,
+               "the first periodic checkpoint", PATIENCE_S,
+               [c.proc for c in (sched, *shards, *workers)])
     net.link("shard1", up=False)
     wait_until(lambda: "lease_expired role=shard slot=1" in log("scheduler"),
-               "the cut-off shard's lease to expire", [sched, shards[0], *workers])
+               "the cut-off shard's lease to expire", PATIENCE_S,
+               [c.proc for c in (sched, shards[0], *workers)])
     net.link("shard1", up=True)
     # back on the network, it learns the cluster gave it up and stops serving; its
     # supervisor (systemd, an operator) starts it again, from the newest snapshot

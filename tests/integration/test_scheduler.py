@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.cluster.lease import LeaseStatus, Role
 from ams.cluster.scheduler import SchedulerClient
 from ams.errors import InvalidArgument, ShardRestarted, Unauthenticated, Unavailable
+from tests.conftest import wait_until
 from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
 from tests.integration.test_shard_server import undecodable_request_codes
 from xcls.config import ConfigError, load_config
@@ -55,11 +55,8 @@ def start_scheduler(work_dir: Path, num_shards: int = 2, extra: tuple[str, ...] 
     child = spawn("scheduler", [sys.executable, "-m", "xcls", "serve", "scheduler",
                                 "--num-shards", str(num_shards), "--lease-ttl", str(TTL_S),
                                 "--port-file", str(port_file), *extra], log_path=log_path)
-    deadline = time.monotonic() + PATIENCE_S
-    while not port_file.exists():
-        assert child.proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, "scheduler did not start"
-        time.sleep(0.05)
+    wait_until(port_file.exists, "the scheduler's port file", PATIENCE_S, [child.proc],
+               log_path.read_text)
     address = f"127.0.0.1:{int(port_file.read_text())}"
     with SchedulerClient(address, token=token) as client:
         client.shards()
@@ -79,13 +76,6 @@ def test_undecodable_requests_are_invalid_argument(scheduler):
         (method.name, "INVALID_ARGUMENT") for method in service.methods}
     assert SchedulerClient(scheduler.address).shards().generation >= 0
     assert "Traceback" not in scheduler.log()
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.1)
 
 
 def invalidated(client) -> bool:
@@ -117,7 +107,8 @@ def test_workers_find_the_shards_and_a_hung_shard_is_declared_dead(scheduler, sh
     # Shard 1 hangs past its lease: the generation moves on, the worker's client is refused.
     os.kill(procs[1].proc.pid, signal.SIGSTOP)
     try:
-        wait_until(lambda: invalidated(client), "the worker's client to be invalidated")
+        wait_until(lambda: invalidated(client), "the worker's client to be invalidated",
+                   PATIENCE_S)
         lost = sched.shards()
         assert lost.generation > first.generation
         assert lost.missing() == [1] and lost.addresses[0] == procs[0].address
@@ -132,7 +123,7 @@ def test_workers_find_the_shards_and_a_hung_shard_is_declared_dead(scheduler, sh
 
     # Its supervisor starts a new incarnation: the map is whole again, one generation on.
     procs[1].start()
-    wait_until(lambda: sched.shards().complete, "the restarted shard to register")
+    wait_until(lambda: sched.shards().complete, "the restarted shard to register", PATIENCE_S)
     back = sched.shards()
     assert back.addresses == first.addresses
     assert back.incarnations[0] == first.incarnations[0]
@@ -165,13 +156,12 @@ def test_a_torchrun_job_through_the_scheduler_rolls_back_past_a_hung_shard(
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
-        wait_until(lambda: (out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt").exists()
-                   or workers.poll() is not None, "the first periodic checkpoint")
-        assert workers.poll() is None, log_path.read_text()
+        wait_until((out / CHECKPOINTS / f"step-{10:012d}" / "worker.pt").exists,
+                   "the first periodic checkpoint", PATIENCE_S, [workers], log_path.read_text)
         os.kill(procs[1].proc.pid, signal.SIGSTOP)
         try:
             wait_until(lambda: "lease_expired role=shard slot=1" in scheduler.log(),
-                       "the hung shard's lease to expire")
+                       "the hung shard's lease to expire", PATIENCE_S)
         finally:
             os.kill(procs[1].proc.pid, signal.SIGCONT)
         assert procs[1].proc.wait(PATIENCE_S) == EXIT_LEASE_LOST

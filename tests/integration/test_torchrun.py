@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "scripts" / "launch_worker.sh"
 
@@ -73,10 +75,9 @@ threads = 1
 out_dir = "{out}"
 """)
     proc = launch("--collective", str(config), cwd=tmp_path)
-    deadline = time.monotonic() + 180
-    while not list(out.glob("checkpoints/step-*")):  # the step-0 checkpoint: training began
-        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 10)
-        time.sleep(0.2)
+    # the step-0 checkpoint: training began
+    wait_until(lambda: list(out.glob("checkpoints/step-*")), "the step-0 checkpoint", 180, [proc],
+               lambda: finish(proc, 10)[1])
     time.sleep(1)
     os.kill(proc.pid, signal.SIGTERM)  # launch_worker.sh execs the launcher: its pid
     code, output = finish(proc, timeout=120)
