@@ -236,8 +236,10 @@ def _step_ratios(root: Path) -> str:
     records = current(load(root / RESULTS / "bench_step.jsonl"))
     columns = (("knn", "AMS, embedded"), ("knn", "AMS, 2 shard"), ("knn", "collective"),
                ("partial", "AMS, embedded"), ("partial", "collective"))
+    devices = list(dict.fromkeys(r.device for r in records))
     rows = []
-    for device, n in dict.fromkeys((r.device, r.figures["N"]) for r in records):
+    for device, n in sorted({(r.device, r.figures["N"]) for r in records},
+                            key=lambda key: (devices.index(key[0]), key[1])):
         mine = [r.figures for r in records if r.device == device and r.figures["N"] == n]
 
         def ratio(head: str, where: str, mine: list[dict] = mine) -> str:
