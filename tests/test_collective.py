@@ -1,4 +1,4 @@
-"""workers.collective on 2 and 3 real gloo ranks: the model-parallel softmax against a float64
+"""workers.collective on 1, 2 and 3 real gloo ranks: the model-parallel softmax against a float64
 single-process reference (loss, dL/dX, the updated rows), and the slices' selections against
 what a single process selects."""
 
@@ -25,7 +25,7 @@ from workers.selection import select_weighted
 N, D, B = 23, 6, 4  # 23 classes: no world size here divides them evenly
 SCALE, MARGIN = 16.0, 0.35  # CosFace
 LR, WD = 0.7, 0.01
-KNN_BUDGET = 6  # small enough that every slice cuts its priority order
+KNN_BUDGET = 6  # 2 and 3 slices cut their priority order at it; one runs out and fills
 
 
 def make_table(client) -> None:
@@ -121,7 +121,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device 
 
 
 @pytest.mark.parametrize("world, device", [
-    (2, "cpu"), (3, "cpu"),
+    (1, "cpu"), (2, "cpu"), (3, "cpu"),
     # on CUDA: one rank, and two gloo ranks sharing the one GPU
     pytest.param(1, "cuda", marks=CUDA), pytest.param(2, "cuda", marks=CUDA)])
 def test_collective_heads_match_one_process_in_float64(tmp_path, world, device):
@@ -168,7 +168,9 @@ def test_collective_heads_match_one_process_in_float64(tmp_path, world, device):
 
     # knn (random_share 0): each slice takes the first classes of the global priority order
     # (labels, then the lists' entries rank by rank) that fall in it, up to its share of the
-    # budget; the lists are a brute-force float64 search (the class itself first)
+    # budget; the lists are a brute-force float64 search (the class itself first). A slice
+    # whose order runs out first (one rank: the labels' lists overlap) fills its share with
+    # distinct other classes of its own, drawn at random
     normed = F.normalize(parts[0]["partial"]["rows"].double(), dim=1)
     nearest = (normed @ normed.t()).topk(3, dim=1).indices
     priority = labels.tolist() + [int(nearest[c, j]) for j in range(3) for c in labels]
@@ -177,7 +179,10 @@ def test_collective_heads_match_one_process_in_float64(tmp_path, world, device):
         mine = list(dict.fromkeys(c for c in priority if c % world == r))
         labels_here = len({int(c) for c in labels if c % world == r})
         total = max(min(math.ceil(KNN_BUDGET * size / N), size), labels_here)
-        assert part["knn"]["active"].tolist() == sorted(mine[:total])
+        active = part["knn"]["active"].tolist()
+        assert len(active) == len(set(active)) == total
+        assert set(mine[:total]) <= set(active)
+        assert active == sorted(active) and all(c % world == r for c in active)
 
 
 def test_collective_head_refuses_more_ranks_than_classes():
