@@ -27,7 +27,6 @@ import resource
 import time
 from collections.abc import Callable
 
-import faiss
 import numpy as np
 import torch
 from results import describe_device, record, table_row
@@ -41,6 +40,11 @@ from ams.graph import (
     sample_ids,
 )
 from ams.graph.ivf import DEFAULT_NPROBE, TRAIN_ROWS_PER_LIST
+
+try:
+    import faiss
+except ImportError:  # the baseline only: --no-faiss runs without it (GPU hosts lack it)
+    faiss = None
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:
@@ -103,8 +107,12 @@ def main() -> None:
                         help="--method ivf: run the exact build beside it up to this N")
     args = parser.parse_args()
 
+    if not args.no_faiss:
+        if faiss is None:
+            parser.error("the faiss baseline needs faiss-cpu (pip install faiss-cpu); "
+                         "--no-faiss runs without it")
+        faiss.omp_set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    faiss.omp_set_num_threads(args.threads)
     try:
         device = resolve_device(args.device)
     except ValueError as err:

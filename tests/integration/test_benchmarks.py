@@ -6,6 +6,7 @@ against arithmetic done here.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,9 +27,19 @@ def results_dir(tmp_path_factory, monkeypatch) -> Path:
     return path
 
 
-def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+def run_benchmark(script: str, *args: str, env: dict[str, str] | None = None
+                  ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def without_faiss(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import faiss`` fails, as on a GPU host that lacks it."""
+    blocked = tmp_path / "no-faiss" / "faiss"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('faiss is blocked here')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))}
 
 
 def table_rows(text: str, first_cell: str) -> list[list[str]]:
@@ -167,10 +178,10 @@ def test_bench_collective_quick_times_every_placement() -> None:
         assert cells[6].endswith("x") and cells[7] == "1", cells
 
 
-def bench_graph_row(n: int, *extra: str) -> list[str]:
+def bench_graph_row(n: int, *extra: str, env: dict[str, str] | None = None) -> list[str]:
     """The cells of bench_graph's table row for N=n (k=8, 200 recall queries)."""
     done = run_benchmark("bench_graph.py", "--sizes", str(n), "--k", "8", "--threads", "1",
-                         "--recall-queries", "200", *extra)
+                         "--recall-queries", "200", *extra, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if re.match(rf"\s*{n} \|", line))
     return [c.strip() for c in row.split("|")]
@@ -181,10 +192,15 @@ def test_bench_graph_is_exact_at_a_small_size() -> None:
     assert float(cells[6]) == 1.0 and float(cells[7]) == 1.0, cells
 
 
-def test_bench_graph_without_faiss_still_checks_recall() -> None:
-    cells = bench_graph_row(1500, "--no-faiss")
+def test_bench_graph_without_faiss_still_checks_recall(tmp_path: Path) -> None:
+    cells = bench_graph_row(1500, "--no-faiss", env=without_faiss(tmp_path))
     assert float(cells[6]) == 1.0, cells
     assert cells[2] == cells[3] == cells[5] == cells[7] == "-", cells
+
+
+def test_bench_graph_asks_for_no_faiss_where_faiss_is_missing(tmp_path: Path) -> None:
+    done = run_benchmark("bench_graph.py", "--sizes", "100", env=without_faiss(tmp_path))
+    assert done.returncode == 2 and "--no-faiss" in done.stderr, done.stderr[-2000:]
 
 
 def test_bench_graph_ivf_beside_faiss_flat_and_exact() -> None:
