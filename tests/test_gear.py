@@ -248,6 +248,12 @@ def test_garbage_in_cache_and_stream_is_rejected(glyphs_small, tmp_path, redis_s
     client.close()
 
 
+def consumer_group_ready(client, prefix: str) -> bool:
+    """Whether the slow group's consumer group exists on the gradient stream: the external
+    worker reads from then on."""
+    return bool(client.exists(stream_key(prefix)) and client.xinfo_groups(stream_key(prefix)))
+
+
 def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
     prefix = f"ext{uuid.uuid4().hex[:8]}"
     sets = overrides(glyphs_small, tmp_path / "run", **{
@@ -263,9 +269,8 @@ def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     client = redis_server.client()
     try:
-        # the worker is reading once its consumer group exists
-        wait_until(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
-            stream_key(prefix)), "the slow group's consumer group", 60, [slow], slow.stderr.read)
+        wait_until(lambda: consumer_group_ready(client, prefix), "the slow group's consumer group",
+                   60, [slow], slow.stderr.read)
         run = build_run(load_config(None, sets))
         result = run.trainer.train()
         out, err = slow.communicate(timeout=120)
@@ -318,9 +323,8 @@ def test_external_slow_gear_goes_back_with_the_trainers(glyphs_small, tmp_path, 
         wait_until(done, what, 120, [slow], slow.stderr.read)
 
     try:
-        # the worker is reading once its consumer group exists
-        wait_for_slow(lambda: client.exists(stream_key(prefix)) and client.xinfo_groups(
-            stream_key(prefix)), "the slow group's consumer group")
+        wait_for_slow(lambda: consumer_group_ready(client, prefix),
+                      "the slow group's consumer group")
         assert build_run(load_config(None, sets)).trainer.train().steps == 12
         wait_for_slow(lambda: client.xlen(stream_key(prefix)) == 0, "the slow group to ack all")
         discarded = store.published_version()

@@ -133,6 +133,7 @@ def test_supervisor_restarts_a_dead_and_a_hung_shard_then_gives_up(shard_cluster
 
     hung = procs[0].proc
     hung.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+
     def restarted_twice() -> bool:
         supervisor.check()
         return supervisor.restarts >= 2
