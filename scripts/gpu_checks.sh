@@ -23,8 +23,9 @@
 #              the AMS, knn and partial in collective placement (one rank)
 #   step-10m   bench_step at 10M: backbone alone, knn embedded and on shard processes
 #   heads      bench_heads on CUDA at 1M: the head alone, exact graph
-#   graph-10m  bench_graph --device cuda: the exact graph of 10M rows
 #   step-100m  bench_step at 100M, rows in host RAM, float16, d = 128: backbone alone, knn
+#   graph-10m  bench_graph --device cuda: the exact graph of 10M rows (last: it has a figure
+#              of its own already, and the steps' rows are the ones the targets name)
 #
 # Output: everything printed (the tables for RESULTS.md) also goes to $OUT/gpu_checks.log, and
 # the benchmarks' records to $OUT/results/*.jsonl ($OUT: default runs/gpu-checks). Back here,
@@ -36,8 +37,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; }
-STEPS=(setup tests step-1m step-10m heads graph-10m step-100m)
+usage() { sed -n '2,/^# Usage/p' "$0" | sed 's/^# \{0,1\}//'; }
+STEPS=(setup tests step-1m step-10m heads step-100m graph-10m)
 dry=0
 only=""
 while [ $# -gt 0 ]; do
@@ -121,10 +122,10 @@ step step-10m 150 "$PY" benchmarks/bench_step.py --device cuda --sizes 10000000 
   --contenders backbone,knn-embedded,knn-shards --threads "$THREADS"
 step heads 90 "$PY" benchmarks/bench_heads.py --device cuda --sizes 1000000 --step-classes 0 \
   --exact-graph-max 1000000 --steps 3 --full-steps 1 --threads "$THREADS"
-step graph-10m 200 "$PY" benchmarks/bench_graph.py --device cuda --sizes 10000000 --no-faiss \
-  --recall-queries 1000 --threads "$THREADS"
 step step-100m 300 "$PY" benchmarks/bench_step.py --device cuda --sizes 100000000 \
   --dtype float16 --dim 128 --contenders backbone,knn-embedded --threads "$THREADS"
+step graph-10m 200 "$PY" benchmarks/bench_graph.py --device cuda --sizes 10000000 --no-faiss \
+  --recall-queries 1000 --threads "$THREADS"
 
 [ "$dry" = 1 ] && exit 0
 echo "gpu_checks: $((SECONDS - start)) s"

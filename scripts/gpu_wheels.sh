@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^# Usage/p' "$0" | sed 's/^# \{0,1\}//'; }
 dry=0
 out=.whl
 for arg in "$@"; do

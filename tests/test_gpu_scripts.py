@@ -17,7 +17,7 @@ from tests.conftest import SMALL_FONTS
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "scripts" / "gpu_checks.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
-STEPS = ["setup", "tests", "step-1m", "step-10m", "heads", "graph-10m", "step-100m"]
+STEPS = ["setup", "tests", "step-1m", "step-10m", "heads", "step-100m", "graph-10m"]
 
 
 def run(script: Path, *args: str) -> subprocess.CompletedProcess:
@@ -31,6 +31,7 @@ def test_the_scripts_parse_and_say_what_to_carry(script):
     out = run(script, "--help")
     assert out.returncode == 0, out.stderr
     assert ".whl" in out.stdout and "--dry-run" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("Usage: bash scripts/")  # no code
     assert run(script, "--no-such-option").returncode == 2
 
 
