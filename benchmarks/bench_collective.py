@@ -82,6 +82,7 @@ import ams
 from ams.client.sharded import ShardedClient
 from workers.backbones import build_backbone
 from workers.collective import CollectiveHead, CollectiveShards
+from workers.device_slice import DeviceSlice
 from workers.distributed import process_group, worker_device
 from workers.heads import RowHead, build_head
 from workers.losses import CombinedMarginLoss
@@ -158,13 +159,16 @@ def connect(placement: str, job: Job, rank: int, stack: ExitStack) -> ShardedCli
 
 
 def make_head(placement: str, kind: str, store: TimedStore, job: Job, rank: int,
-              args: argparse.Namespace) -> RowHead:
-    """The head the trainer builds for ``placement`` (seeded per rank as the trainer does)."""
+              device: torch.device, args: argparse.Namespace) -> RowHead:
+    """The head the trainer builds for ``placement`` (seeded per rank as the trainer does; in
+    collective placement on CUDA the slice in GPU memory)."""
     margin = CombinedMarginLoss.from_preset(args.margin)
     options = dict(sample_rate=args.sample_rate, seed=args.seed * 1000 + rank)
     if placement == COLLECTIVE:
+        device_rows = DeviceSlice(store.client.shards[rank].store, TABLE, device) \
+            if device.type != "cpu" else None
         return CollectiveHead(store, TABLE, job.n, margin, kind, rank=rank, world=job.world,
-                              **options)
+                              device_rows=device_rows, **options)
     return build_head(kind, store, TABLE, job.n, margin, **options)
 
 
@@ -197,11 +201,12 @@ def run_rank(rank: int, job: Job, port: int, args: argparse.Namespace, out: dict
                                 seed=args.seed)
             for kind in job.heads:
                 store = TimedStore(client)
-                head = make_head(placement, kind, store, job, rank, args)
+                head = make_head(placement, kind, store, job, rank, device, args)
                 # the trainer's rule: the AMS heads' ranks push their shares of one update,
                 # a collective head's rank its own slice's
                 combine = head.combine_row_grads
-                updater = RowUpdater(client, TABLE, [LR] * (args.warmup + args.steps),
+                updater = RowUpdater(head.device_rows or client, TABLE,
+                                     [LR] * (args.warmup + args.steps),
                                      rank=rank if combine else 0,
                                      world=job.world if combine else 1)
                 # Contender's "settings" holds the placement here
@@ -222,7 +227,8 @@ def run_rank(rank: int, job: Job, port: int, args: argparse.Namespace, out: dict
                 features = net(images_to_input(images.to(device, non_blocking=True)))
             result = c.head.forward_backward(features, active)
             updater.update(i, result.active_ids, result.row_grad)
-            updater.flush()  # in the step's time: the trainer overlaps it, this table not
+            # in the step's time: the trainer overlaps it, this table not
+            updater.wait_pushed(i)
             step_backbone(features, result.feature_grad, optimizer, scaler)
             optimizer.zero_grad(set_to_none=True)
             c.record(total=clock(device) - started, active=result.num_active)

@@ -16,7 +16,8 @@ Contenders (``--contenders``, all by default), each on the same label and image 
   knn-shards          the same, rows in ``--shards`` ``xcls serve shard`` processes on loopback
   partial-embedded    the partial head (PartialFC's sampling, ``--sample-rate``), embedded AMS
   knn-collective      the knn head in collective placement, one rank: the rows in the worker's
-                      own slice (``workers.collective``)
+                      own slice (``workers.collective``), on CUDA in GPU memory
+                      (``workers.device_slice``), as the trainer keeps it
   partial-collective  the partial head in collective placement: PartialFC's algorithm
   full-embedded       (not by default) the exact softmax over all N classes, embedded AMS:
                       a (B, N) logit matrix does not fit at 10M, so the rows are pulled
@@ -66,6 +67,7 @@ import ams
 from ams.client.sharded import ShardedClient
 from workers.backbones import build_backbone
 from workers.collective import CollectiveHead, CollectiveShards
+from workers.device_slice import DeviceSlice
 from workers.distributed import worker_device
 from workers.heads import RowHead, build_head
 from workers.losses import CombinedMarginLoss
@@ -152,7 +154,10 @@ def make_head(kind: str, placement: str, client: ShardedClient, n: int,
     options = dict(sample_rate=args.sample_rate, k=args.k, budget=args.batch * args.k,
                    seed=args.seed)
     if placement == COLLECTIVE:
-        return CollectiveHead(client, TABLE, n, args.margin, kind, rank=0, world=1, **options)
+        device_rows = DeviceSlice(client.shards[0].store, TABLE, args.device) \
+            if args.device.type != "cpu" else None
+        return CollectiveHead(client, TABLE, n, args.margin, kind, rank=0, world=1,
+                              device_rows=device_rows, **options)
     return build_head(kind, client, TABLE, n, args.margin, **options)
 
 
@@ -165,7 +170,7 @@ def make_contender(name: str, where: str, client: ShardedClient | None, n: int,
         c.batches, c.client = step_batches(args, n), client
         return c
     c.head = make_head(kind, placement, client, n, args)
-    c.rows = RowUpdater(client, TABLE, [LR] * args.total_steps)
+    c.rows = RowUpdater(c.head.device_rows or client, TABLE, [LR] * args.total_steps)
     c.prefetcher = Prefetcher(step_batches(args, n), c.head, args.prefetch_depth, 0,
                               wait_pushed=c.rows.wait_pushed, device=args.device)
     return c

@@ -16,8 +16,9 @@
 #   setup      the wheels into /tmp/site, the fonts under /usr/share/fonts, the shards' C row
 #              update (ams/shard/_kernels.c) built in place
 #   tests      pytest -k cuda: heads, row update and prefetch staging on CUDA, collective
-#              placement on one rank and on two gloo ranks sharing the GPU, an AMP training
-#              run that resumes, exact knn, top-k
+#              placement (its slice in GPU memory) on one rank and on two gloo ranks sharing
+#              the GPU, the slice's working copy against the float64 optimizer, AMP training
+#              runs that resume (AMS and collective), exact knn, top-k
 #   step-1m    bench_step at 1M classes: IResNet-50 at 112x112 under AMP, batch 256, d = 512,
 #              backbone alone, knn on the embedded AMS and on shard processes, partial on
 #              the AMS, knn and partial in collective placement (one rank)

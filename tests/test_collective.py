@@ -1,6 +1,8 @@
 """workers.collective on 1, 2 and 3 real gloo ranks: the model-parallel softmax against a float64
 single-process reference (loss, dL/dX, the updated rows), and the slices' selections against
-what a single process selects."""
+what a single process selects; with the slices in host memory and as working copies on the
+compute device (``workers.device_slice``, which a GPU run uses), written back before anything
+reads them."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ams.cluster.plan import budget_for_sample_rate
 from ams.graph.build import build_graph
 from tests.conftest import free_port, set_torchrun_env
 from workers.collective import CollectiveHead, CollectiveShards
+from workers.device_slice import DeviceSlice
 from workers.distributed import process_group
 from workers.losses import CombinedMarginLoss
 from workers.row_update import RowUpdater
@@ -41,7 +44,8 @@ def global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return features, labels
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, device: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, device: str,
+               in_device: bool) -> None:
     set_torchrun_env(rank, world, port)
     with process_group(world, torch.device("cpu")):
         shards = CollectiveShards(rank, world, data_dir=Path(out) / f"ams-{rank}",
@@ -53,11 +57,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str) -> None:
         mine = slice(rank * B, (rank + 1) * B)
         margin = CombinedMarginLoss(SCALE, m3=MARGIN)
         result = {}
+        rows = DeviceSlice(shards.local.store, "fc", device) if in_device else None
 
-        full = CollectiveHead(client, "fc", N, margin, "full", rank=rank, world=world)
+        full = CollectiveHead(client, "fc", N, margin, "full", rank=rank, world=world,
+                              device_rows=rows)
         before = client.pull("fc", torch.arange(N))
         step = full.forward_backward(features[mine], full.prepare(labels[mine]))
-        updater = RowUpdater(client, "fc", [LR])
+        updater = RowUpdater(rows or client, "fc", [LR])
         updater.update(0, step.active_ids, step.row_grad)
         updater.flush()
         updater.close()
@@ -68,7 +74,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str) -> None:
                           "before": before, "after": client.pull("fc", step.active_ids)}
 
         partial = CollectiveHead(client, "fc", N, margin, "partial", rank=rank, world=world,
-                                 sample_rate=0.5, seed=5 + rank)
+                                 sample_rate=0.5, seed=5 + rank, device_rows=rows)
         drawn_from = partial.generator.get_state()
         dist_barrier()  # every slice has taken the full step
         now = client.pull("fc", torch.arange(N))
@@ -83,7 +89,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str) -> None:
             build_graph(client, "fc", 4)
         dist_barrier()
         knn = CollectiveHead(client, "fc", N, margin, "knn", rank=rank, world=world, k=3,
-                             budget=KNN_BUDGET, random_share=0.0, seed=9)
+                             budget=KNN_BUDGET, random_share=0.0, seed=9, device_rows=rows)
         result["knn"] = {"active": knn._select(labels).active}
         torch.save(result, Path(out) / f"rank{rank}.pt")
         dist_barrier()
@@ -120,13 +126,13 @@ def reference_step(world: int, rows: torch.Tensor, columns: torch.Tensor,
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
 
 
-@pytest.mark.parametrize("world, device", [
-    (1, "cpu"), (2, "cpu"), (3, "cpu"),
-    # on CUDA: one rank, and two gloo ranks sharing the one GPU
-    pytest.param(1, "cuda", marks=CUDA), pytest.param(2, "cuda", marks=CUDA)])
-def test_collective_heads_match_one_process_in_float64(tmp_path, world, device):
-    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), device), nprocs=world,
-             join=True)
+@pytest.mark.parametrize("world, device, in_device", [
+    (1, "cpu", False), (2, "cpu", False), (3, "cpu", False), (1, "cpu", True), (2, "cpu", True),
+    # on CUDA, as a GPU run keeps its slice: one rank, and two gloo ranks sharing the one GPU
+    pytest.param(1, "cuda", True, marks=CUDA), pytest.param(2, "cuda", True, marks=CUDA)])
+def test_collective_heads_match_one_process_in_float64(tmp_path, world, device, in_device):
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), device, in_device),
+             nprocs=world, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     rows = parts[0]["full"]["before"].double()
     _, labels = global_batch(world)

@@ -182,11 +182,14 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
-def test_cuda_run_with_amp_learns_and_resumes(glyphs_small, tmp_path):
+@pytest.mark.parametrize("placement", ["ams", "collective"])
+def test_cuda_run_with_amp_learns_and_resumes(glyphs_small, tmp_path, placement):
     """The GPU path: backbone under autocast with a gradient scaler, head in float32 on the
-    GPU, rows in the host AMS; a resumed run restores the scaler and carries on."""
+    GPU, rows in the host AMS, or in collective placement in a working copy in GPU memory that
+    graph builds and evaluations read back from the host shard; a resumed run restores the
+    scaler and carries on."""
     settings = {"train.device": "cuda", "train.amp": True, "train.max_steps": 120,
-                "train.checkpoint_every": 60}
+                "train.checkpoint_every": 60, "head.placement": placement}
     cfg = load_config(None, overrides(glyphs_small, tmp_path / "run", **settings))
     run = build_run(cfg)
     assert run.trainer.device.type == "cuda" and run.trainer._scaler is not None

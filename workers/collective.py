@@ -11,7 +11,8 @@ step (:meth:`CollectiveHead.forward_backward`):
    ``full`` the whole slice, ``partial`` the slice's labels plus uniform negatives up to
    ``sample_rate`` of the slice (PartialFC's scheme), ``knn`` the slice's share of the labels'
    neighbor lists, each list read on the rank that owns its class and all-reduced;
-3. it reads those rows from its own shard and computes the cosine logits of all W·B features
+3. it reads those rows from its own shard (on a GPU, from the slice's working copy in GPU
+   memory, ``workers.device_slice``) and computes the cosine logits of all W·B features
    against them; the softmax is model-parallel: the row maxima and the sums of exponentials
    are all-reduced, so every rank holds the loss of the global batch;
 4. dL/dX is reduce-scattered: each rank receives the sum over slices of its own samples'
@@ -43,6 +44,7 @@ from ams.client.sharded import ShardedClient
 from ams.cluster.plan import budget_for_sample_rate
 from ams.server.service import RunningServer, create_server
 from ams.sharding import owned_count
+from workers.device_slice import DeviceSlice
 from workers.heads import ActiveBatch, HeadKind, HeadStep, RowStore, checked_labels
 from workers.losses import CombinedMarginLoss
 from workers.selection import Selection, select_in_slice
@@ -62,7 +64,9 @@ class CollectiveHead:
     ``sample_rate`` (partial): the share of each slice active per step; ``k``, ``budget``,
     ``random_share`` (knn): as ``workers.heads.build_head``, with ``budget`` counting all
     slices (each slice takes its share of it). ``seed``: the seed of this rank's random
-    negatives. The same interface as ``workers.heads.ClassifierHead``; every rank calls
+    negatives. ``device_rows``: this rank's slice in the memory of the device it computes on,
+    which the head then reads its rows from (None: from ``store``); the trainer's row update
+    pushes to it. The same interface as ``workers.heads.ClassifierHead``; every rank calls
     ``forward_backward`` for every step with the same batch size.
     """
 
@@ -73,13 +77,14 @@ class CollectiveHead:
                  margin: CombinedMarginLoss, kind: HeadKind | str, *, rank: int, world: int,
                  sample_rate: float | None = None, k: int | None = None,
                  budget: int | None = None, random_share: float = 0.0,
-                 logq_correction: bool = True, seed: int = 0) -> None:
+                 logq_correction: bool = True, seed: int = 0,
+                 device_rows: DeviceSlice | None = None) -> None:
         if kind not in list(HeadKind):
             raise ValueError(f"unknown head {kind!r}; known heads: {', '.join(HeadKind)}")
         if num_classes < world:
             raise ValueError(f"collective mode needs at least one class per rank: "
                              f"{num_classes} classes over {world} ranks")
-        self.store, self.table = store, table
+        self.store, self.table, self.device_rows = store, table, device_rows
         self.num_classes, self.margin, self.kind = num_classes, margin, HeadKind(kind)
         self.rank, self.world = rank, world
         self.slice_size = owned_count(num_classes, rank, world)
@@ -140,7 +145,7 @@ class CollectiveHead:
         dtype = torch.promote_types(features.dtype, torch.float32)
         all_labels = self._gather(labels.to(device)).cpu()
         selection = self._select(all_labels, device)
-        rows = self.store.pull(self.table, selection.active)
+        rows = (self.device_rows or self.store).pull(self.table, selection.active)
         if features.shape[1] != rows.shape[1]:
             raise ValueError(f"features have dim {features.shape[1]} but table {self.table!r} "
                              f"rows have dim {rows.shape[1]}")

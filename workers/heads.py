@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ams.cluster.plan import budget_for_sample_rate
+from workers.device_slice import DeviceSlice
 from workers.losses import CombinedMarginLoss
 from workers.selection import Selection, select_weighted
 
@@ -185,6 +186,9 @@ class RowHead(Protocol):
 
     num_classes: int
     combine_row_grads: bool  # whether the ranks' row gradients of a step are one push
+    # where the head reads its rows and the row update pushes, when not through the client:
+    # collective placement's slice in GPU memory
+    device_rows: DeviceSlice | None
 
     def select(self, labels: torch.Tensor) -> Selection: ...
     def pull(self, selection: Selection) -> ActiveBatch: ...
@@ -208,6 +212,7 @@ class ClassifierHead:
     # Each data-parallel rank's row gradient covers only its own samples: the ranks' gradients
     # of a step are combined into one push (workers.row_update).
     combine_row_grads = True
+    device_rows = None  # the rows are read and pushed through the client
 
     def __init__(self, store: RowStore, table: str, num_classes: int,
                  margin: CombinedMarginLoss, selector: ActiveSelector,

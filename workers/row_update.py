@@ -29,7 +29,9 @@ travels with each push, and a shard settles a row's debt of skipped decay from i
 row is next pushed, so sparse pushes match dense SGD on every row.
 
 On CUDA the row gradient is copied to pinned host memory without blocking the trainer; the
-pusher thread waits for that copy (a CUDA event) before it sends.
+pusher thread waits for that copy (a CUDA event) before it sends. Collective placement's slice
+in GPU memory (``workers.device_slice.DeviceSlice``) takes the gradient where it is instead, and
+:meth:`RowUpdater.flush` writes the rows it changed back to the shard.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch.distributed as dist
 
 from ams.shard.optim import step_decay
 from ams.shard.spec import TableSpec
+from workers.device_slice import DeviceSlice
 
 # Bytes of one id on the wire: int64.
 _ID_BYTES = 8
@@ -108,10 +111,11 @@ class RowUpdater:
     """Pushes each step's row gradients of one table with that step's lr and decay clock, on a
     thread of its own, one step at a time in step order.
 
-    store: the AMS client; table: the class-row table; lrs: the rows' learning rate of each
-    step (0-based, one per step of the run); rank / world: this worker's data-parallel
-    position (a default process group must exist when ``world > 1``; every rank constructs its
-    updater at the same point, which makes the updater's own gloo group).
+    store: the AMS client, or a ``DeviceSlice`` (collective placement on a GPU); table: the
+    class-row table; lrs: the rows' learning rate of each step (0-based, one per step of the
+    run); rank / world: this worker's data-parallel position (a default process group must
+    exist when ``world > 1``; every rank constructs its updater at the same point, which makes
+    the updater's own gloo group).
 
     Use::
 
@@ -142,11 +146,12 @@ class RowUpdater:
     def update(self, step: int, ids: torch.Tensor, row_grad: torch.Tensor) -> None:
         """Hand over step ``step``'s gradients and return: ids int64 (A,) active classes
         (unique per rank, CPU), row_grad float32 (A, dim) dL/dW of those rows, on the CPU or
-        a CUDA device (then copied to pinned host memory without blocking). Neither may be
-        changed afterwards. Every rank calls it for every step, in step order. Raises the
-        error of an earlier push that failed."""
+        a CUDA device (then copied to pinned host memory without blocking, unless the store
+        is a ``DeviceSlice``, which takes it there). Neither may be changed afterwards. Every
+        rank calls it for every step, in step order. Raises the error of an earlier push that
+        failed."""
         copied = None
-        if row_grad.device.type == "cuda":
+        if row_grad.device.type == "cuda" and not isinstance(self.store, DeviceSlice):
             host = torch.empty(row_grad.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(row_grad, non_blocking=True)
             copied = torch.cuda.Event()
@@ -175,10 +180,17 @@ class RowUpdater:
 
     def flush(self) -> None:
         """Block until every push handed over is applied (raises the error of one that
-        failed)."""
+        failed); a ``DeviceSlice`` then writes the rows it changed back to its shard."""
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or not self._pending)
             self._raise_failure()
+        if isinstance(self.store, DeviceSlice):
+            self.store.write_back()
+
+    def reload(self) -> None:
+        """After a restore replaced the shard's rows: a ``DeviceSlice`` loads them again."""
+        if isinstance(self.store, DeviceSlice):
+            self.store.reload()
 
     def close(self) -> None:
         """Stop the pusher thread after the push it is sending; the ones still queued are

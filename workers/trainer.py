@@ -147,7 +147,7 @@ class Trainer:
             cfg.optim.head_warmup_steps, cfg.optim.warmup_steps, head.num_classes,
             self.plan.batch_size * world)
         combine = head.combine_row_grads
-        self.rows = RowUpdater(client, self.table,
+        self.rows = RowUpdater(head.device_rows or client, self.table,
                                [self._head_lr(t) for t in range(self.total_steps)],
                                rank=rank if combine else 0, world=world if combine else 1)
         self._amp = cfg.train.amp and device.type == "cuda"
@@ -163,6 +163,7 @@ class Trainer:
         self._resumed: dict | None = None  # this rank's private checkpoint part
         self._prefetcher: Prefetcher | None = None
         self._checkpointed_step = -1  # the step of this process's newest checkpoint
+        self._evaluated_step = -1  # the step of its newest evaluation
         self._window = _Window()
         # evenly spaced ids: a fixed sample without a permutation of all N (100M) per rebuild
         n = head.num_classes
@@ -258,7 +259,7 @@ class Trainer:
 
         # the end: a final evaluation unless the last boundary made one
         result.steps = self.step
-        if not result.eval:
+        if self._evaluated_step != self.step:
             self._evaluate(result)
         return self._finish(result)
 
@@ -365,7 +366,11 @@ class Trainer:
     def _evaluate(self, result: TrainResult) -> None:
         """Rank 0 evaluates on the test split and the pair sets (if any) and records it in
         eval.csv."""
+        self._evaluated_step = self.step  # on every rank: the barrier below is everyone's
         self.rows.flush()
+        # in collective placement rank 0 reads every rank's slice: each must have applied
+        # (and, from GPU memory, written back) its last update first
+        self._barrier()
         if self.rank != 0 or (self.test_set is None and not self.evaluator.pair_sets):
             return
         result.eval = {"step": self.step, **self.evaluator.evaluate(),
@@ -480,6 +485,7 @@ class Trainer:
         if self.rank == 0:
             self.client.restore(step)
         self._barrier()
+        self.rows.reload()
         if private is not None and private.get("world") == self.world:
             self._resumed = {**private, "prepared": [ActiveBatch.from_dict(a)
                                                      for a in private["prepared"]]}

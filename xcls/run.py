@@ -87,7 +87,7 @@ def build_run(cfg: ExperimentConfig,
     client = create_client(cfg, out_dir, rank, world, lease=placement is not None)
     create_table(cfg, client, data.num_classes, world)
     backbone = create_backbone(cfg, data.train.metadata, device, world)
-    head = create_head(cfg, client, data.num_classes, rank, world)
+    head = create_head(cfg, client, data.num_classes, rank, world, device)
     build_graph = create_graph_updater(cfg, client, device)
     gear = create_gear(cfg, backbone.model, backbone.optimizer, data.train, device, out_dir,
                        (rank, world))
@@ -347,11 +347,13 @@ def build_compressor(cfg: ExperimentConfig, backbone: nn.Module, model: nn.Modul
 
 
 def create_head(cfg: ExperimentConfig, client: ShardedClient, num_classes: int, rank: int,
-                world: int) -> RowHead:
+                world: int, device: torch.device) -> RowHead:
     """``cfg.head``'s head over the table's rows with its margin (collective mode: the
-    model-parallel head over the ranks' slices); its sampler seeded per rank."""
+    model-parallel head over the ranks' slices, which on a GPU ``device`` keeps this rank's
+    slice in GPU memory); its sampler seeded per rank."""
     from ams.cluster.plan import budget_for_sample_rate
     from workers.collective import CollectiveHead
+    from workers.device_slice import DeviceSlice
     from workers.heads import Placement, build_head
     from workers.losses import CombinedMarginLoss
 
@@ -363,8 +365,11 @@ def create_head(cfg: ExperimentConfig, client: ShardedClient, num_classes: int, 
                      seed=cfg.train.seed * 1000 + rank)
     try:
         if h.placement == Placement.COLLECTIVE:
+            # on the CPU the slice's shard is in the memory the head computes in already
+            device_rows = DeviceSlice(client.shards[rank].store, cfg.ams.table, device) \
+                if device.type != "cpu" else None
             return CollectiveHead(client, cfg.ams.table, num_classes, margin, h.kind,
-                                  rank=rank, world=world, **head_args)
+                                  rank=rank, world=world, device_rows=device_rows, **head_args)
         return build_head(h.kind, client, cfg.ams.table, num_classes, margin, **head_args)
     except ValueError as e:
         raise ConfigError(f"head: {e}") from None

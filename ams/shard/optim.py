@@ -10,9 +10,10 @@ with each push, and each row remembers the clock it was last brought up to. A ro
 steps is first multiplied by ``exp(row_clock - D_t)``, exactly the decay those steps would have
 applied; with momentum 0 the rows then equal dense ``torch.optim.SGD`` on the whole table.
 
-The update runs in ams/shard/_kernels.c, one pass over the pushed rows, where the install compiled
-it (it needs a C compiler), and in torch and numpy otherwise; the two give the same values up to
-float32 rounding (tests/test_optim.py).
+The update of CPU rows runs in ams/shard/_kernels.c, one pass over the pushed rows, where the
+install compiled it (it needs a C compiler), and in torch and numpy otherwise; the two give the
+same values up to float32 rounding (tests/test_optim.py). Rows on a GPU (collective placement's
+slice, ``workers.device_slice``) take the torch path on their device.
 """
 
 from __future__ import annotations
@@ -117,11 +118,9 @@ class SparseMomentumSGD:
         float64 (m,) decay factors the rows owe for steps they sat out (``catch_up_factors``),
         applied before the step, or None.
         """
-        if _kernels is not None:
+        if _kernels is not None and rows.device.type == "cpu":
             return self._compiled_update(False, rows, state, positions, grads, lr, catch_up)
-        # rowcopy: torch's index kernels are several times slower for these copies on a busy
-        # CPU (ams/shard/rowcopy.py)
-        w = rowcopy.gather(rows, positions).to(torch.float32)
+        w = _gather(rows, positions).to(torch.float32)
         if catch_up is not None:
             w.mul_(catch_up.to(torch.float32)[:, None])
         g = grads.to(torch.float32)  # the caller's tensor when it is float32: not written
@@ -130,7 +129,7 @@ class SparseMomentumSGD:
             # v <- g + momentum * v + weight_decay * w in the gathered copy of v: two passes
             # and no temporary, where building g + weight_decay * w first takes a third pass
             # and a fresh (m, dim) tensor
-            v = rowcopy.gather(state, positions).to(torch.float32)
+            v = _gather(state, positions).to(torch.float32)
             g = torch.add(g, v, alpha=self.momentum, out=v)
             if self.weight_decay:
                 g.add_(w, alpha=self.weight_decay)
@@ -146,7 +145,7 @@ class SparseMomentumSGD:
         """One step on the rows at ``positions`` (arguments as ``compute``), written in place.
         Returns None, or, where a stored value would not be finite, what
         ``RowUpdate.first_non_finite`` names, and then ``rows`` and ``state`` are unchanged."""
-        if _kernels is None:
+        if _kernels is None or rows.device.type != "cpu":
             update = self.compute(rows, state, positions, grads, lr, catch_up)
             found = update.first_non_finite()
             if found is None:
@@ -211,5 +210,20 @@ class SparseMomentumSGD:
     def commit(rows: torch.Tensor, state: torch.Tensor, update: RowUpdate) -> None:
         """Write ``update`` (from ``compute`` on these tensors) into ``rows`` and ``state``."""
         if update.state is not None:
-            rowcopy.scatter(state, update.positions, update.state)
-        rowcopy.scatter(rows, update.positions, update.rows)
+            _scatter(state, update.positions, update.state)
+        _scatter(rows, update.positions, update.rows)
+
+
+# rowcopy (numpy) for CPU tensors: torch's index kernels are several times slower for these
+# copies on a busy CPU (ams/shard/rowcopy.py); torch's own on any other device
+def _gather(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if rows.device.type == "cpu":
+        return rowcopy.gather(rows, positions)
+    return rows.index_select(0, positions)
+
+
+def _scatter(out: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    if out.device.type == "cpu":
+        rowcopy.scatter(out, positions, rows)
+    elif out.shape[1]:
+        out.index_copy_(0, positions, rows)

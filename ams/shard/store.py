@@ -34,7 +34,7 @@ from ams.shard.checks import check_grads, check_reply, owned_positions, refuse_n
 from ams.shard.dedupe import PushDedupe, check_client
 from ams.shard.mapped import MmapStorage
 from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable, StagedGraph, check_lists
-from ams.shard.optim import MAX_RATE, catch_up_factors, step_decay
+from ams.shard.optim import MAX_RATE, RowUpdate, all_finite, catch_up_factors, step_decay
 from ams.shard.page_advice import prefetch_rows, prefetch_slots_ahead
 from ams.shard.rowcopy import ascending_unique
 from ams.shard.spec import TableSpec, nonnegative
@@ -280,6 +280,53 @@ class ShardStore:
                 table.touched = torch.zeros(table.owned, dtype=torch.bool)
             table.touched[unique] = True
         return True
+
+    def write_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                   row_clock: torch.Tensor, clock: float) -> None:
+        """Put rows that were updated outside the store back in place: a working copy of this
+        shard's rows kept elsewhere (collective placement's slice in GPU memory,
+        ``workers.device_slice``) writes back the rows its updates changed, before anything
+        reads them here.
+
+        ids: int64 (m,) ascending, unique, owned; rows: (m, dim) of the row dtype; state:
+        (m, state width) of the state dtype; row_clock: float64 (m,), the decay clock each row
+        was brought up to; clock: the newest decay clock its updates reached (the table's
+        clock becomes the larger of the two). The rows count as pushed (``take_touched``).
+        Everything is checked before anything is written; non-finite values are refused.
+        """
+        table = self.table(name)
+        spec = table.spec
+        positions = owned_positions(ids, spec, self.shard_id, self.num_shards, table.owned)
+        m = positions.numel()
+        if m > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise InvalidArgument("ids: need ascending ids, each once")
+        for what, t, shape, dtype in (("rows", rows, (m, spec.dim), spec.dtype),
+                                      ("state", state, (m, spec.state_width), spec.state_dtype),
+                                      ("row_clock", row_clock, (m,), torch.float64)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype \
+                    or t.device.type != "cpu":
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" \
+                    if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidArgument(f"{what}: need a CPU {dtype} tensor of shape {shape}, "
+                                      f"got {got}")
+            if not all_finite(t):
+                raise InvalidArgument(f"{what}: non-finite values (nan or inf)")
+        clock = nonnegative("clock", clock)
+        if m == 0:
+            return
+        with table.lock:
+            if table.closed:
+                raise FailedPrecondition(f"table {shorten(name)}: the store was closed")
+            # a slotted table takes new slots, as a push does, so its files never hold a
+            # half-written row
+            at = positions if table.slots is None else table.slots.relocate(positions)
+            table.optimizer.commit(table.rows, table.state,
+                                   RowUpdate(at, rows, state if spec.state_width else None))
+            table.row_clock.index_copy_(0, at, row_clock)
+            table.clock = max(table.clock, clock)
+            if table.touched is None:
+                table.touched = torch.zeros(table.owned, dtype=torch.bool)
+            table.touched[positions] = True
 
     def take_touched(self, name: str, max_ids: int | None = None) -> torch.Tensor:
         """Global ids (int64 (m,), ascending) of the rows pushes changed since they were last

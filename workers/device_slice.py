@@ -1,0 +1,156 @@
+"""Collective placement's slice in GPU memory: the rows a rank's head reads and updates every
+step, kept on the device the head computes on.
+
+In collective placement each rank holds its slice of the class rows in an in-process shard
+(``ams.client.local.LocalShard``), in host memory; graph builds, snapshots, evaluation and the
+other ranks read them there between steps. A step that read its active rows from there and
+pushed their gradients back would move them over PCIe twice: at 1M classes, partial at 10 %
+moves 205 MB each way. So on a GPU a ``DeviceSlice`` keeps a working copy of the slice (rows,
+momentum and each row's decay clock) in the GPU's memory, as PartialFC keeps its slice: the
+head pulls from it, and the row update applies to it the update an AMS shard applies
+(``ams.shard.optim.SparseMomentumSGD`` with the decay clock), on the device.
+
+The shard stays the copy everything else reads. Before anything does, the rows changed since
+the last write-back go back to it (:meth:`DeviceSlice.write_back`, which
+``workers.row_update.RowUpdater.flush`` calls); after a restore replaced the shard's rows, the
+working copy is loaded again (:meth:`DeviceSlice.reload`). It is loaded on first use, so a
+process that only evaluates never fills the GPU with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ams.errors import InvalidArgument, shorten
+from ams.shard.checks import check_grads, owned_positions, refuse_non_finite
+from ams.shard.optim import MAX_RATE, SparseMomentumSGD, catch_up_factors, step_decay
+from ams.shard.spec import TableSpec, nonnegative
+from ams.shard.store import ShardStore
+
+
+class DeviceSlice:
+    """A working copy of table ``table`` of ``store`` (this rank's shard of the class rows) on
+    ``device``: the same pulls and pushes as the store, answered on the device.
+
+    Used from one thread at a time: the trainer pulls only after the pushes it waits for are
+    applied, and writes back only once none is pending (``workers.row_update``).
+    """
+
+    def __init__(self, store: ShardStore, table: str, device: torch.device | str) -> None:
+        self.store, self.table = store, table
+        self.device = torch.device(device)
+        self._spec = store.table(table).spec
+        self._optimizer = SparseMomentumSGD(self._spec.momentum, self._spec.weight_decay)
+        self._rows: torch.Tensor | None = None  # (owned, dim) row dtype; None: not loaded
+        self._state = self._row_clock = self._changed = None
+        self._clock = 0.0
+
+    # ---- the store's side -------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Forget the working copy: the next pull or push loads the shard's rows again (after
+        a restore replaced them). Changes not written back are dropped."""
+        self._rows = self._state = self._row_clock = self._changed = None
+
+    def write_back(self) -> None:
+        """Write the rows that pushes changed since the last write-back, with their momentum
+        and decay clocks, to the shard (``ShardStore.write_rows``)."""
+        if self._changed is None:
+            return
+        changed = self._changed.nonzero().view(-1)
+        if changed.numel() == 0:
+            return
+        ids = changed.cpu() * self.store.num_shards + self.store.shard_id
+        self.store.write_rows(self.table, ids, self._rows.index_select(0, changed).cpu(),
+                              self._state.index_select(0, changed).cpu(),
+                              self._row_clock.index_select(0, changed).cpu(), self._clock)
+        self._changed.zero_()
+
+    # ---- the head's and the row update's side ----------------------------------------
+
+    def spec(self, name: str) -> TableSpec:
+        """The table's spec."""
+        self._check_table(name)
+        return self._spec
+
+    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 (n,) on the CPU, classes of this slice; repeats allowed) in
+        request order: (n, dim) of the row dtype on the device, each with the weight decay it
+        owes up to the newest clock pushed (as ``ShardStore.pull``)."""
+        self._check_table(name)
+        positions = self._positions(ids).to(self.device, non_blocking=True)
+        self._load()
+        rows = self._rows.index_select(0, positions)
+        if self._clock == 0.0 or rows.shape[0] == 0:
+            return rows
+        factors = catch_up_factors(self._row_clock.index_select(0, positions), self._clock)
+        return rows.mul_(factors.to(torch.float32)[:, None])
+
+    def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
+             decay_clock: float | None = None) -> None:
+        """Sparse momentum SGD on the rows of ``ids`` (int64 (n,) on the CPU, repeats summed)
+        with ``grads`` float (n, dim) (moved to the device if elsewhere), exactly as
+        ``ShardStore.push`` applies it: the rows first take the decay they owe at
+        ``decay_clock`` (None: no catch-up, clocks unchanged), and an update whose result
+        would not be finite is refused whole (``InvalidArgument``) with nothing changed."""
+        spec = self._spec
+        self._check_table(name)
+        positions = self._positions(ids)
+        check_grads(grads, positions.numel(), spec)
+        lr = nonnegative("lr", lr, MAX_RATE)
+        clocked = decay_clock is not None and spec.weight_decay > 0
+        if decay_clock is not None:
+            decay_clock = nonnegative("decay_clock", decay_clock)
+            if clocked and lr * spec.weight_decay >= 1:
+                raise InvalidArgument(f"lr={lr} x weight_decay={spec.weight_decay} must stay "
+                                      "below 1 for the decay clock")
+        if positions.numel() == 0:
+            return
+        self._load()
+        grads = grads.to(self.device, torch.float32)
+        unique, inverse = torch.unique(positions, return_inverse=True)
+        summed = grads
+        if unique.numel() < positions.numel():  # a repeated id: its gradients summed
+            summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32,
+                                 device=self.device).index_add_(0, inverse.to(self.device), grads)
+        else:  # each id once: the update takes them in request order
+            unique = positions
+        at = unique.to(self.device, non_blocking=True)
+        row_clock = self._row_clock.index_select(0, at) if clocked else None
+        catch_up = catch_up_factors(row_clock, decay_clock) if clocked else None
+        update = self._optimizer.compute(self._rows, self._state, at, summed, float(lr),
+                                         catch_up)
+        refuse_non_finite(spec, update.first_non_finite(), lr, grads,
+                          unique * self.store.num_shards + self.store.shard_id)
+        self._optimizer.commit(self._rows, self._state, update)
+        if clocked:
+            after = float(decay_clock) + step_decay(float(lr), spec.weight_decay)
+            self._row_clock.index_copy_(0, at, row_clock.clamp(min=after))
+            self._clock = max(self._clock, after)
+        self._changed[at] = True
+
+    # ---- parts ------------------------------------------------------------------------
+
+    def _check_table(self, name: str) -> None:
+        if name != self.table:
+            raise InvalidArgument(f"this slice holds table {shorten(self.table)}, not "
+                                  f"{shorten(name)}")
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Local positions (int64 (n,), CPU) of ``ids``, each checked to be in this slice."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.cpu()
+        return owned_positions(ids, self._spec, self.store.shard_id, self.store.num_shards,
+                               self.store.table(self.table).owned)
+
+    def _load(self) -> None:
+        """The shard's rows, momentum and decay clocks to the device, unless they are there."""
+        if self._rows is not None:
+            return
+        copy = self.store.copy_table(self.table)
+        # copy=True: on the CPU, a copy of its own, not the store's scratch copy
+        self._rows = copy.rows.to(self.device, copy=True)
+        self._state = copy.state.to(self.device, copy=True)
+        self._row_clock = copy.row_clock.to(self.device, copy=True)
+        self._clock = copy.clock
+        self._changed = torch.zeros(self._rows.shape[0], dtype=torch.bool, device=self.device)
