@@ -103,6 +103,25 @@ def test_the_decay_clock_makes_its_pushes_equal_dense_sgd_in_the_slice_and_the_s
     torch.testing.assert_close(store.pull("fc", ids).double(), after, rtol=1e-6, atol=1e-7)
 
 
+def test_a_write_back_larger_than_one_call_writes_every_row(storage):
+    from workers.device_slice import WRITE_BACK_ROWS
+
+    store = storage.store(SHARD, SHARDS)
+    n = SHARDS * (WRITE_BACK_ROWS + 5)  # the slice holds one call's rows and five more
+    store.create_table(TableSpec(name="fc", num_rows=n, dim=2, momentum=0.5, weight_decay=0.0,
+                                 seed=1))
+    ids = torch.arange(SHARD, n, SHARDS)
+    rows = DeviceSlice(store, "fc", "cpu")
+    w, v = store.pull("fc", ids).double(), torch.zeros(ids.numel(), 2, dtype=torch.float64)
+    grads = torch.randn(ids.numel(), 2, generator=torch.Generator().manual_seed(3))
+    rows.push("fc", ids, grads, 0.1)
+    reference_sgd_step(w, v, torch.arange(ids.numel()), grads, 0.1, 0.5, 0.0)
+    rows.write_back()
+    torch.testing.assert_close(store.pull("fc", ids).double(), w, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(in_position_order(store)[1].double(), v, rtol=1e-6, atol=1e-7)
+    assert torch.equal(store.take_touched("fc", max_ids=ids.numel()), ids)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_reload_reads_the_rows_a_restore_put_in_the_shard(storage, device):
     store, ids, rows = make_slice(storage, device, momentum=0.0, weight_decay=0.0)

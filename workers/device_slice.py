@@ -27,6 +27,10 @@ from ams.shard.optim import MAX_RATE, SparseMomentumSGD, catch_up_factors, step_
 from ams.shard.spec import TableSpec, nonnegative
 from ams.shard.store import ShardStore
 
+# Rows written back per call of ShardStore.write_rows: bounds the device's and the host's
+# temporaries (64k rows of d = 512 float32 with momentum: 256 MB) whatever the slice's size.
+WRITE_BACK_ROWS = 1 << 16
+
 
 class DeviceSlice:
     """A working copy of table ``table`` of ``store`` (this rank's shard of the class rows) on
@@ -58,12 +62,12 @@ class DeviceSlice:
         if self._changed is None:
             return
         changed = self._changed.nonzero().view(-1)
-        if changed.numel() == 0:
-            return
-        ids = changed.cpu() * self.store.num_shards + self.store.shard_id
-        self.store.write_rows(self.table, ids, self._rows.index_select(0, changed).cpu(),
-                              self._state.index_select(0, changed).cpu(),
-                              self._row_clock.index_select(0, changed).cpu(), self._clock)
+        for start in range(0, changed.numel(), WRITE_BACK_ROWS):
+            part = changed[start:start + WRITE_BACK_ROWS]
+            ids = part.cpu() * self.store.num_shards + self.store.shard_id
+            self.store.write_rows(self.table, ids, self._rows.index_select(0, part).cpu(),
+                                  self._state.index_select(0, part).cpu(),
+                                  self._row_clock.index_select(0, part).cpu(), self._clock)
         self._changed.zero_()
 
     # ---- the head's and the row update's side ----------------------------------------
