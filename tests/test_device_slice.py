@@ -1,8 +1,9 @@
 """workers.device_slice.DeviceSlice, the working copy of a collective rank's slice on its compute
 device: its pushes against the float64 optimizer (sparse momentum SGD, and the decay clock
-against dense SGD on the whole slice), its write-back through ``ShardStore.write_rows`` on
-each storage kind, reloading after the shard's rows were replaced, and refused input. On the
-CPU everywhere, and on CUDA where there is a GPU."""
+against dense SGD on the whole slice), its load and write-back through ``ShardStore.read_rows``
+and ``write_rows`` on each storage kind, reloading after the shard's rows were replaced, and
+refused input; and a training run on it against one on the shard. On the CPU everywhere, and
+on CUDA where there is a GPU."""
 
 from __future__ import annotations
 
@@ -103,11 +104,11 @@ def test_the_decay_clock_makes_its_pushes_equal_dense_sgd_in_the_slice_and_the_s
     torch.testing.assert_close(store.pull("fc", ids).double(), after, rtol=1e-6, atol=1e-7)
 
 
-def test_a_write_back_larger_than_one_call_writes_every_row(storage):
-    from workers.device_slice import WRITE_BACK_ROWS
+def test_a_slice_larger_than_one_transfer_loads_and_writes_back_every_row(storage):
+    from workers.device_slice import TRANSFER_ROWS
 
     store = storage.store(SHARD, SHARDS)
-    n = SHARDS * (WRITE_BACK_ROWS + 5)  # the slice holds one call's rows and five more
+    n = SHARDS * (TRANSFER_ROWS + 5)  # the slice holds one transfer's rows and five more
     store.create_table(TableSpec(name="fc", num_rows=n, dim=2, momentum=0.5, weight_decay=0.0,
                                  seed=1))
     ids = torch.arange(SHARD, n, SHARDS)
@@ -160,6 +161,26 @@ def test_bad_pulls_and_pushes_are_refused_and_change_nothing(storage, call, erro
     assert torch.equal(rows.pull("fc", ids), before)
     rows.write_back()
     assert torch.equal(store.pull("fc", ids), before)
+
+
+def test_read_rows_gives_the_stored_rows_state_and_clocks_in_request_order(storage):
+    store = storage.store(SHARD, SHARDS)
+    store.create_table(TableSpec(name="fc", num_rows=N, dim=D, momentum=0.9, weight_decay=0.1,
+                                 seed=2))
+    ids = torch.arange(SHARD, N, SHARDS)
+    store.push("fc", ids[2:5], torch.ones(3, D), 0.5, decay_clock=0.0)
+    store.push("fc", ids[:1], torch.ones(1, D), 0.5, decay_clock=0.2)
+    want = in_position_order(store)
+    picked = torch.tensor([4, 0, 4, 7])
+    rows, state, row_clock, clock = store.read_rows("fc", ids[picked])
+    for got, stored in zip((rows, state, row_clock), want, strict=True):
+        assert torch.equal(got, stored[picked])
+    assert clock == pytest.approx(0.2 - math.log1p(-0.5 * 0.1))
+    for bad, error in ((torch.tensor([0]), errors.IdOutOfRange),
+                       (torch.tensor([N + SHARD]), errors.IdOutOfRange),
+                       (ids[:2].float(), errors.InvalidArgument)):
+        with pytest.raises(error):
+            store.read_rows("fc", bad)
 
 
 def test_write_rows_refuses_what_does_not_fit_the_table_and_changes_nothing(storage):

@@ -26,10 +26,12 @@ from ams.shard.checks import check_grads, owned_positions, refuse_non_finite
 from ams.shard.optim import MAX_RATE, SparseMomentumSGD, catch_up_factors, step_decay
 from ams.shard.spec import TableSpec, nonnegative
 from ams.shard.store import ShardStore
+from ams.sharding import owned_ids
 
-# Rows written back per call of ShardStore.write_rows: bounds the device's and the host's
-# temporaries (64k rows of d = 512 float32 with momentum: 256 MB) whatever the slice's size.
-WRITE_BACK_ROWS = 1 << 16
+# Rows moved per call of ShardStore.read_rows (a load) and write_rows (a write-back): bounds the
+# device's and the host's temporaries (64k rows of d = 512 float32 with momentum: 256 MB),
+# whatever the slice's size.
+TRANSFER_ROWS = 1 << 16
 
 
 class DeviceSlice:
@@ -62,8 +64,8 @@ class DeviceSlice:
         if self._changed is None:
             return
         changed = self._changed.nonzero().view(-1)
-        for start in range(0, changed.numel(), WRITE_BACK_ROWS):
-            part = changed[start:start + WRITE_BACK_ROWS]
+        for start in range(0, changed.numel(), TRANSFER_ROWS):
+            part = changed[start:start + TRANSFER_ROWS]
             ids = part.cpu() * self.store.num_shards + self.store.shard_id
             self.store.write_rows(self.table, ids, self._rows.index_select(0, part).cpu(),
                                   self._state.index_select(0, part).cpu(),
@@ -151,10 +153,18 @@ class DeviceSlice:
         """The shard's rows, momentum and decay clocks to the device, unless they are there."""
         if self._rows is not None:
             return
-        copy = self.store.copy_table(self.table)
-        # copy=True: on the CPU, a copy of its own, not the store's scratch copy
-        self._rows = copy.rows.to(self.device, copy=True)
-        self._state = copy.state.to(self.device, copy=True)
-        self._row_clock = copy.row_clock.to(self.device, copy=True)
-        self._clock = copy.clock
-        self._changed = torch.zeros(self._rows.shape[0], dtype=torch.bool, device=self.device)
+        spec, store = self._spec, self.store
+        owned = store.table(self.table).owned
+        rows = torch.empty((owned, spec.dim), dtype=spec.dtype, device=self.device)
+        state = torch.empty((owned, spec.state_width), dtype=spec.state_dtype, device=self.device)
+        row_clock = torch.empty(owned, dtype=torch.float64, device=self.device)
+        clock = 0.0
+        for start in range(0, owned, TRANSFER_ROWS):
+            stop = min(start + TRANSFER_ROWS, owned)
+            ids = owned_ids(spec.num_rows, store.shard_id, store.num_shards, start, stop)
+            part = store.read_rows(self.table, ids)
+            for into, values in zip((rows, state, row_clock), part[:3], strict=True):
+                into[start:stop].copy_(values)
+            clock = part[3]
+        self._rows, self._state, self._row_clock, self._clock = rows, state, row_clock, clock
+        self._changed = torch.zeros(owned, dtype=torch.bool, device=self.device)

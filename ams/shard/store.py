@@ -281,6 +281,23 @@ class ShardStore:
             table.touched[unique] = True
         return True
 
+    def read_rows(self, name: str, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """The rows of ``ids`` as stored, for a working copy of this shard's rows kept
+        elsewhere (``write_rows``): ids int64 (m,) owned -> (rows (m, dim) of the row dtype,
+        without the decay they owe; state (m, state width) of the state dtype; row_clock
+        float64 (m,), the decay clock each row was brought up to; the table's clock), copies
+        in request order, taken under the table's lock."""
+        table = self.table(name)
+        spec = table.spec
+        positions = owned_positions(ids, spec, self.shard_id, self.num_shards, table.owned)
+        with table.lock:
+            at = table.tensors.at(positions)
+            rows = rowcopy.gather(table.rows, at)
+            state = rowcopy.gather(table.state, at) if spec.state_width \
+                else table.state.new_empty((positions.numel(), 0))
+            return rows, state, table.row_clock.index_select(0, at), table.clock
+
     def write_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                    row_clock: torch.Tensor, clock: float) -> None:
         """Put rows that were updated outside the store back in place: a working copy of this
