@@ -104,6 +104,16 @@ def test_the_decay_clock_makes_its_pushes_equal_dense_sgd_in_the_slice_and_the_s
     torch.testing.assert_close(store.pull("fc", ids).double(), after, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("order", [[1, 5, 9], [9, 1, 5], [5, 1, 5, 9]])
+def test_each_row_takes_its_own_gradients_in_any_order(storage, order):
+    store, ids, rows = make_slice(storage, "cpu", momentum=0.0, weight_decay=0.0)
+    w = store.pull("fc", ids).double()
+    grads = torch.randn(len(order), D, generator=torch.Generator().manual_seed(5))
+    rows.push("fc", ids[order], grads, 0.5)
+    w.index_add_(0, torch.tensor(order), grads.double(), alpha=-0.5)
+    torch.testing.assert_close(rows.pull("fc", ids).double(), w, rtol=1e-6, atol=1e-7)
+
+
 def test_a_slice_larger_than_one_transfer_loads_and_writes_back_every_row(storage):
     from workers.device_slice import TRANSFER_ROWS
 

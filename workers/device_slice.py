@@ -114,13 +114,16 @@ class DeviceSlice:
             return
         self._load()
         grads = grads.to(self.device, torch.float32)
-        unique, inverse = torch.unique(positions, return_inverse=True)
-        summed = grads
-        if unique.numel() < positions.numel():  # a repeated id: its gradients summed
-            summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32,
-                                 device=self.device).index_add_(0, inverse.to(self.device), grads)
-        else:  # each id once: the update takes them in request order
-            unique = positions
+        unique, summed = positions, grads
+        # a head's active classes come ascending, each once: no sort needed to know it
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            unique, inverse = torch.unique(positions, return_inverse=True)
+            if unique.numel() < positions.numel():  # a repeated id: its gradients summed
+                summed = torch.zeros((unique.numel(), spec.dim), dtype=torch.float32,
+                                     device=self.device).index_add_(0, inverse.to(self.device),
+                                                                    grads)
+            else:  # each id once, in another order: the update takes them as they came
+                unique = positions
         at = unique.to(self.device, non_blocking=True)
         row_clock = self._row_clock.index_select(0, at) if clocked else None
         catch_up = catch_up_factors(row_clock, decay_clock) if clocked else None
