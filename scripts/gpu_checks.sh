@@ -22,7 +22,8 @@
 #   step-1m    bench_step at 1M classes: IResNet-50 at 112x112 under AMP, batch 256, d = 512,
 #              backbone alone, knn on the embedded AMS and on shard processes, partial on
 #              the AMS, knn and partial in collective placement (one rank)
-#   step-10m   bench_step at 10M: backbone alone, knn embedded and on shard processes
+#   step-10m   bench_step at 10M: backbone alone, knn embedded and on shard processes, knn
+#              and partial in collective placement (the slice, 20 GB, in GPU memory)
 #   heads      bench_heads on CUDA at 1M: the head alone, exact graph
 #   step-100m  bench_step at 100M, rows in host RAM, float16, d = 128: backbone alone, knn
 #   graph-10m  bench_graph --device cuda: the exact graph of 10M rows (last: it has a figure
@@ -119,8 +120,9 @@ step setup 90 bash -c setup
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -k cuda tests
 step step-1m 120 "$PY" benchmarks/bench_step.py --device cuda --sizes 1000000 \
   --threads "$THREADS"
-step step-10m 150 "$PY" benchmarks/bench_step.py --device cuda --sizes 10000000 \
-  --contenders backbone,knn-embedded,knn-shards --threads "$THREADS"
+step step-10m 200 "$PY" benchmarks/bench_step.py --device cuda --sizes 10000000 \
+  --contenders backbone,knn-embedded,knn-shards,knn-collective,partial-collective \
+  --threads "$THREADS"
 step heads 90 "$PY" benchmarks/bench_heads.py --device cuda --sizes 1000000 --step-classes 0 \
   --exact-graph-max 1000000 --steps 3 --full-steps 1 --threads "$THREADS"
 step step-100m 300 "$PY" benchmarks/bench_step.py --device cuda --sizes 100000000 \
