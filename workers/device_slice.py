@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from ams.errors import InvalidArgument, shorten
-from ams.shard.checks import check_grads, owned_positions, refuse_non_finite
-from ams.shard.optim import MAX_RATE, SparseMomentumSGD, catch_up_factors, step_decay
-from ams.shard.spec import TableSpec, nonnegative
+from ams.shard.checks import check_grads, checked_rates, owned_positions, refuse_non_finite
+from ams.shard.optim import SparseMomentumSGD, catch_up_factors, step_decay
+from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
 from ams.sharding import owned_ids
 
@@ -103,13 +103,7 @@ class DeviceSlice:
         self._check_table(name)
         positions = self._positions(ids)
         check_grads(grads, positions.numel(), spec)
-        lr = nonnegative("lr", lr, MAX_RATE)
-        clocked = decay_clock is not None and spec.weight_decay > 0
-        if decay_clock is not None:
-            decay_clock = nonnegative("decay_clock", decay_clock)
-            if clocked and lr * spec.weight_decay >= 1:
-                raise InvalidArgument(f"lr={lr} x weight_decay={spec.weight_decay} must stay "
-                                      "below 1 for the decay clock")
+        lr, decay_clock, clocked = checked_rates(spec, lr, decay_clock)
         if positions.numel() == 0:
             return
         self._load()

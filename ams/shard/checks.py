@@ -11,8 +11,8 @@ from ams import sharding
 from ams.dtypes import DTYPE_NAMES
 from ams.errors import IdOutOfRange, InvalidArgument, RequestTooLarge, shorten
 from ams.shard import rowcopy
-from ams.shard.optim import all_finite
-from ams.shard.spec import TableSpec
+from ams.shard.optim import MAX_RATE, all_finite
+from ams.shard.spec import TableSpec, nonnegative
 
 
 def owned_positions(ids: torch.Tensor, spec: TableSpec, shard_id: int, num_shards: int,
@@ -96,3 +96,18 @@ def refuse_non_finite(spec: TableSpec, found: tuple[str, int] | None, lr: float,
         f"{shorten(spec.name)} would become non-finite (over the range of "
         f"{DTYPE_NAMES[spec.dtype]} rows, {DTYPE_NAMES[spec.state_dtype]} state) at lr={lr}; "
         "nothing was changed. Lower the learning rate or clip the gradients")
+
+
+def checked_rates(spec: TableSpec, lr: float, decay_clock: float | None
+                  ) -> tuple[float, float | None, bool]:
+    """A push's ``lr`` and ``decay_clock`` checked for ``spec``: (lr, decay_clock, whether the
+    push takes the decay clock, which needs a clock and weight decay). ``InvalidArgument``
+    for a negative or non-finite rate or clock, and for lr x weight_decay >= 1 with a clock."""
+    lr = nonnegative("lr", lr, MAX_RATE)
+    clocked = decay_clock is not None and spec.weight_decay > 0
+    if decay_clock is not None:
+        decay_clock = nonnegative("decay_clock", decay_clock)
+        if clocked and lr * spec.weight_decay >= 1:
+            raise InvalidArgument(f"lr={lr} x weight_decay={spec.weight_decay} must stay below "
+                                  "1 for the decay clock")
+    return lr, decay_clock, clocked

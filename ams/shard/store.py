@@ -30,11 +30,17 @@ from ams.errors import (
 )
 from ams.limits import MAX_REPLY_PAYLOAD_BYTES
 from ams.shard import rowcopy
-from ams.shard.checks import check_grads, check_reply, owned_positions, refuse_non_finite
+from ams.shard.checks import (
+    check_grads,
+    check_reply,
+    checked_rates,
+    owned_positions,
+    refuse_non_finite,
+)
 from ams.shard.dedupe import PushDedupe, check_client
 from ams.shard.mapped import MmapStorage
 from ams.shard.neighbor_lists import INT32_CLASSES, NeighborTable, StagedGraph, check_lists
-from ams.shard.optim import MAX_RATE, RowUpdate, all_finite, catch_up_factors, step_decay
+from ams.shard.optim import RowUpdate, all_finite, catch_up_factors, step_decay
 from ams.shard.page_advice import prefetch_rows, prefetch_slots_ahead
 from ams.shard.rowcopy import ascending_unique
 from ams.shard.spec import TableSpec, nonnegative
@@ -232,14 +238,7 @@ class ShardStore:
         check_client(client_id, sequence)
         positions = self._owned_positions(table, ids)
         check_grads(grads, positions.numel(), table.spec)
-        lr = nonnegative("lr", lr, MAX_RATE)
-        clocked = decay_clock is not None and table.spec.weight_decay > 0
-        if decay_clock is not None:
-            decay_clock = nonnegative("decay_clock", decay_clock)
-            if clocked and lr * table.spec.weight_decay >= 1:
-                raise InvalidArgument(
-                    f"lr={lr} x weight_decay={table.spec.weight_decay} must stay below 1 for "
-                    "the decay clock")
+        lr, decay_clock, clocked = checked_rates(table.spec, lr, decay_clock)
         if positions.numel() == 0:
             return True
         prefetch_rows(table.tensors, positions)
