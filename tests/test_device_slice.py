@@ -144,6 +144,67 @@ def test_reload_reads_the_rows_a_restore_put_in_the_shard(storage, device):
     assert store.take_touched("fc").tolist() == [int(ids[2])]
 
 
+# A slice of 400k rows of d = 64 with momentum (208 MB) loaded in a process whose address space
+# has room for 64 MB more: its first tensor (102 MB) cannot be allocated.
+TOO_LARGE_FOR_HOST = """
+import json, resource, sys, torch
+from ams import errors
+from ams.shard.spec import TableSpec
+from ams.shard.store import ShardStore
+from workers.device_slice import DeviceSlice
+
+rows = int(sys.argv[1])
+store = ShardStore()
+store.create_table(TableSpec(name="fc", num_rows=rows, dim=64, momentum=0.9, seed=1))
+ids = torch.arange(0, rows, 997)
+copy = DeviceSlice(store, "fc", "cpu")
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), hard))
+try:
+    copy.pull("fc", ids)
+    refused = None
+except errors.RequestTooLarge as e:
+    refused = str(e)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+print(json.dumps({"refused": refused,
+                  "then_loads": torch.equal(copy.pull("fc", ids), store.pull("fc", ids))}))
+"""
+
+
+def test_a_slice_too_large_for_the_memory_it_loads_into_is_refused_with_what_to_do():
+    import json
+    import subprocess
+    import sys
+
+    rows = 400_000
+    done = subprocess.run([sys.executable, "-c", TOO_LARGE_FOR_HOST, str(rows)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout)
+    assert got["refused"] is not None, "the load fitted: the limit no longer bites"
+    assert got["refused"].startswith(
+        f"this rank's slice of table 'fc' ({rows} rows: {rows * (64 * 4 + 64 * 4 + 8 + 1)} "
+        "bytes with their momentum and decay clocks) does not fit in the memory of cpu")
+    assert 'head.placement = "ams"' in got["refused"]
+    assert got["then_loads"]  # nothing was lost: with room, the slice loads the shard's rows
+
+
+@CUDA
+def test_a_slice_too_large_for_free_cuda_memory_is_refused_and_loads_once_there_is_room(storage):
+    store, ids, rows = make_slice(storage, "cuda", num_rows=1 << 20, dim=64)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (64 << 20), dtype=torch.uint8, device="cuda")  # 64 MB left
+    with pytest.raises(errors.RequestTooLarge, match=r'does not fit in the memory of cuda.*'
+                       r'head\.placement = "ams"'):
+        rows.pull("fc", ids)
+    del hog
+    torch.cuda.empty_cache()
+    torch.testing.assert_close(rows.pull("fc", ids).cpu(), store.pull("fc", ids))
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda r, ids: r.pull("other", ids[:1]), errors.InvalidArgument),
     (lambda r, ids: r.pull("fc", torch.tensor([0])), errors.IdOutOfRange),  # shard 0's class

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ams.errors import InvalidArgument, shorten
+from ams.errors import InvalidArgument, RequestTooLarge, shorten
 from ams.shard.checks import check_grads, checked_rates, owned_positions, refuse_non_finite
 from ams.shard.optim import SparseMomentumSGD, catch_up_factors, step_decay
 from ams.shard.spec import TableSpec
@@ -152,9 +152,21 @@ class DeviceSlice:
             return
         spec, store = self._spec, self.store
         owned = store.table(self.table).owned
-        rows = torch.empty((owned, spec.dim), dtype=spec.dtype, device=self.device)
-        state = torch.empty((owned, spec.state_width), dtype=spec.state_dtype, device=self.device)
-        row_clock = torch.empty(owned, dtype=torch.float64, device=self.device)
+        try:
+            rows = torch.empty((owned, spec.dim), dtype=spec.dtype, device=self.device)
+            state = torch.empty((owned, spec.state_width), dtype=spec.state_dtype,
+                                device=self.device)
+            row_clock = torch.empty(owned, dtype=torch.float64, device=self.device)
+            changed = torch.zeros(owned, dtype=torch.bool, device=self.device)
+        # torch.OutOfMemoryError on a GPU; RuntimeError where the host's malloc fails
+        except RuntimeError as e:
+            raise RequestTooLarge(
+                f"this rank's slice of table {shorten(self.table)} ({owned} rows: "
+                f"{owned * (spec.bytes_per_row + 1)} bytes with their momentum and decay "
+                f"clocks) does not fit in the memory of {self.device} "
+                f"({shorten(str(e))}); keep the rows in host shards "
+                f"(head.placement = \"ams\"), or use more ranks or a smaller row dtype") \
+                from None
         clock = 0.0
         for start in range(0, owned, TRANSFER_ROWS):
             stop = min(start + TRANSFER_ROWS, owned)
@@ -164,4 +176,4 @@ class DeviceSlice:
                 into[start:stop].copy_(values)
             clock = part[3]
         self._rows, self._state, self._row_clock, self._clock = rows, state, row_clock, clock
-        self._changed = torch.zeros(owned, dtype=torch.bool, device=self.device)
+        self._changed = changed

@@ -76,13 +76,15 @@ class TableSpec:
     def from_description(cls, d: dict) -> TableSpec:
         return cls(**d)
 
+    @property
+    def bytes_per_row(self) -> int:
+        """Memory one row takes with its state and decay clock."""
+        return self.dim * self.dtype.itemsize + self.state_width * self.state_dtype.itemsize + 8
+
     def bytes_per_shard(self, num_shards: int) -> int:
         """Memory the largest part of this table takes on one of ``num_shards`` shards: rows,
         state and decay clocks."""
-        owned = sharding.owned_count(self.num_rows, 0, num_shards)
-        row_bytes = self.dim * self.dtype.itemsize
-        state_bytes = self.state_width * self.state_dtype.itemsize
-        return owned * (row_bytes + state_bytes + 8)
+        return sharding.owned_count(self.num_rows, 0, num_shards) * self.bytes_per_row
 
 
 def nonnegative(name: str, value: object, high: float = _FLOAT_MAX) -> float:
