@@ -67,7 +67,11 @@ def results_dir() -> Path:
 def current_commit() -> str:
     """The short hash of the code measured, with ``-dirty`` when tracked files differ from it
     (the records themselves excepted), so a figure of uncommitted code never passes as the
-    commit's; ``$XCLS_RESULTS_COMMIT`` (else "unknown") in a tree without git history."""
+    commit's. ``$XCLS_RESULTS_COMMIT``, when set, is taken as named: a tree copied to a GPU
+    host may sit beside a stale .git there. Without either: "unknown"."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -77,7 +81,7 @@ def current_commit() -> str:
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
                       ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get(COMMIT_ENV) or "unknown"
+        return "unknown"
     return f"{commit}-dirty" if changed else commit
 
 
