@@ -290,8 +290,13 @@ def open_placement(placement: str, n: int, args: argparse.Namespace,
         slices = CollectiveShards(0, 1, data_dir=workdir / f"slice-{n}", keep_snapshots=1)
         stack.callback(slices.close)
         client = slices.client
+    started = time.perf_counter()
     client.create_table(TABLE, n, args.dim, dtype=args.dtype, momentum=0.0, seed=args.seed)
-    install_standin_graph(client, n, args.k, args.seed, TABLE)
+    created = time.perf_counter() - started
+    graph = install_standin_graph(client, n, args.k, args.seed, TABLE)
+    # where a GPU host's time limit goes, when a size does not fit it
+    print(f"N={n:,}: table ({placement}) created in {created:.1f} s, its stand-in graph "
+          f"in {graph:.1f} s", file=sys.stderr, flush=True)
     return client
 
 

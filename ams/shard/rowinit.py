@@ -19,10 +19,13 @@ MAX_ABS_NORMAL = 6.0
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-# Values hashed per pass. A pass makes several int64 temporaries of this size, which must stay
-# in the core's cache (16,384 rows of 512 spilled it: 7x slower), and torch runs an op this
-# small on one thread, so threads share the passes instead of each op (torch's grain: 32,768).
-_CHUNK_VALUES = 1 << 15
+# Values hashed per pass. torch runs an op of this size on one thread, so threads share the
+# passes instead of each op, and a pass's int64 temporaries (1 MiB each) stay in a core's
+# cache (passes of 16,384 rows of 512 spilled it: 7x slower). Smaller passes starve the threads
+# of the GIL instead: each of a pass's ~25 ops holds it ~3 us to dispatch, and at 32,768 values
+# an op computes for only ~9 us, so the 16 threads of two embedded shards creating their parts
+# at once asked for the GIL ~4x over and queued on it.
+_CHUNK_VALUES = 1 << 17
 
 
 def _signed(c: int) -> int:
@@ -67,12 +70,14 @@ def initial_rows(ids: torch.Tensor, dim: int, seed: int, std: float,
     def fill(start: int) -> None:
         row_hash = splitmix64(ids[start:start + chunk].to(torch.int64) ^ base)
         z = row_hash[:, None] + steps[None, :]
-        z = (z ^ _shr(z, 33)) * _signed(_MIX1)
-        z = z ^ _shr(z, 29)
-        u1 = (_shr(z, 40).to(torch.float32) + 0.5) * scale
-        u2 = ((_shr(z, 16) & 0xFFFFFF).to(torch.float32) + 0.5) * scale
-        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-        out[start:start + chunk] = (normal * std).to(dtype)
+        z ^= _shr(z, 33)
+        z *= _signed(_MIX1)
+        z ^= _shr(z, 29)
+        # in place: each temporary a pass does not make is 512 KiB less to stream through the
+        # cache; scale is a power of two, so folding 2 pi into it rounds as before
+        u1 = _shr(z, 40).to(torch.float32).add_(0.5).mul_(scale)
+        u2 = (_shr(z, 16) & 0xFFFFFF).to(torch.float32).add_(0.5).mul_(scale * 2.0 * math.pi)
+        out[start:start + chunk] = u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_()).mul_(std)
 
     starts = range(0, ids.numel(), chunk)
     threads = min(torch.get_num_threads(), len(starts))
