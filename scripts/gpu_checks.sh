@@ -127,7 +127,7 @@ step heads 90 "$PY" benchmarks/bench_heads.py --device cuda --sizes 1000000 --st
   --exact-graph-max 1000000 --steps 3 --full-steps 1 --threads "$THREADS"
 step step-100m 300 "$PY" benchmarks/bench_step.py --device cuda --sizes 100000000 \
   --dtype float16 --dim 128 --contenders backbone,knn-embedded --threads "$THREADS"
-step graph-10m 200 "$PY" benchmarks/bench_graph.py --device cuda --sizes 10000000 --no-faiss \
+step graph-10m 240 "$PY" benchmarks/bench_graph.py --device cuda --sizes 10000000 --no-faiss \
   --recall-queries 1000 --threads "$THREADS"
 
 [ "$dry" = 1 ] && exit 0
