@@ -1,6 +1,7 @@
 """The figures of one run of ``scripts/demo.sh``, printed, and with ``--record`` appended to
 ``benchmarks/results/demo.jsonl`` (the README's demo time and RESULTS.md's "Demo" are rendered
-from there). demo.sh calls it at its end with what only it knows (when it started, the
+from there) and its top-1 to ``accuracy.csv`` (``record_train.py``: the accuracy tables' demo
+row). demo.sh calls it at its end with what only it knows (when it started, the
 dataset's seconds, the load then, the class-means evaluation's output, whether the run
 resumed); the rest is read from the run: the dataset's summary.json beside data.train, the
 run's train.csv and eval.csv.
@@ -18,11 +19,11 @@ import argparse
 import csv
 import json
 import os
-import re
 import statistics
 import time
 from pathlib import Path
 
+from record_train import class_means_top1, record_train
 from results import record
 
 from xcls.config import load_config
@@ -43,7 +44,6 @@ def demo_figures(config: Path, *, started: float, load: float, dataset_s: float 
     summary = json.loads((Path(cfg.data.train).parent / "summary.json").read_text())
     trained = rows(run / "train.csv")
     evaluated = rows(run / "eval.csv")
-    means = re.search(r"class-means rows: top-1 ([\d.]+)%", eval_output)
     figures = {
         "classes": summary["classes"], "train images": summary["images"]["train"],
         "test images": summary["images"]["test"],
@@ -52,7 +52,7 @@ def demo_figures(config: Path, *, started: float, load: float, dataset_s: float 
         "images/s": round(statistics.median(float(r["images_per_s"]) for r in trained)),
         "total s": round(now - started),
         "top-1 %": round(100 * float(evaluated[-1]["top1"]), 2),
-        "class means top-1 %": float(means.group(1)) if means else None,
+        "class means top-1 %": class_means_top1(eval_output),
         "load (1 min)": f"{load:.1f}-{os.getloadavg()[0]:.1f}",
     }
     return figures
@@ -74,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resumed", action="store_true",
                         help="the run resumed an earlier one: never recorded")
     parser.add_argument("--record", action="store_true",
-                        help="append the figures to benchmarks/results/demo.jsonl")
+                        help="append the figures to benchmarks/results/demo.jsonl and the "
+                             "top-1 to accuracy.csv")
     args = parser.parse_args(argv)
+    eval_output = args.eval_output.read_text()
     figures = demo_figures(args.config, started=args.started, load=args.load,
-                                  dataset_s=args.dataset_s,
-                                  eval_output=args.eval_output.read_text(), now=time.time())
+                           dataset_s=args.dataset_s, eval_output=eval_output, now=time.time())
     dataset = "an existing dataset" if figures["dataset s"] is None else \
         f"the dataset {figures['dataset s']:.0f} s of it"
     print(f"demo: {figures['total s']} s ({dataset}), {figures['steps']} steps at "
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: not recorded: the run resumed an earlier one in "
               f"{load_config(args.config, []).train.out_dir} (remove it to time a whole demo)")
     elif args.record:
-        print(f"demo: recorded in {record('demo', [figures], command=COMMAND)}")
+        print(f"demo: recorded in {record('demo', [figures], command=COMMAND)} and "
+              f"{record_train(args.config, [], eval_output=eval_output)}")
     return 0
 
 

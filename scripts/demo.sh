@@ -4,7 +4,8 @@
 # head on it with in-process shards, printing top-1 on typeface designs never seen in training,
 # then top-1 with each class's mean training feature as its row (xcls eval --rows class-means).
 # Its last line gives the time and figures (benchmarks/demo.py); XCLS_DEMO_RECORD=1 also
-# appends them to benchmarks/results/demo.jsonl, from which the README's demo time is rendered.
+# appends them to benchmarks/results/demo.jsonl, from which the README's demo time is rendered,
+# and its top-1 to benchmarks/results/accuracy.csv (the accuracy tables' demo row).
 # Extra arguments go to 'xcls train' (e.g. --set train.epochs=1): then only the time is shown.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,129 @@
+"""benchmarks/record_train.py: a real ``xcls train`` run on glyph data becomes an accuracy.csv
+row the tables read, and a run's missing, empty or malformed files are refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.data.lmdb_dataset import LmdbImageDataset
+from xcls.config import load_config
+from xcls.run import build_run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import accuracy_tables  # noqa: E402
+
+CONFIG = ROOT / "configs" / "glyphs-2k-knn.toml"
+STEPS = 30
+
+
+def sets(data: Path, out: Path) -> list[str]:
+    """The demo config shrunk to a test: what is learned (data, batch, budget, steps) and where
+    it runs (out_dir, threads, loader processes, logging)."""
+    return [f"data.train={data / 'train'}", f"data.test={data / 'test'}",
+            "data.batch_size=32", "head.budget=48", "graph.rebuild_every=20",
+            f"train.max_steps={STEPS}", f"train.out_dir={out}", "train.threads=2",
+            "data.num_workers=0", "train.log_every=10"]
+
+
+@pytest.fixture(scope="module")
+def trained(glyphs_small, tmp_path_factory):
+    """A finished run of the demo config on the 120-class glyph set, and its result."""
+    out = tmp_path_factory.mktemp("record") / "run"
+    overrides = sets(glyphs_small, out)
+    result = build_run(load_config(CONFIG, overrides)).trainer.train()
+    return overrides, out, result
+
+
+def record(argv: list[str], results: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record_train.py"), *argv],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "XCLS_RESULTS_DIR": str(results), "XCLS_RESULTS_COMMIT": "abc1234"})
+
+
+def test_a_finished_run_becomes_the_row_the_tables_read(trained, glyphs_small, tmp_path):
+    overrides, _, result = trained
+    means = tmp_path / "means.txt"
+    means.write_text("knn rows: top-1 50.00%\nclass-means rows: top-1 61.25% top-5 80.00%\n")
+    done = record([str(CONFIG), *(a for o in overrides for a in ("--set", o)),
+                   "--eval-output", str(means), "--ranks", "2"], tmp_path / "results")
+    assert done.returncode == 0, done.stderr
+    runs = accuracy_tables.load_runs(tmp_path / "results" / "accuracy.csv")
+    assert len(runs) == 1
+    run = runs[0]
+    train = LmdbImageDataset(glyphs_small / "train")
+    classes = len(set(train.labels().tolist()))
+    assert (run.classes, run.head, run.budget, run.k, run.seed) == (classes, "knn", 48, 16, 0)
+    # two ranks of 32 images for 30 steps, over the training split
+    assert run.epochs == pytest.approx(round(STEPS * 2 * 32 / len(train), 1))
+    assert run.top1 == pytest.approx(100 * result.eval["top1"], abs=0.005)
+    assert run.class_means_top1 == 61.25
+    assert run.commit == "abc1234"
+    # the settings that change what is learned, not where the run went or how fast
+    assert run.settings == (f"config={CONFIG}", f"data.train={glyphs_small / 'train'}",
+                            f"data.test={glyphs_small / 'test'}", "data.batch_size=32",
+                            "head.budget=48", "graph.rebuild_every=20",
+                            f"train.max_steps={STEPS}", "ranks=2")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda run, data: (run / "eval.csv").unlink(), "eval.csv is missing"),
+    (lambda run, data: (run / "eval.csv").write_text("step,top1,top5,samples\n"),
+     "eval.csv has no rows"),
+    (lambda run, data: (run / "eval.csv").write_text("step,top1,top5\n30,high,0.9\n"),
+     "no number in column 'top1'"),
+    (lambda run, data: (run / "eval.csv").write_text("step,top5\n30,0.9\n"),
+     "no number in column 'top1'"),
+    (lambda run, data: (data / "summary.json").unlink(), "summary.json is missing"),
+    (lambda run, data: (data / "summary.json").write_text("{not json"),
+     "does not give the classes"),
+    (lambda run, data: (data / "summary.json").write_text(json.dumps({"classes": 120})),
+     "does not give the classes"),
+    (lambda run, data: (data / "summary.json").write_text(
+        json.dumps({"classes": 0, "images": {"train": 10}})), "0 classes"),
+])
+def test_a_damaged_run_is_refused_by_name_and_records_nothing(trained, glyphs_small, tmp_path,
+                                                              damage, named):
+    _, out, _ = trained
+    run, data = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints", "ams", "tensorboard"))
+    data.mkdir()
+    shutil.copy(glyphs_small / "summary.json", data / "summary.json")
+    damage(run, data)
+    overrides = [f"data.train={data / 'train'}", f"data.test={data / 'test'}",
+                 f"train.out_dir={run}"]
+    done = record([str(CONFIG), *(a for o in overrides for a in ("--set", o))],
+                  tmp_path / "results")
+    assert done.returncode == 2
+    assert named in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "results" / "accuracy.csv").exists()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--ranks", "0"], "at least one process"),
+    (["--set", "head.k=-1"], "head.k"),
+    (["--set", "no_such.field=1"], "no_such"),
+])
+def test_wrong_options_are_refused(trained, tmp_path, argv, named):
+    overrides, _, _ = trained
+    done = record([str(CONFIG), *(a for o in overrides for a in ("--set", o)), *argv],
+                  tmp_path / "results")
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "results" / "accuracy.csv").exists()
+
+
+def test_a_config_that_is_not_toml_is_refused(tmp_path):
+    config = tmp_path / "x.toml"
+    config.write_text("[data\n")
+    done = record([str(config)], tmp_path / "results")
+    assert done.returncode == 2 and "not valid TOML" in done.stderr
+    assert not (tmp_path / "results" / "accuracy.csv").exists()
