@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import accuracy_tables  # noqa: E402
+import results  # noqa: E402
 
 CONFIG = ROOT / "configs" / "glyphs-2k-knn.toml"
 STEPS = 30
@@ -127,3 +129,32 @@ def test_a_config_that_is_not_toml_is_refused(tmp_path):
     done = record([str(config)], tmp_path / "results")
     assert done.returncode == 2 and "not valid TOML" in done.stderr
     assert not (tmp_path / "results" / "accuracy.csv").exists()
+
+
+def demo(argv: list[str], results_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "demo.py"), *argv],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "XCLS_RESULTS_DIR": str(results_dir)})
+
+
+def test_a_recorded_demo_appends_its_time_and_its_top1(trained, tmp_path):
+    """scripts/demo.sh's last step (benchmarks/demo.py --record), on the run's own resolved
+    config: the time goes to demo.jsonl, the top-1 to accuracy.csv; a resumed run to neither."""
+    _, out, result = trained
+    means = tmp_path / "means.txt"
+    means.write_text("class-means rows: top-1 61.25% top-5 80.00%\n")
+    argv = [str(out / "config.toml"), "--started", str(time.time() - 5), "--load", "1.5",
+            "--eval-output", str(means), "--record"]
+    resumed = demo([*argv, "--resumed"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "not recorded" in resumed.stdout and not (tmp_path / "resumed").exists()
+    done = demo(argv, tmp_path / "results")
+    assert done.returncode == 0, done.stderr
+    [timed] = results.load(tmp_path / "results" / "demo.jsonl")
+    assert timed.command == "bash scripts/demo.sh"
+    assert timed.figures["steps"] == STEPS and timed.figures["total s"] >= 5
+    assert timed.figures["top-1 %"] == round(100 * result.eval["top1"], 2)
+    [run] = accuracy_tables.load_runs(tmp_path / "results" / "accuracy.csv")
+    assert run.top1 == pytest.approx(100 * result.eval["top1"], abs=0.005)
+    assert (run.class_means_top1, run.settings) == (61.25, (f"config={out / 'config.toml'}",))
