@@ -32,7 +32,7 @@ from pathlib import Path
 from accuracy_study import append_result
 from results import current_commit, describe_device, results_dir
 
-from ams.cluster.plan import budget_for_sample_rate
+from ams.cluster.plan import Job, active_classes
 from workers.distributed import worker_device
 from xcls.config import load_config
 
@@ -67,11 +67,12 @@ def class_means_top1(eval_output: str) -> float | None:
 
 
 def train_row(config: Path, overrides: list[str], *, ranks: int = 1,
-              class_means: float | None = None, commit: str, device: str) -> dict:
+              class_means: float | None = None) -> dict:
     """The results file's row (``accuracy_study.RESULT_COLUMNS``) of the ``xcls train`` run of
-    ``config`` with ``overrides`` ("KEY=VALUE") on ``ranks`` processes, read from its files;
-    ``class_means`` is the top-1 % by class means when measured. Raises ValueError naming the
-    file that is missing, empty or malformed."""
+    ``config`` with ``overrides`` ("KEY=VALUE") on ``ranks`` processes, read from its files and
+    stamped with this tree's commit and the machine of ``train.device``; ``class_means`` is the
+    top-1 % by class means when measured. Raises ValueError naming the file that is missing,
+    empty or malformed."""
     if ranks < 1:
         raise ValueError(f"ranks {ranks}: a run has at least one process")
     cfg = load_config(config, overrides)
@@ -91,16 +92,19 @@ def train_row(config: Path, overrides: list[str], *, ranks: int = 1,
     eval_csv = run / "eval.csv"
     last_eval = _csv_rows(eval_csv)[-1]  # the evaluation after the run's last step
     steps, top1, top5 = (_number(last_eval, c, eval_csv) for c in ("step", "top1", "top5"))
-    kind = cfg.head.kind
+    kind = str(cfg.head.kind)
+    # the head's own rule for its active classes (partial ignores head.budget)
+    budget = active_classes(Job(num_classes=classes, dim=cfg.model.dim, head=kind,
+                                batch_size=cfg.data.batch_size,
+                                sample_rate=cfg.head.sample_rate, budget=cfg.head.budget))
     settings = [f"config={config}"] + [o for o in overrides
                                         if o.split("=", 1)[0].strip() not in EXECUTION_FIELDS]
     settings += [f"ranks={ranks}"] * (ranks > 1)
     epochs = round(steps * ranks * cfg.data.batch_size / images, 1)
     return {
-        "date": datetime.date.today().isoformat(), "commit": commit, "device": device,
-        "classes": classes, "epochs": f"{epochs:g}", "head": kind,
-        "budget": classes if kind == "full"
-        else cfg.head.budget or budget_for_sample_rate(cfg.head.sample_rate, classes),
+        "date": datetime.date.today().isoformat(), "commit": current_commit(),
+        "device": describe_device(worker_device(cfg.train.device, 0)),
+        "classes": classes, "epochs": f"{epochs:g}", "head": kind, "budget": budget,
         "k": cfg.head.k if kind == "knn" else "",
         "random_share": cfg.head.random_share if kind == "knn" else "",
         "seed": cfg.train.seed, "top1": f"{100 * top1:.2f}", "top5": f"{100 * top5:.2f}",
@@ -113,10 +117,7 @@ def record_train(config: Path, overrides: list[str], *, ranks: int = 1,
                  eval_output: str = "") -> Path:
     """Append the row of the run of ``config`` with ``overrides`` on ``ranks`` processes to
     ``accuracy.csv`` in the results directory (``results.results_dir``); returns the file."""
-    cfg = load_config(config, overrides)
-    row = train_row(config, overrides, ranks=ranks, class_means=class_means_top1(eval_output),
-                    commit=current_commit(),
-                    device=describe_device(worker_device(cfg.train.device, 0)))
+    row = train_row(config, overrides, ranks=ranks, class_means=class_means_top1(eval_output))
     path = results_dir() / "accuracy.csv"
     append_result(path, row)
     return path
