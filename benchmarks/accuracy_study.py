@@ -11,8 +11,8 @@ Each finished run (one per head) is appended as a row to ``--results`` (default
 benchmarks/results/accuracy.csv, created with its header when absent), columns
 ``RESULT_COLUMNS``: percents like 97.30, empty where not measured or where a setting does not
 apply to the head (full has no k or random share, and its budget is every class; partial no k
-or random share); ``commit`` is the code the run started from, ``+dirty`` when a .py file
-differed from it.
+or random share); ``commit`` and ``device`` are stamped as every results record is
+(``results.current_commit``, ``results.describe_device``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ import argparse
 import csv
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+from results import current_commit, describe_device
 
 from xcls.config import ExperimentConfig, load_config
 from xcls.run import build_run
@@ -111,30 +109,6 @@ def graph_recalls(out: Path) -> list[float]:
         return []
     with open(path, newline="") as f:
         return [float(row["recall"]) for row in csv.DictReader(f) if row.get("recall")]
-
-
-def code_version(root: Path = ROOT) -> str:
-    """``git rev-parse --short HEAD`` of ``root``, with ``+dirty`` when a tracked .py file
-    differs from it or an untracked one exists (the code that ran is then not that commit)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD")
-    changed = git("status", "--porcelain", "--untracked-files=all", "--", "*.py")
-    return commit + ("+dirty" if changed else "")
-
-
-def device_name(device: torch.device) -> str:
-    """The host a run trained on, as the results file names it: the GPU's name, or
-    "N-core CPU" (with " VM" when the CPU reports a hypervisor)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        virtual = " hypervisor" in Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux
-        virtual = False
-    return f"{os.cpu_count()}-core CPU" + (" VM" if virtual else "")
 
 
 def run_notes(name: str, args: argparse.Namespace) -> str:
@@ -264,11 +238,11 @@ def main() -> int:
 
     summary = json.loads((args.data / "summary.json").read_text())
     num_classes = summary["classes"]
-    commit = code_version()  # before the runs: the code they run, whatever is committed meanwhile
+    commit = current_commit()  # before the runs: the code they run, whatever is committed after
     rows = []
     for name in args.heads.split(","):
         rows.append(run_head(name, args, num_classes))
-        device = device_name(torch.device(rows[-1]["device"]))
+        device = describe_device(rows[-1]["device"])
         append_result(args.results, result_row(rows[-1], name, args, num_classes, commit,
                                                 device))
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "

@@ -62,6 +62,13 @@ class Run:
     settings: tuple[str, ...]
     remarks: tuple[str, ...]
 
+    @property
+    def machine(self) -> str:
+        """The device without the CPU's model in its parentheses ("2-core CPU VM", "NVIDIA H100
+        80GB HBM3"): the tables group runs by it, as the model moves a run's seconds, not what
+        it learns."""
+        return self.device.split(" (", 1)[0]
+
 
 def _number(text: str, kind: type = float) -> float | int | None:
     return kind(text) if text.strip() else None
@@ -131,7 +138,7 @@ def newest_spans(runs: Iterable[Run]) -> list[Run]:
     runs = list(runs)
 
     def setting(r: Run) -> tuple:
-        return (r.settings, r.classes, r.epochs, r.head, r.budget, r.k, r.random_share, r.device)
+        return (r.settings, r.classes, r.epochs, r.head, r.budget, r.k, r.random_share, r.machine)
 
     newest: dict[tuple, int] = {}
     for r in runs:
@@ -145,7 +152,7 @@ def _fmt(value: float | None) -> str:
 
 def _group_key(run: Run) -> tuple:
     return (run.settings, run.classes, run.epochs or 0, HEADS.index(run.head), run.budget,
-            run.k or 0, run.random_share or 0, run.device, _span(run.commit), run.seed is None)
+            run.k or 0, run.random_share or 0, run.machine, _span(run.commit), run.seed is None)
 
 
 def _cells(runs: list[Run]) -> list[str]:
@@ -198,7 +205,7 @@ def seeds_table(runs: Iterable[Run], *, settings: bool) -> str:
     rows = []
     for group in _groups(chosen):
         first = group[0]
-        row = [*_setting(first), first.device, code_span(first.commit), *_cells(group)]
+        row = [*_setting(first), first.machine, code_span(first.commit), *_cells(group)]
         rows.append(["; ".join(first.settings), *row] if settings else row)
     return _table(header, rows)
 
@@ -225,7 +232,7 @@ def readme_table(runs: Iterable[Run]) -> str:
     current = [r for r in shown if is_current(r)]
 
     def setting(r: Run) -> tuple:
-        return (r.classes, r.epochs or 0, r.settings, r.device)
+        return (r.classes, r.epochs or 0, r.settings, r.machine)
 
     budgets = {(setting(r), r.budget) for r in current if r.head != "full"}
     budgets |= {(setting(r), None) for r in current

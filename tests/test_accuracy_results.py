@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
@@ -77,27 +76,3 @@ def test_a_file_with_another_header_is_refused(tmp_path):
     with pytest.raises(ValueError, match="header"):
         study.append_result(results, row)
     assert results.read_text() == "date,head,top1\n2024-01-01,knn,97.00\n"
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
-def test_commit_is_marked_dirty_only_by_python_changes(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    (repo / "a.py").write_text("x = 1\n")
-    (repo / "notes.md").write_text("text\n")
-    git(repo, "add", ".")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
-    head = git(repo, "rev-parse", "--short", "HEAD")
-    assert study.code_version(repo) == head
-    (repo / "notes.md").write_text("changed\n")  # not code: still the commit's code
-    assert study.code_version(repo) == head
-    (repo / "a.py").write_text("x = 2\n")
-    assert study.code_version(repo) == head + "+dirty"
-    git(repo, "checkout", "--", "a.py")
-    (repo / "new.py").write_text("y = 1\n")  # an untracked module runs too
-    assert study.code_version(repo) == head + "+dirty"

@@ -108,6 +108,46 @@ def test_a_row_off_the_schema_is_an_error_naming_its_line(tmp_path: Path) -> Non
         accuracy_tables.load_runs(path)
 
 
+@needs_history
+def test_runs_of_one_setting_on_cpus_of_other_models_are_one_row(tmp_path: Path) -> None:
+    """The tables group by the machine, not the CPU's model: the two CPU runs of a setting are
+    one row of two seeds (mean 97.00), the GPU run at that setting a row of its own."""
+    path = tmp_path / "accuracy.csv"
+    rows = [f"2026-11-25,b13327f,\"{device}\",10000,2,knn,1000,16,0.5,{seed},{top1},,,,"
+            for device, seed, top1 in [("2-core CPU VM", 0, "96.50"),
+                                       ("2-core CPU VM (AMD EPYC, AVX-512)", 1, "97.50"),
+                                       ("NVIDIA H100 80GB HBM3 (16 CPU cores)", 0, "98.00")]]
+    path.write_text(",".join(accuracy_tables.COLUMNS) + "\n" + "\n".join(rows) + "\n")
+    table = accuracy_tables.seeds_table(accuracy_tables.load_runs(path), settings=False)
+    lines = table.splitlines()[2:]
+    assert len(lines) == 2
+    assert "| 2-core CPU VM |" in lines[0] and "| 0: 96.50, 1: 97.50 | 97.00 |" in lines[0]
+    assert "| NVIDIA H100 80GB HBM3 |" in lines[1] and "| 0: 98.00 | 98.00 |" in lines[1]
+
+
+def test_a_run_of_changed_code_is_recorded_as_dirty(tmp_path: Path, monkeypatch) -> None:
+    """A tracked file that differs from the commit marks the commit "-dirty"; a changed record
+    under benchmarks/results does not (a run appends there while it runs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    (tmp_path / "benchmarks/results").mkdir(parents=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks/results/r.csv").write_text("n\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
+    head = git("rev-parse", "--short=7", "HEAD")
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.delenv(results.COMMIT_ENV, raising=False)
+    assert results.current_commit() == head
+    (tmp_path / "benchmarks/results/r.csv").write_text("n\n1\n")
+    assert results.current_commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert results.current_commit() == head + "-dirty"
+
+
 def test_record_appends_to_the_results_dir_it_is_given(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
     path = results.record("bench_x", [{"N": 1000, "ms": 1.5}, {"N": 2000, "ms": 2.5}],

@@ -304,8 +304,8 @@ def test_bench_step_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
     torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-6)
 
 
-def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small,
-                                                                     tmp_path) -> None:
+def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small, tmp_path,
+                                                                     monkeypatch) -> None:
     done = run_benchmark("accuracy_study.py", "--data", str(glyphs_small), "--heads",
                          "knn,knn-ivf,knn-touched", "--max-steps", "12", "--rebuild-every", "1",
                          "--batch-size", "32", "--nlist", "8", "--nprobe", "8",
@@ -321,9 +321,14 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     assert 0.99 <= float(rows["knn-ivf"][-1]) <= 1.0
     import csv
 
-    # one results row per head, in the order run
+    # one results row per head, in the order run, on the machine every record names
     with open(tmp_path / "results.csv", newline="") as f:
-        assert [r["head"] for r in csv.DictReader(f)] == ["knn", "knn-ivf", "knn-touched"]
+        recorded = list(csv.DictReader(f))
+    assert [r["head"] for r in recorded] == ["knn", "knn-ivf", "knn-touched"]
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from results import describe_device
+
+    assert {r["device"] for r in recorded} == {describe_device("cpu")}
     for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
         with open(tmp_path / name / "graph.csv", newline="") as f:
             assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
