@@ -392,9 +392,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def device_description(device: torch.device, amp: bool) -> str:
-    if device.type != "cuda":
-        return "CPU only"
-    return f"{torch.cuda.get_device_name(device)}, backbone {'AMP' if amp else 'float32'}"
+    """The machine (``results.describe_device``) and, on a GPU, the backbone's precision."""
+    precision = f", backbone {'AMP' if amp else 'float32'}" if device.type == "cuda" else ""
+    return describe_device(device) + precision
 
 
 def main() -> None:

@@ -55,8 +55,7 @@ def main() -> None:
         parser.error(f"--device {args.device}: no CUDA device is available")
     torch.set_num_threads(args.threads)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device={name} threads={args.threads} repeats={args.repeats}")
+    print(f"device={describe_device(device)} threads={args.threads} repeats={args.repeats}")
     header = (f"{'n':>11} | {'dtype':>8} | {'density':>7} | {'k':>7} | {'torch.topk ms':>13} | "
               f"{'sample ms':>9} | {'chunks ms':>9} | {'sample x':>8} | {'chunks x':>8} | "
               f"{'same set':>8}")

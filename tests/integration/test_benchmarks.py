@@ -16,6 +16,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from results import describe_device  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +71,7 @@ def test_slot_layout_sim_counts_one_page_per_row_when_a_row_fills_a_page() -> No
 def test_bench_heads_quick_measures_every_head_on_both_ams_kinds() -> None:
     done = run_benchmark("bench_heads.py", "--quick", "--threads", "1", "--device", "cpu")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "CPU only" in done.stdout
+    assert describe_device("cpu") in done.stdout
     # --quick: N=5,000, batch 32, sample rate 0.1, k=12
     head_alone = {(cells[1], cells[2]): cells for cells in table_rows(done.stdout, "5,000")
                   if cells[1] in ("full", "partial", "knn")}
@@ -166,7 +169,7 @@ def test_bench_heads_refuses_cuda_without_a_gpu() -> None:
 def test_bench_collective_quick_times_every_placement() -> None:
     done = run_benchmark("bench_collective.py", "--quick", "--threads", "1", "--device", "cpu")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "CPU only" in done.stdout
+    assert describe_device("cpu") in done.stdout
     # --quick: N=2,000 on 2 ranks, batch 32 per rank, sample rate 0.1: the collective ranks
     # draw 100 of their 1,000 classes each, an AMS rank 200 of the 2,000
     rows = {cells[1]: cells for cells in table_rows(done.stdout, "2,000")}
@@ -304,8 +307,8 @@ def test_bench_step_full_softmax_baseline_is_the_full_head(tmp_path) -> None:
     torch.testing.assert_close(rows_b, rows_a, rtol=1e-5, atol=1e-6)
 
 
-def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small, tmp_path,
-                                                                     monkeypatch) -> None:
+def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small,
+                                                                     tmp_path) -> None:
     done = run_benchmark("accuracy_study.py", "--data", str(glyphs_small), "--heads",
                          "knn,knn-ivf,knn-touched", "--max-steps", "12", "--rebuild-every", "1",
                          "--batch-size", "32", "--nlist", "8", "--nprobe", "8",
@@ -325,9 +328,6 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
     with open(tmp_path / "results.csv", newline="") as f:
         recorded = list(csv.DictReader(f))
     assert [r["head"] for r in recorded] == ["knn", "knn-ivf", "knn-touched"]
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from results import describe_device
-
     assert {r["device"] for r in recorded} == {describe_device("cpu")}
     for name, refreshes in (("knn", {"full"}), ("knn-touched", {"full", "touched"})):
         with open(tmp_path / name / "graph.csv", newline="") as f:
