@@ -1,5 +1,5 @@
-"""benchmarks/accuracy_study.py's results file: its schema, its rows, and the commit a run is
-recorded under, against rows and git states written out here."""
+"""benchmarks/accuracy_study.py's results file: its schema and its rows, against rows written
+out here (the commit and device a row is stamped with: tests/test_results_tables.py)."""
 
 from __future__ import annotations
 
