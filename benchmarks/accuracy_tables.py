@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from results import DIRTY, machine_of
+
 COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budget", "k",
            "random_share", "seed", "top1", "top5", "class_means_top1", "seconds_per_epoch",
            "notes")
@@ -64,10 +66,9 @@ class Run:
 
     @property
     def machine(self) -> str:
-        """The device without the CPU's model in its parentheses ("2-core CPU VM", "NVIDIA H100
-        80GB HBM3"): the tables group runs by it, as the model moves a run's seconds, not what
-        it learns."""
-        return self.device.split(" (", 1)[0]
+        """``results.machine_of`` the device: the tables group runs by it, as the CPU's model
+        moves a run's seconds, not what it learns."""
+        return machine_of(self.device)
 
 
 def _number(text: str, kind: type = float) -> float | int | None:
@@ -103,7 +104,7 @@ def load_runs(path: Path) -> list[Run]:
 def _descends(commit: str, ancestor: str) -> bool:
     """Whether ``commit`` is ``ancestor`` or one of its descendants."""
     done = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", ancestor,
-                           commit.removesuffix("-dirty")], capture_output=True, text=True)
+                           commit.removesuffix(DIRTY)], capture_output=True, text=True)
     if done.returncode not in (0, 1):
         raise ValueError(f"commit {commit} or {ancestor} is not in this repository's history "
                          f"({done.stderr.strip()})")

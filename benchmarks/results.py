@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 RESULTS_DIR_ENV = "XCLS_RESULTS_DIR"
 COMMIT_ENV = "XCLS_RESULTS_COMMIT"
+DIRTY = "-dirty"  # what current_commit appends when the tree differs from the commit
 
 # One stamp per process: every table a run records carries the same date.
 RUN_DATE = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -82,7 +83,7 @@ def current_commit() -> str:
                       ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return f"{commit}-dirty" if changed else commit
+    return f"{commit}{DIRTY}" if changed else commit
 
 
 def describe_device(device: object = "cpu") -> str:
@@ -103,6 +104,12 @@ def describe_device(device: object = "cpu") -> str:
     vm = " VM" if "hypervisor" in flags else ""
     avx = "AVX-512" if "avx512f" in flags else "no AVX-512"
     return f"{cores}-core CPU{vm} ({model.group(1).strip() if model else 'unknown'}, {avx})"
+
+
+def machine_of(device: str) -> str:
+    """The machine a ``describe_device`` string names, without the details in its parentheses
+    (the CPU's model, the host's cores): "2-core CPU VM", "NVIDIA H100 80GB HBM3"."""
+    return device.split(" (", 1)[0]
 
 
 def command_line() -> str:
