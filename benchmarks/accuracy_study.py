@@ -12,7 +12,8 @@ benchmarks/results/accuracy.csv, created with its header when absent), columns
 ``RESULT_COLUMNS``: percents like 97.30, empty where not measured or where a setting does not
 apply to the head (full has no k or random share, and its budget is every class; partial no k
 or random share); ``commit`` and ``device`` are stamped as every results record is
-(``results.current_commit``, ``results.describe_device``).
+(``results.current_commit``, ``results.describe_device``). SIGTERM stops the head in training
+after its next step: nothing is recorded for it or the heads after it, and the study exits 143.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from results import current_commit, describe_device
 
+from workers.termination import EXIT_TERMINATED
 from xcls.config import ExperimentConfig, load_config
 from xcls.run import build_run
 
@@ -75,12 +77,17 @@ def study_config(name: str, args: argparse.Namespace, num_classes: int) -> Exper
     return load_config(None, [f"{k}={v}" for k, v in sets.items()] + list(args.set))
 
 
-def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict:
+def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict | None:
+    """Train head ``name`` and measure it; None when SIGTERM stopped the run before its end
+    (the trainer checkpoints and returns early: its last evaluation, if any, is of a run cut
+    short, which no results row may pass off as finished)."""
     out = args.out / name
     cfg = study_config(name, args, num_classes)
     run = build_run(cfg)
     started = time.perf_counter()
     result = run.trainer.train()
+    if result.terminated:
+        return None
     seconds = time.perf_counter() - started
     steps_per_epoch = run.trainer.plan.steps_per_epoch
     means = run.trainer.evaluator.evaluate(rows="class-means") if args.class_means else {}
@@ -241,7 +248,13 @@ def main() -> int:
     commit = current_commit()  # before the runs: the code they run, whatever is committed after
     rows = []
     for name in args.heads.split(","):
-        rows.append(run_head(name, args, num_classes))
+        row = run_head(name, args, num_classes)
+        if row is None:
+            print(f"{name}: stopped by SIGTERM before the end of its run; nothing recorded for "
+                  "it or the heads after it (run the study again to train them)",
+                  file=sys.stderr)
+            return EXIT_TERMINATED
+        rows.append(row)
         device = describe_device(rows[-1]["device"])
         append_result(args.results, result_row(rows[-1], name, args, num_classes, commit,
                                                 device))

@@ -8,7 +8,8 @@ run and the tables of docs/accuracy.md and the README show it without anyone typ
         [--ranks N]
 
 Give it the config and the ``--set`` overrides the run was trained with: it reads the last
-row of the run's ``eval.csv`` in ``train.out_dir`` (the step, top-1 and top-5 at the end) and
+row of the run's ``eval.csv`` in ``train.out_dir`` (the step, top-1 and top-5 at the end; a run
+whose last evaluation is not at the step the config plans as its last is refused) and
 the dataset's ``summary.json`` beside ``data.train``. The row's ``notes`` name the config and
 the overrides that change what is learned; those that only say where or how fast it runs
 (``EXECUTION_FIELDS``: the device, the run directory, threads, loader processes, logging) are
@@ -33,6 +34,7 @@ from accuracy_study import append_result
 from results import current_commit, describe_device, results_dir
 
 from ams.cluster.plan import Job, active_classes
+from workers.batch_plan import BatchPlan
 from workers.distributed import worker_device
 from xcls.config import load_config
 
@@ -92,6 +94,16 @@ def train_row(config: Path, overrides: list[str], *, ranks: int = 1,
     eval_csv = run / "eval.csv"
     last_eval = _csv_rows(eval_csv)[-1]  # the evaluation after the run's last step
     steps, top1, top5 = (_number(last_eval, c, eval_csv) for c in ("step", "top1", "top5"))
+    # the trainer's own plan of the run: a run stopped early (SIGTERM, a crash) evaluated at an
+    # epoch's end would otherwise pass for a shorter run, though its schedule was the longer one's
+    plan = BatchPlan(images, cfg.train.batch_schedule or cfg.data.batch_size, 0, ranks,
+                     cfg.train.seed)
+    planned = plan.run_steps(cfg.train.epochs, cfg.train.max_steps)
+    if steps != planned:
+        raise ValueError(f"{eval_csv}: its last evaluation is at step {steps:g}, and the config "
+                         f"as given trains {planned} steps: the run has not finished (resume it "
+                         "with the same 'xcls train' command), or it was trained with other "
+                         "settings or --ranks")
     kind = str(cfg.head.kind)
     # the head's own rule for its active classes (partial ignores head.budget)
     budget = active_classes(Job(num_classes=classes, dim=cfg.model.dim, head=kind,
@@ -100,7 +112,8 @@ def train_row(config: Path, overrides: list[str], *, ranks: int = 1,
     settings = [f"config={config}"] + [o for o in overrides
                                         if o.split("=", 1)[0].strip() not in EXECUTION_FIELDS]
     settings += [f"ranks={ranks}"] * (ranks > 1)
-    epochs = round(steps * ranks * cfg.data.batch_size / images, 1)
+    trained = ranks * sum(map(plan.batch_size_at, plan.epoch_of_steps(cfg.train.epochs)[:planned]))
+    epochs = round(trained / images, 1)
     return {
         "date": datetime.date.today().isoformat(), "commit": current_commit(),
         "device": describe_device(worker_device(cfg.train.device, 0)),

@@ -110,6 +110,50 @@ def test_a_damaged_run_is_refused_by_name_and_records_nothing(trained, glyphs_sm
     assert not (tmp_path / "results" / "accuracy.csv").exists()
 
 
+def copied_run(out: Path, tmp_path: Path, last_step: int) -> Path:
+    """The run's files, its eval.csv ending with an evaluation at ``last_step``."""
+    run = tmp_path / "run"
+    shutil.copytree(out, run, ignore=shutil.ignore_patterns("checkpoints", "ams", "tensorboard"))
+    (run / "eval.csv").write_text(f"step,top1,top5,samples\n{last_step},0.5,0.75,100\n")
+    return run
+
+
+@pytest.mark.parametrize("last_step, setting", [
+    (20, None),  # stopped early: its last evaluation was at an epoch's end, before step 30
+    (STEPS, f"train.max_steps={STEPS + 10}"),  # recorded with settings it was not trained with
+])
+def test_a_run_that_did_not_reach_its_planned_end_is_refused(trained, tmp_path, last_step,
+                                                             setting):
+    overrides, out, _ = trained
+    run = copied_run(out, tmp_path, last_step)
+    overrides = [*overrides, f"train.out_dir={run}", *([setting] if setting else [])]
+    done = record([str(CONFIG), *(a for o in overrides for a in ("--set", o))],
+                  tmp_path / "results")
+    planned = STEPS + 10 if setting else STEPS
+    assert done.returncode == 2, done.stderr
+    assert f"last evaluation is at step {last_step}, and the config as given trains {planned} " \
+        "steps" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "results" / "accuracy.csv").exists()
+
+
+def test_the_epochs_of_a_growing_batch_count_each_epochs_batch(trained, glyphs_small,
+                                                                tmp_path):
+    """Two epochs, of batches of 32 and then 64: the images trained on are both epochs' whole
+    batches, two passes over the split less what the last batch of each leaves over."""
+    overrides, out, _ = trained
+    n = len(LmdbImageDataset(glyphs_small / "train"))
+    steps = n // 32 + n // 64
+    run = copied_run(out, tmp_path, steps)
+    overrides = [*overrides, f"train.out_dir={run}", "train.max_steps=0", "train.epochs=2",
+                 "train.batch_schedule=[32, 64]"]
+    done = record([str(CONFIG), *(a for o in overrides for a in ("--set", o))],
+                  tmp_path / "results")
+    assert done.returncode == 0, done.stderr
+    [row] = accuracy_tables.load_runs(tmp_path / "results" / "accuracy.csv")
+    # (counting every step as a batch of 32, as if the batch never grew, gives about 1.5)
+    assert row.epochs == pytest.approx(round((n // 32 * 32 + n // 64 * 64) / n, 1))
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--ranks", "0"], "at least one process"),
     (["--set", "head.k=-1"], "head.k"),

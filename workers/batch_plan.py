@@ -56,6 +56,11 @@ class BatchPlan:
     def steps_in_epoch(self, epoch: int) -> int:
         return self.num_samples // (self.batch_size_at(epoch) * self.world)
 
+    def run_steps(self, epochs: int, max_steps: int = 0) -> int:
+        """The steps of a run of ``epochs`` epochs, cut at ``max_steps`` where that is > 0."""
+        total = sum(self.steps_in_epoch(e) for e in range(epochs))
+        return min(total, max_steps) if max_steps else total
+
     def epoch_of_steps(self, epochs: int) -> list[int]:
         """The epoch of each step of a run of ``epochs`` epochs."""
         return [e for e in range(epochs) for _ in range(self.steps_in_epoch(e))]

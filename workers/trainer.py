@@ -141,8 +141,7 @@ class Trainer:
         batch_size = cfg.train.batch_schedule or cfg.data.batch_size
         self.plan = BatchPlan(len(train_set), batch_size, rank, world, cfg.train.seed)
         self._epoch_of_step = self.plan.epoch_of_steps(cfg.train.epochs)
-        total = len(self._epoch_of_step)
-        self.total_steps = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+        self.total_steps = self.plan.run_steps(cfg.train.epochs, cfg.train.max_steps)
         self.head_warmup_steps = row_warmup_steps(
             cfg.optim.head_warmup_steps, cfg.optim.warmup_steps, head.num_classes,
             self.plan.batch_size * world)

@@ -334,6 +334,36 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
             assert {row["refresh"] for row in csv.DictReader(f)} == refreshes, name
 
 
+def test_accuracy_study_stopped_by_sigterm_records_nothing(glyphs_small, tmp_path) -> None:
+    """A run stopped after its first epoch's evaluation is not a finished run of one epoch:
+    the study exits 143 with no results row and trains no further head."""
+    import signal
+    import time
+
+    results = tmp_path / "results.csv"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "accuracy_study.py"), "--data",
+         str(glyphs_small), "--heads", "knn,full", "--epochs", "50", "--batch-size", "32",
+         "--rebuild-every", "10", "--threads", "1", "--num-workers", "0", "--out",
+         str(tmp_path), "--results", str(results)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    evaluated = tmp_path / "knn" / "eval.csv"
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                evaluated.exists() and len(evaluated.read_text().splitlines()) > 1):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code, err = proc.wait(timeout=120), proc.stderr.read()
+    finally:
+        proc.kill()
+    assert code == 143, err[-3000:]
+    assert "knn: stopped by SIGTERM" in err and "Traceback" not in err
+    assert not results.exists() and not (tmp_path / "full").exists()
+    # it was stopped after the evaluation it waited for, and before the run's end
+    assert len(evaluated.read_text().splitlines()) == 2
+
+
 def test_bench_table_files_quick_times_a_close_and_two_reopens() -> None:
     done = run_benchmark("bench_table_files.py", "--quick")
     assert done.returncode == 0, done.stderr[-2000:]
