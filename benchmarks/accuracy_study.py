@@ -255,9 +255,8 @@ def main() -> int:
                   file=sys.stderr)
             return EXIT_TERMINATED
         rows.append(row)
-        device = describe_device(rows[-1]["device"])
-        append_result(args.results, result_row(rows[-1], name, args, num_classes, commit,
-                                                device))
+        device = describe_device(row["device"])
+        append_result(args.results, result_row(row, name, args, num_classes, commit, device))
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
