@@ -14,6 +14,11 @@ apply to the head (full has no k or random share, and its budget is every class;
 or random share); ``commit`` and ``device`` are stamped as every results record is
 (``results.current_commit``, ``results.describe_device``). SIGTERM stops the head in training
 after its next step: nothing is recorded for it or the heads after it, and the study exits 143.
+``--resume`` continues such a study (or one that was killed) from each head's newest checkpoint,
+bit for bit the run it would have been; each head's ``study.json`` holds the commit and config it
+was started with, and a resume with other code or other options is refused (exit 2), since its
+row could name neither. A resumed row's seconds count only the steps trained after the resume,
+and a head whose row was recorded already is skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import difflib
 import json
 import statistics
 import sys
@@ -29,8 +35,9 @@ from pathlib import Path
 
 from results import current_commit, describe_device
 
+from workers import checkpoint
 from workers.termination import EXIT_TERMINATED
-from xcls.config import ExperimentConfig, load_config
+from xcls.config import ExperimentConfig, load_config, to_toml
 from xcls.run import build_run
 
 # knn variants: how its graph is built and refreshed (docs/scale.md)
@@ -46,9 +53,16 @@ RESULT_COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budg
                   "seconds_per_epoch", "notes")
 
 
-def study_config(name: str, args: argparse.Namespace, num_classes: int) -> ExperimentConfig:
+class ResumeRefused(ValueError):
+    """A head's run under ``--out`` cannot be resumed as the study's run (the message says
+    why and what to do)."""
+
+
+def study_config(name: str, args: argparse.Namespace, num_classes: int,
+                 resume: bool = False) -> ExperimentConfig:
     """The config of head ``name`` (full, partial, knn or a knn graph variant) for the study's
-    options ``args`` (``add_config_options``) on a dataset of ``num_classes`` classes."""
+    options ``args`` (``add_config_options``) on a dataset of ``num_classes`` classes;
+    ``resume``: from the newest checkpoint in its out dir."""
     budget = max(1, round(args.sample_rate * num_classes))
     kind = "knn" if name in GRAPH_VARIANTS else name
     sets = {
@@ -58,7 +72,7 @@ def study_config(name: str, args: argparse.Namespace, num_classes: int) -> Exper
         "head.budget": budget, "head.k": args.k, "graph.k": max(args.k, 16),
         "graph.rebuild_every": args.rebuild_every, "optim.lr": args.lr,
         "optim.warmup_steps": args.warmup, "train.epochs": args.epochs,
-        "train.out_dir": str(args.out / name), "train.resume": False, "train.log_every": 20,
+        "train.out_dir": str(args.out / name), "train.resume": resume, "train.log_every": 20,
         "train.seed": args.seed, "train.threads": args.threads,
         "train.max_steps": args.max_steps,
     }
@@ -77,12 +91,68 @@ def study_config(name: str, args: argparse.Namespace, num_classes: int) -> Exper
     return load_config(None, [f"{k}={v}" for k, v in sets.items()] + list(args.set))
 
 
-def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict | None:
-    """Train head ``name`` and measure it; None when SIGTERM stopped the run before its end
-    (the trainer checkpoints and returns early: its last evaluation, if any, is of a run cut
-    short, which no results row may pass off as finished)."""
+def resume_step(out: Path, identity: dict) -> int | None:
+    """The step the run in ``out`` resumes from, None when it has no checkpoint (it starts
+    afresh); ResumeRefused when it was not started as the run ``identity`` (``{"commit",
+    "config"}``: the commit and the config's TOML) describes."""
+    step = checkpoint.latest_step(out)
+    if step is None:
+        return None
+    path = out / "study.json"
+    try:
+        started = json.loads(path.read_text())
+        commit, config = started["commit"], started["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ResumeRefused(f"{out}: its checkpoint at step {step} has no readable record of "
+                            f"the study that started it ({path}: {e}); start it over without "
+                            "--resume") from None
+    if commit != identity["commit"]:
+        raise ResumeRefused(
+            f"{out}: its run was started at commit {commit} and this checkout is at "
+            f"{identity['commit']}; a results row names the one commit that trained its run: "
+            f"resume it from a checkout of {commit}, or start it over without --resume")
+    if config != identity["config"]:
+        changed = [line for line in difflib.ndiff(config.splitlines(),
+                                                  identity["config"].splitlines())
+                   if line[:2] in ("- ", "+ ")]
+        raise ResumeRefused(
+            f"{out}: its run was started with other options ({' / '.join(changed[:4])}); "
+            "resume it with the options it was started with, or start it over without "
+            "--resume")
+    return step
+
+
+def was_recorded(out: Path) -> bool:
+    """Whether the run in ``out`` is finished and has its row in the results file (a resumed
+    study skips it rather than record it twice)."""
+    try:
+        return json.loads((out / "study.json").read_text()).get("recorded") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def mark_recorded(out: Path) -> None:
+    """Note in ``out/study.json`` that its run's row is in the results file."""
+    path = out / "study.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "recorded": True}, indent=1))
+
+
+def run_head(name: str, args: argparse.Namespace, num_classes: int,
+             commit: str) -> dict | None:
+    """Train head ``name`` and measure it (with ``args.resume``: from its run's newest
+    checkpoint, if it has one; ResumeRefused when that run is not this study's); None when
+    SIGTERM stopped the run before its end (the trainer checkpoints and returns early: its last
+    evaluation, if any, is of a run cut short, which no results row may pass off as
+    finished)."""
     out = args.out / name
     cfg = study_config(name, args, num_classes)
+    identity = {"commit": commit, "config": to_toml(cfg)}
+    resumed_at = resume_step(out, identity) if args.resume else None
+    if resumed_at is None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "study.json").write_text(json.dumps(identity, indent=1))
+    else:
+        cfg = study_config(name, args, num_classes, resume=True)
     run = build_run(cfg)
     started = time.perf_counter()
     result = run.trainer.train()
@@ -90,13 +160,15 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int) -> dict | No
         return None
     seconds = time.perf_counter() - started
     steps_per_epoch = run.trainer.plan.steps_per_epoch
+    trained = result.steps - (resumed_at or 0)  # by this process: the time it has
     means = run.trainer.evaluator.evaluate(rows="class-means") if args.class_means else {}
     recalls = graph_recalls(out)
     return {
         "head": name, "top1": result.eval["top1"], "top5": result.eval["top5"],
         "graph_recall": statistics.mean(recalls) if recalls else None,
         "top1_class_means": means.get("top1"),
-        "seconds_per_epoch": seconds / max(1e-9, result.steps / steps_per_epoch),
+        "seconds_per_epoch": seconds / (trained / steps_per_epoch) if trained else None,
+        "resumed_at": resumed_at,
         "active_per_step": statistics.mean(row["active"] for row in result.history),
         # every row the run pulled, from the AMS's counters (graph builds scan instead)
         "rows_per_step": sum(s["tables"][cfg.ams.table]["rows_pulled"]
@@ -151,6 +223,8 @@ def result_row(r: dict, name: str, args: argparse.Namespace, num_classes: int, c
         return "" if value is None else f"{100 * value:.2f}"
 
     kind = "knn" if name in GRAPH_VARIANTS else name
+    resumed = ("" if r["resumed_at"] is None else
+               f"resumed at step {r['resumed_at']}, seconds from the steps after it")
     return {
         "date": datetime.date.today().isoformat(), "commit": commit, "device": device,
         "classes": num_classes, "epochs": args.epochs, "head": name,
@@ -159,7 +233,9 @@ def result_row(r: dict, name: str, args: argparse.Namespace, num_classes: int, c
         "random_share": r["random_share"] if kind == "knn" else "", "seed": args.seed,
         "top1": percent(r["top1"]), "top5": percent(r["top5"]),
         "class_means_top1": percent(r["top1_class_means"]),
-        "seconds_per_epoch": f"{r['seconds_per_epoch']:.0f}", "notes": run_notes(name, args),
+        "seconds_per_epoch": ("" if r["seconds_per_epoch"] is None
+                              else f"{r['seconds_per_epoch']:.0f}"),
+        "notes": "; ".join(filter(None, [run_notes(name, args), resumed])),
     }
 
 
@@ -238,6 +314,11 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/accuracy.csv",
                    help="CSV each finished run is appended to (default: %(default)s)")
     p.add_argument("--notes", default="", help="free text for the results file's notes column")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each head whose run under --out has a checkpoint (a study "
+                        "stopped by SIGTERM, or killed) from its newest one; refused when that "
+                        "run was started by other code or with other options. The row's "
+                        "seconds count only the steps trained after the resume")
     p.add_argument("--class-means", action="store_true",
                    help="also report top-1 with each class's mean training feature as its row "
                         "(xcls eval --rows class-means; one more pass over the training split)")
@@ -248,15 +329,27 @@ def main() -> int:
     commit = current_commit()  # before the runs: the code they run, whatever is committed after
     rows = []
     for name in args.heads.split(","):
-        row = run_head(name, args, num_classes)
+        if args.resume and was_recorded(args.out / name):
+            print(f"{name}: its run in {args.out / name} is finished and recorded already; "
+                  "skipped (start it over without --resume to train it again)", file=sys.stderr)
+            continue
+        try:
+            row = run_head(name, args, num_classes, commit)
+        except ResumeRefused as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
         if row is None:
             print(f"{name}: stopped by SIGTERM before the end of its run; nothing recorded for "
-                  "it or the heads after it (run the study again to train them)",
+                  "it or the heads after it (run the study again with --resume to go on "
+                  "from where it stopped)",
                   file=sys.stderr)
             return EXIT_TERMINATED
         rows.append(row)
         device = describe_device(row["device"])
         append_result(args.results, result_row(row, name, args, num_classes, commit, device))
+        mark_recorded(args.out / name)
+    if not rows:
+        return 0
     print(f"\n{num_classes} classes, {args.epochs} epochs (max {args.max_steps or '-'} steps), "
           f"batch {args.batch_size}, "
           f"sample_rate {args.sample_rate}, knn k={args.k} random_share "
@@ -271,8 +364,9 @@ def main() -> int:
         means = f" {100 * r['top1_class_means']:.2f} % |" if args.class_means else ""
         recall = "exact" if r["graph_recall"] is None else f"{r['graph_recall']:.4f}"
         recall = recall if r["head"] in GRAPH_VARIANTS else "-"
+        seconds = "-" if r["seconds_per_epoch"] is None else f"{r['seconds_per_epoch']:.0f}"
         print(f"| {r['head']} | {100 * r['top1']:.2f} % | {100 * r['top5']:.2f} % |{means} "
-              f"{r['seconds_per_epoch']:.0f} | {r['active_per_step']:.0f} | "
+              f"{seconds} | {r['active_per_step']:.0f} | "
               f"{r['rows_per_step']:.0f} | {recall} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -29,7 +29,8 @@ def study_args(*extra: str) -> argparse.Namespace:
 
 def run_dict(**overrides) -> dict:
     base = {"top1": 0.973, "top5": 0.99874, "top1_class_means": None,
-            "seconds_per_epoch": 612.4, "budget": 4000, "k": 16, "random_share": 0.5}
+            "seconds_per_epoch": 612.4, "budget": 4000, "k": 16, "random_share": 0.5,
+            "resumed_at": None}
     return {**base, **overrides}
 
 

@@ -337,31 +337,102 @@ def test_accuracy_study_runs_knn_with_each_graph_method_and_refresh(glyphs_small
 def test_accuracy_study_stopped_by_sigterm_records_nothing(glyphs_small, tmp_path) -> None:
     """A run stopped after its first epoch's evaluation is not a finished run of one epoch:
     the study exits 143 with no results row and trains no further head."""
-    import signal
-    import time
-
     results = tmp_path / "results.csv"
-    proc = subprocess.Popen(
+    code, err = stop_after_first_evaluation(
         [sys.executable, str(ROOT / "benchmarks" / "accuracy_study.py"), "--data",
          str(glyphs_small), "--heads", "knn,full", "--epochs", "50", "--batch-size", "32",
          "--rebuild-every", "10", "--threads", "1", "--num-workers", "0", "--out",
-         str(tmp_path), "--results", str(results)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    evaluated = tmp_path / "knn" / "eval.csv"
+         str(tmp_path), "--results", str(results)], tmp_path / "knn")
+    assert code == 143, err[-3000:]
+    assert "knn: stopped by SIGTERM" in err and "Traceback" not in err
+    assert not results.exists() and not (tmp_path / "full").exists()
+    # it was stopped after the evaluation it waited for, and before the run's end
+    assert len((tmp_path / "knn" / "eval.csv").read_text().splitlines()) == 2
+
+
+def stop_after_first_evaluation(cmd: list[str], run: Path) -> tuple[int, str]:
+    """Start the study ``cmd``, send it SIGTERM once the head's run in ``run`` has logged its
+    first evaluation, and give back its exit code and stderr."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    evaluated = run / "eval.csv"
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline and not (
                 evaluated.exists() and len(evaluated.read_text().splitlines()) > 1):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        code, err = proc.wait(timeout=120), proc.stderr.read()
+        return proc.wait(timeout=120), proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_accuracy_study_resumed_after_sigterm_records_the_uninterrupted_runs_figures(
+        glyphs_small, tmp_path) -> None:
+    """A study stopped by SIGTERM and run again with --resume finishes the run it stopped: its
+    row gives the figures of the same study run without a stop. A resume with other options,
+    or a run started by other code, is refused (exit 2) and the checkpoint stays for a resume
+    that fits."""
+    import csv
+    import json
+
+    study = [sys.executable, str(ROOT / "benchmarks" / "accuracy_study.py"), "--data",
+             str(glyphs_small), "--heads", "knn", "--epochs", "3", "--batch-size", "32",
+             "--rebuild-every", "10", "--threads", "1", "--num-workers", "0", "--class-means"]
+
+    def rows(path):
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    straight = tmp_path / "straight"
+    done = subprocess.run([*study, "--out", str(straight), "--results",
+                           str(straight / "results.csv")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out, results = tmp_path / "stopped", tmp_path / "stopped" / "results.csv"
+    run = [*study, "--out", str(out), "--results", str(results)]
+    code, err = stop_after_first_evaluation(run, out / "knn")
     assert code == 143, err[-3000:]
-    assert "knn: stopped by SIGTERM" in err and "Traceback" not in err
-    assert not results.exists() and not (tmp_path / "full").exists()
-    # it was stopped after the evaluation it waited for, and before the run's end
-    assert len(evaluated.read_text().splitlines()) == 2
+    stopped_at = sorted((out / "knn" / "checkpoints").iterdir())[-1].name
+
+    def resume(*extra):
+        return subprocess.run([*run, "--resume", *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+
+    refused = resume("--epochs", "4")
+    assert refused.returncode == 2 and "epochs = 3" in refused.stderr
+    assert "epochs = 4" in refused.stderr and "Traceback" not in refused.stderr
+    started = out / "knn" / "study.json"
+    record = json.loads(started.read_text())
+    started.write_text(json.dumps({**record, "commit": "0123abc"}))
+    refused = resume()
+    assert refused.returncode == 2 and "0123abc" in refused.stderr, refused.stderr[-3000:]
+    started.write_text("{")
+    refused = resume()
+    assert refused.returncode == 2 and "study.json" in refused.stderr, refused.stderr[-3000:]
+    assert not results.exists()
+    assert sorted((out / "knn" / "checkpoints").iterdir())[-1].name == stopped_at
+
+    started.write_text(json.dumps(record))
+    done = resume()
+    assert done.returncode == 0, done.stderr[-3000:]
+    [expected], [got] = rows(straight / "results.csv"), rows(results)
+    figures = ("epochs", "head", "budget", "seed", "top1", "top5", "class_means_top1")
+    assert {k: got[k] for k in figures} == {k: expected[k] for k in figures}
+    step = int(stopped_at[len("step-"):])
+    last = int(sorted((straight / "knn" / "checkpoints").iterdir())[-1].name[len("step-"):])
+    assert 0 < step < last, (step, last)
+    assert got["notes"] == (f"{expected['notes']}; resumed at step {step}, seconds from the "
+                            "steps after it")
+    assert float(got["seconds_per_epoch"]) > 0
+    # a run recorded already is not trained or recorded again
+    again = resume()
+    assert again.returncode == 0 and "recorded already" in again.stderr, again.stderr[-3000:]
+    assert len(rows(results)) == 1
 
 
 def test_bench_table_files_quick_times_a_close_and_two_reopens() -> None:
