@@ -18,7 +18,8 @@ after its next step: nothing is recorded for it or the heads after it, and the s
 bit for bit the run it would have been; each head's ``study.json`` holds the commit and config it
 was started with, and a resume with other code or other options is refused (exit 2), since its
 row could name neither. A resumed row's seconds count only the steps trained after the resume,
-and a head whose row was recorded already is skipped.
+and a head whose row was recorded already is skipped. Without ``--resume`` a head starts over, and
+its earlier run's directory under ``--out`` is removed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import csv
 import datetime
 import difflib
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -149,6 +151,9 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int,
     identity = {"commit": commit, "config": to_toml(cfg)}
     resumed_at = resume_step(out, identity) if args.resume else None
     if resumed_at is None:
+        # Starting over replaces an earlier run here: its checkpoints would be what a later
+        # --resume finds, and its logs (graph.csv's recalls) would count in the new run's row.
+        shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "study.json").write_text(json.dumps(identity, indent=1))
     else:
@@ -318,7 +323,8 @@ def main() -> int:
                    help="continue each head whose run under --out has a checkpoint (a study "
                         "stopped by SIGTERM, or killed) from its newest one; refused when that "
                         "run was started by other code or with other options. The row's "
-                        "seconds count only the steps trained after the resume")
+                        "seconds count only the steps trained after the resume. Without it "
+                        "each head starts over: its earlier run's directory there is removed")
     p.add_argument("--class-means", action="store_true",
                    help="also report top-1 with each class's mean training feature as its row "
                         "(xcls eval --rows class-means; one more pass over the training split)")

@@ -358,11 +358,13 @@ def stop_after_first_evaluation(cmd: list[str], run: Path) -> tuple[int, str]:
 
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    evaluated = run / "eval.csv"
+    evaluated, started = run / "eval.csv", time.time()
     try:
         deadline = time.monotonic() + 240
+        # an eval.csv of an earlier run there does not count: this run's evaluation does
         while proc.poll() is None and time.monotonic() < deadline and not (
-                evaluated.exists() and len(evaluated.read_text().splitlines()) > 1):
+                evaluated.exists() and evaluated.stat().st_mtime > started
+                and len(evaluated.read_text().splitlines()) > 1):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         return proc.wait(timeout=120), proc.stderr.read()
@@ -433,6 +435,13 @@ def test_accuracy_study_resumed_after_sigterm_records_the_uninterrupted_runs_fig
     again = resume()
     assert again.returncode == 0 and "recorded already" in again.stderr, again.stderr[-3000:]
     assert len(rows(results)) == 1
+    # starting over (no --resume) replaces the finished run: what a later --resume finds is
+    # the new run's checkpoint, not the old run's last, and its logs are the new run's alone
+    code, err = stop_after_first_evaluation(run, out / "knn")
+    assert code == 143, err[-3000:]
+    newest = sorted((out / "knn" / "checkpoints").iterdir())[-1].name
+    assert int(newest[len("step-"):]) < last, (newest, last)
+    assert len((out / "knn" / "eval.csv").read_text().splitlines()) == 2
 
 
 def test_bench_table_files_quick_times_a_close_and_two_reopens() -> None:
