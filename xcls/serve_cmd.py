@@ -7,9 +7,7 @@ import ipaddress
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +15,7 @@ from workers.settings import MAX_THREADS
 from xcls.cli_help import DefaultsHelpFormatter
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
 from xcls.secret_files import read_secret, read_token
+from xcls.stop_request import StopRequest
 
 if TYPE_CHECKING:
     from ams.cluster.scheduler import LeaseKeeper
@@ -90,14 +89,6 @@ def _add_listen_args(p: argparse.ArgumentParser, bind_rule: str) -> None:
                    help="write the bound port here once serving (useful with --port 0)")
 
 
-def _stop_on_signal() -> threading.Event:
-    """An event that SIGTERM or SIGINT sets: the serving roles wait on it."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
-
-
 # ---- the scheduler role, and a shard's lease with it ---------------------------------------
 
 # A shard exits with this code when the scheduler declared it dead (it hung past its lease):
@@ -165,6 +156,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from ams.cluster import metrics
 
     serve_metrics_from_args(args, metrics.REGISTRY)
+    stop = StopRequest()  # before serving: a caller that sees it up may stop it at once
     try:
         running = create_scheduler_server(args.num_shards, lease_ttl=args.lease_ttl,
                                           host=args.host, port=args.port, token=token)
@@ -173,7 +165,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     _write_port_file(args.port_file, running.port)
     log.info("listening scheduler host=%s port=%d num_shards=%d lease_ttl_s=%g auth=%s",
              args.host, running.port, args.num_shards, args.lease_ttl, bool(token))
-    _stop_on_signal().wait()
+    stop.wait()
     running.stop(args.grace)
     log.info("stopped")
     return 0
@@ -226,7 +218,7 @@ def _advertised_address(args: argparse.Namespace, port: int) -> str:
 
 
 def _keep_shard_lease(args: argparse.Namespace, incarnation: str, port: int, token: str | None,
-                      stop: threading.Event) -> LeaseKeeper:
+                      stop: StopRequest) -> LeaseKeeper:
     """Register this serving shard with the scheduler and keep its lease; a lost lease sets
     ``stop`` (the caller then exits with EXIT_LEASE_LOST). SystemExit when registering fails."""
     from ams.cluster.lease import Role
@@ -386,10 +378,12 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
     except BaseException:
         running.stop(0)
         raise
+    # Handlers before SERVING: a caller that sees it serving may stop it at once. Not before
+    # the restore, which SIGTERM still ends at once (nothing is served yet).
+    stop = StopRequest()
     running.mark_ready(restored)
     log.info("serving shard=%d/%d restored_step=%d", args.shard_id, args.num_shards, restored)
 
-    stop = _stop_on_signal()
     lease = None
     if args.scheduler is not None:
         try:
