@@ -52,13 +52,31 @@ def test_set_from_another_thread_ends_the_wait_and_other_signals_do_not():
         handled = []
         signal.signal(signal.SIGUSR1, lambda *_: handled.append(1))
         os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before the next line
-        print("after SIGUSR1", handled, stop.is_set())
+        start = time.monotonic()
+        print("after SIGUSR1", handled, stop.wait(0.2), time.monotonic() - start >= 0.2)
         threading.Timer(0.05, stop.set).start()
         start = time.monotonic()
-        stop.wait()
-        print("set", stop.is_set(), time.monotonic() - start < 10)
-        stop.set()  # a second word changes nothing
-        stop.wait()
-        print("again", stop.is_set())
+        print("set", stop.wait(), time.monotonic() - start < 10, stop.signum)
+        os.kill(os.getpid(), signal.SIGTERM)  # a signal after the word changes nothing
+        print("again", stop.wait(0), stop.is_set(), stop.signum)
     """)
-    assert out.splitlines() == ["after SIGUSR1 [1] False", "set True True", "again True"]
+    assert out.splitlines() == ["after SIGUSR1 [1] False True", "set True True 0",
+                                "again True True 0"]
+
+
+def test_the_signal_that_asked_is_named_once_and_kept():
+    out = run_child("""
+        import logging, os, signal, sys
+        from xcls.stop_request import StopRequest
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        stop = StopRequest()
+        print("before", stop.is_set(), stop.signum)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("after", stop.wait(5), stop.signum)
+        stop.set()
+        print("then", stop.is_set(), stop.signum)
+    """)
+    assert out.splitlines() == ["before False 0", "stop_requested signal=SIGINT",
+                                "after True 2", "then True 2"]

@@ -12,11 +12,8 @@ import argparse
 import json
 import logging
 import math
-import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from workers.settings import ExperimentConfig
@@ -34,6 +31,7 @@ from xcls.shards import (
     spawn,
     stop,
 )
+from xcls.stop_request import StopRequest
 
 log = logging.getLogger("xcls.cluster")
 
@@ -170,7 +168,8 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
 
 
 class Cluster:
-    """The roles of one ``cluster up``; ``stop_requested`` is set by SIGINT/SIGTERM."""
+    """The roles of one ``cluster up``; ``stop_requested`` is set by SIGINT/SIGTERM (its
+    handlers go in with the cluster, before the first child starts)."""
 
     def __init__(self, args: argparse.Namespace, cfg: ExperimentConfig | None) -> None:
         self.args, self.cfg = args, cfg
@@ -180,14 +179,7 @@ class Cluster:
         self.supervisor: ShardSupervisor | None = None
         self.workers: Child | None = None
         self.slow: Child | None = None
-        self.stop_requested = threading.Event()
-        self.signum = 0
-
-    def on_signal(self, signum: int, _frame: object) -> None:
-        if not self.stop_requested.is_set():
-            log.info("stop_requested signal=%s", signal.Signals(signum).name)
-        self.signum = self.signum or signum
-        self.stop_requested.set()
+        self.stop_requested = StopRequest()
 
     # ---- shards -------------------------------------------------------------------------
 
@@ -316,39 +308,27 @@ class ClusterError(RuntimeError):
     """A role failed to start or died; the message says which."""
 
 
-@contextmanager
-def _signals_to(handler: object) -> Iterator[None]:
-    """Route SIGINT/SIGTERM to ``handler`` for the block, restoring the old handlers after."""
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
 def run_up(args: argparse.Namespace) -> int:
     cfg = _check_args(args)
     cluster = Cluster(args, cfg)
-    # Handlers go in before the first child starts: a signal at any point must still lead to
-    # the ordered stop below, never to orphans.
-    with _signals_to(cluster.on_signal):
-        code = 1
-        try:
-            with cluster.shard_processes() as shards:
-                cluster.supervise(shards)
-                try:
-                    code = _serve_or_train(cluster)
-                finally:
-                    cluster.stop_workers()
-        except StartCancelled:
-            pass
-        except ShardStartTimeout as e:
-            print(f"error: {e} (--start-timeout)", file=sys.stderr)
-        except (ShardStartError, ClusterError) as e:
-            print(f"error: {e}", file=sys.stderr)
-    if cluster.signum:
-        return 128 + cluster.signum
+    # The stop's handlers went in with the cluster, before the first child starts: a signal at
+    # any point must still lead to the ordered stop below, never to orphans.
+    code = 1
+    try:
+        with cluster.shard_processes() as shards:
+            cluster.supervise(shards)
+            try:
+                code = _serve_or_train(cluster)
+            finally:
+                cluster.stop_workers()
+    except StartCancelled:
+        pass
+    except ShardStartTimeout as e:
+        print(f"error: {e} (--start-timeout)", file=sys.stderr)
+    except (ShardStartError, ClusterError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    if cluster.stop_requested.signum:
+        return 128 + cluster.stop_requested.signum
     return code
 
 

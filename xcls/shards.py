@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from xcls.stop_request import StopRequest
+
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -57,7 +59,7 @@ class ShardStartTimeout(ShardStartError):
 
 
 class StartCancelled(Exception):
-    """The caller's ``cancel`` event was set while shards were starting."""
+    """The caller's ``cancel`` was set while shards were starting."""
 
 
 # ---- child processes ---------------------------------------------------------------------
@@ -241,7 +243,7 @@ class ShardProcess:
         prefix = None if self.log_path is not None else f"[{self.name}] "
         self.child = spawn(self.name, cmd, prefix=prefix, log_path=self.log_path)
 
-    def wait_serving(self, timeout: float, cancel: threading.Event | None = None, *,
+    def wait_serving(self, timeout: float, cancel: StopRequest | None = None, *,
                      since: float | None = None) -> None:
         """Return once the shard answers SERVING; ShardStartError if it exits first,
         ShardStartTimeout ``timeout`` seconds after ``since`` (a ``time.monotonic()``; default:
@@ -316,7 +318,7 @@ class ShardSupervisor:
 
     def __init__(self, shards: Sequence[ShardProcess], *, max_restarts: int,
                  hang_timeout: float, ready_timeout: float,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: StopRequest | None = None) -> None:
         self.shards = list(shards)
         self.max_restarts, self.hang_timeout = max_restarts, hang_timeout
         self.ready_timeout, self.cancel = ready_timeout, cancel
@@ -374,7 +376,7 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
                     tls: tuple[Path, Path] | None = None, extra_args: Sequence[str] = (),
                     xcls_flags: Sequence[str] = (), log_dir: Path | None = None,
                     ready_timeout: float = 60.0, stop_timeout: float = 30.0,
-                    cancel: threading.Event | None = None,
+                    cancel: StopRequest | None = None,
                     metrics_ports: Sequence[int] | None = None) -> Iterator[list[ShardProcess]]:
     """Shards 0..``num_shards``-1 as processes, serving; stopped in order on exit.
 
@@ -386,7 +388,7 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
     (e.g. ``["-q"]``); log_dir: append each shard's output to ``shard-I-of-N.log`` there
     (None: relay it to our stderr, each line behind ``[shard-I]``). ready_timeout: seconds
     for all of them to start serving (ShardStartTimeout); a shard that exits while starting
-    raises ShardStartError, and a set ``cancel`` event StartCancelled (the shards started so
+    raises ShardStartError, and a set ``cancel`` StartCancelled (the shards started so
     far are stopped first). stop_timeout: seconds to wait after SIGTERM before SIGKILL.
     metrics_ports: shard i serves Prometheus metrics on ``metrics_ports[i]`` (None: none).
     """
