@@ -80,3 +80,20 @@ def test_the_signal_that_asked_is_named_once_and_kept():
     """)
     assert out.splitlines() == ["before False 0", "stop_requested signal=SIGINT",
                                 "after True 2", "then True 2"]
+
+
+def test_a_process_with_more_descriptors_than_select_takes_still_stops():
+    out = run_child("""
+        import os, resource, signal
+        from xcls.stop_request import StopRequest
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 1500
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+        held = [os.dup(0) for _ in range(1200)]  # a shard's tables and connections
+        stop = StopRequest()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(stop.wait(5), stop.signum)
+    """)
+    assert out.split() == ["True", "15"]

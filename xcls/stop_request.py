@@ -8,7 +8,7 @@ until something else wakes the thread, so a process waiting without a timeout sl
 SIGTERM until its supervisor kills it; and ``Event.set`` in a handler that lands while the
 main thread's ``Event.wait`` holds the event's lock deadlocks. Here the interpreter's own
 C-level handler writes the signal's number to a pipe (``signal.set_wakeup_fd``) the moment the
-signal arrives, and the waiter blocks in ``select`` on that pipe: a byte written before the
+signal arrives, and the waiter blocks in ``poll`` on that pipe: a byte written before the
 wait is still there when it starts.
 """
 
@@ -35,6 +35,9 @@ class StopRequest:
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # a full pipe already says "stop"
+        # poll, not select: a shard may hold more than select's 1,024 descriptors
+        self._news = select.poll()
+        self._news.register(self._read, select.POLLIN)
         self._stopped = False
         self._signum = 0
         for sig in STOP_SIGNALS:
@@ -72,7 +75,7 @@ class StopRequest:
         return self._signum
 
     def _read_news(self, timeout: float | None) -> None:
-        if not select.select([self._read], [], [], timeout)[0]:
+        if not self._news.poll(None if timeout is None else timeout * 1000):
             return
         # Other signals with Python handlers write their numbers too; only ours mean stop.
         for byte in os.read(self._read, 4096):
