@@ -153,7 +153,8 @@ def run_head(name: str, args: argparse.Namespace, num_classes: int,
     if resumed_at is None:
         # Starting over replaces an earlier run here: its checkpoints would be what a later
         # --resume finds, and its logs (graph.csv's recalls) would count in the new run's row.
-        shutil.rmtree(out, ignore_errors=True)
+        if out.exists():
+            shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "study.json").write_text(json.dumps(identity, indent=1))
     else:

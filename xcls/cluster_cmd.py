@@ -327,9 +327,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"error: {e} (--start-timeout)", file=sys.stderr)
     except (ShardStartError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
-    if cluster.stop_requested.signum:
-        return 128 + cluster.stop_requested.signum
-    return code
+    signum = cluster.stop_requested.signum
+    return 128 + signum if signum else code
 
 
 def _serve_or_train(cluster: Cluster) -> int:

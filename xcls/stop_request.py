@@ -38,8 +38,7 @@ class StopRequest:
         # poll, not select: a shard may hold more than select's 1,024 descriptors
         self._news = select.poll()
         self._news.register(self._read, select.POLLIN)
-        self._stopped = False
-        self._signum = 0
+        self._asked: int | None = None  # None: not yet; 0: ``set``; else the signal's number
         for sig in STOP_SIGNALS:
             # the wakeup fd has the news; the handler only replaces the default action (exit)
             signal.signal(sig, lambda signum, frame: None)
@@ -60,26 +59,26 @@ class StopRequest:
         """Block until a stop is asked for (at once if it already was), or for ``timeout``
         seconds; whether one was."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._stopped:
+        while self._asked is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._read_news(left)
             if left == 0:
                 break
-        return self._stopped
+        return self._asked is not None
 
     @property
     def signum(self) -> int:
         """The number of the signal that asked for the stop; 0 when none did (not yet, or
         ``set`` asked first)."""
         self.is_set()
-        return self._signum
+        return self._asked or 0
 
     def _read_news(self, timeout: float | None) -> None:
         if not self._news.poll(None if timeout is None else timeout * 1000):
             return
         # Other signals with Python handlers write their numbers too; only ours mean stop.
         for byte in os.read(self._read, 4096):
-            if byte in _STOP_BYTES and not self._stopped:
-                self._stopped, self._signum = True, byte
+            if byte in _STOP_BYTES and self._asked is None:
+                self._asked = byte
                 log.info("stop_requested signal=%s",
                          signal.Signals(byte).name if byte != _SET else "none")
