@@ -111,6 +111,8 @@ class _Payload:
     (pickle.dumps(([b"x", "y"], [True])), "image 1 is a str"),
     (pickle.dumps(([b"x", b"y"], [0.5])), "flag 0 is 0.5"),
     (pickle.dumps({"images": []}), "expected a pair"),
+    # a bytes object claiming 2**62 bytes: the unpickler would allocate it before reading
+    (b"\x80\x04\x8e" + (1 << 62).to_bytes(8, "little") + b"abc", "not a pair file"),
 ])
 def test_hostile_pair_files_are_refused(tmp_path, content, message):
     (tmp_path / "bad.bin").write_bytes(content)

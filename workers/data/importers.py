@@ -366,6 +366,10 @@ def read_pairs_bin(path: Path) -> tuple[list[bytes], list[bool]]:
         raise DatasetError(f"{path}: cannot read it ({e.strerror})") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
         raise DatasetError(f"{path}: not a pair file ({e})") from None
+    except MemoryError:
+        # the unpickler allocates a string's claimed length before it reads the string
+        raise DatasetError(f"{path}: not a pair file (it claims a string larger than memory "
+                           "allows)") from None
     if not (isinstance(data, (tuple, list)) and len(data) == 2):
         raise DatasetError(f"{path}: expected a pair (images, flags), got {type(data).__name__}")
     images, flags = data
