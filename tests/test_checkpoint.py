@@ -73,10 +73,45 @@ def test_broken_checkpoint_gives_an_error_naming_the_file(tmp_path, damage):
     assert str(path) in str(info.value)
 
 
+def _whole_checkpoint(step: int) -> tuple[dict, dict]:
+    shared = {"step": step, "position": (0, 256), "backbone": {"w": torch.ones(2)},
+              "optimizer": {"state": {}, "param_groups": []}, "scaler": None, "world": 1}
+    private = {"prepared": [], "selector_rng": None, "world": 1}
+    return shared, private
+
+
+@pytest.mark.parametrize("part, field, value, message", [
+    ("shared", "backbone", None, "has no field 'backbone'"),
+    ("shared", "optimizer", None, "has no field 'optimizer'"),
+    ("shared", "backbone", torch.ones(3), "'backbone' must be a dict"),
+    ("shared", "position", 5, "'position' must be an .epoch, samples. pair"),
+    ("shared", "position", (0, -1), "'position' must be"),
+    ("shared", "step", -3, "'step' must be a non-negative integer"),
+    ("shared", "step", True, "'step' must be"),
+    ("private", "prepared", None, "has no field 'prepared'"),
+    ("private", "selector_rng", "seed", "'selector_rng' must be a tensor or None"),
+])
+def test_a_checkpoint_without_what_a_resume_reads_is_refused_by_field(tmp_path, part, field,
+                                                                      value, message):
+    out = tmp_path / "run"
+    shared, private = _whole_checkpoint(4)
+    state = shared if part == "shared" else private
+    if value is None:
+        del state[field]
+    else:
+        state[field] = value
+    checkpoint.save_rank(out, 4, 0, private)
+    checkpoint.save_shared(out, 4, shared)
+    with pytest.raises(CheckpointError, match=message) as info:
+        checkpoint.load(out, 4, rank=0)
+    name = "worker.pt" if part == "shared" else "rank-00000.pt"
+    assert str(checkpoint.checkpoint_dir(out, 4) / name) in str(info.value)
+
+
 def test_saved_state_of_plain_containers_round_trips(tmp_path):
     out = tmp_path / "run"
     shared = {"step": 7, "position": (1, 128), "world": 1, "scaler": None,
-              "backbone": {"w": torch.arange(6.0).view(2, 3)}}
+              "backbone": {"w": torch.arange(6.0).view(2, 3)}, "optimizer": {"state": {}}}
     private = {"prepared": [{"active_ids": torch.arange(3), "rows": torch.ones(3, 2)}],
                "selector_rng": torch.Generator().manual_seed(1).get_state(), "world": 1,
                "gear": {"version": 2, "counts": {"samples": 9}, "cache": None}}

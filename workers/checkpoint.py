@@ -20,6 +20,7 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +83,52 @@ def latest_step(out_dir: Path) -> int | None:
     return steps[0] if steps else None
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _position(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_count, value))
+
+
+def _of(*kinds: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kinds)
+
+
+# What a resume reads from each file: its name, what it must be, and the check that it is.
+Fields = dict[str, tuple[str, Callable[[Any], bool]]]
+SHARED_FIELDS: Fields = {
+    "step": ("a non-negative integer", _count),
+    "position": ("an (epoch, samples) pair of non-negative integers", _position),
+    "backbone": ("a dict of tensors", _of(dict)),
+    "optimizer": ("a dict", _of(dict)),
+}
+RANK_FIELDS: Fields = {
+    "prepared": ("a list", _of(list)),
+    "selector_rng": ("a tensor or None", _of(torch.Tensor, type(None))),
+}
+
+
+def _check_fields(state: dict, path: Path, fields: Fields) -> None:
+    for name, (what, fits) in fields.items():
+        if name not in state:
+            raise CheckpointError(f"checkpoint {path}: has no field {name!r}")
+        if not fits(state[name]):
+            raise CheckpointError(f"checkpoint {path}: field {name!r} must be {what}, got "
+                                  f"{type(state[name]).__name__}")
+
+
 def load(out_dir: Path, step: int, rank: int) -> tuple[dict, dict | None]:
     """(shared state, this rank's state or None when that file is absent); CheckpointError
-    naming the file when one cannot be loaded (:func:`read_state`)."""
+    naming the file when one cannot be loaded (:func:`read_state`) or lacks a field a resume
+    reads (``SHARED_FIELDS``, ``RANK_FIELDS``)."""
     d = checkpoint_dir(out_dir, step)
     shared = read_state(d / "worker.pt")
+    _check_fields(shared, d / "worker.pt", SHARED_FIELDS)
     rank_path = d / f"rank-{rank:05d}.pt"
     private = read_state(rank_path) if rank_path.exists() else None
+    if private is not None:
+        _check_fields(private, rank_path, RANK_FIELDS)
     return shared, private
 
 
