@@ -16,6 +16,7 @@ only runs measured at ``CURRENT_TRAINING_CODE`` or later.
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 import subprocess
 from collections.abc import Iterable
@@ -72,7 +73,21 @@ class Run:
 
 
 def _number(text: str, kind: type = float) -> float | int | None:
-    return kind(text) if text.strip() else None
+    if not text.strip():
+        return None
+    value = kind(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def _percent(text: str, *, required: bool = False) -> float | None:
+    value = _number(text)
+    if value is None and required:
+        raise ValueError("a top-1 is required")
+    if value is not None and not 0 <= value <= 100:
+        raise ValueError(f"{text} is not a percentage")
+    return value
 
 
 def load_runs(path: Path) -> list[Run]:
@@ -91,8 +106,9 @@ def load_runs(path: Path) -> list[Run]:
                     row["date"], row["commit"], row["device"], int(row["classes"]),
                     _number(row["epochs"]), row["head"], int(row["budget"]),
                     _number(row["k"], int), _number(row["random_share"]),
-                    _number(row["seed"], int), float(row["top1"]), _number(row["top5"]),
-                    _number(row["class_means_top1"]), _number(row["seconds_per_epoch"]),
+                    _number(row["seed"], int), _percent(row["top1"], required=True),
+                    _percent(row["top5"]), _percent(row["class_means_top1"]),
+                    _number(row["seconds_per_epoch"]),
                     tuple(e for e in entries if "=" in e),
                     tuple(e for e in entries if "=" not in e)))
             except (ValueError, TypeError) as err:

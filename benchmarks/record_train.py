@@ -26,6 +26,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -55,11 +56,15 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _number(row: dict[str, str], column: str, path: Path) -> float:
+def _number(row: dict[str, str], column: str, path: Path, *, most: float = math.inf) -> float:
+    """The last row's ``column``, a finite number in [0, ``most``]."""
     try:
-        return float(row[column])
+        value = float(row[column])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{path}: its last row has no number in column {column!r}") from None
+    if not 0 <= value <= most:  # also refuses nan; inf only where most is
+        raise ValueError(f"{path}: its last row's {column} is {row[column]}, outside [0, {most:g}]")
+    return value
 
 
 def class_means_top1(eval_output: str) -> float | None:
@@ -93,7 +98,8 @@ def train_row(config: Path, overrides: list[str], *, ranks: int = 1,
         raise ValueError(f"{summary_path}: {classes} classes, {images} train images")
     eval_csv = run / "eval.csv"
     last_eval = _csv_rows(eval_csv)[-1]  # the evaluation after the run's last step
-    steps, top1, top5 = (_number(last_eval, c, eval_csv) for c in ("step", "top1", "top5"))
+    steps = _number(last_eval, "step", eval_csv)
+    top1, top5 = (_number(last_eval, c, eval_csv, most=1.0) for c in ("top1", "top5"))
     # the trainer's own plan of the run: a run stopped early (SIGTERM, a crash) evaluated at an
     # epoch's end would otherwise pass for a shorter run, though its schedule was the longer one's
     plan = BatchPlan(images, cfg.train.batch_schedule or cfg.data.batch_size, 0, ranks,
@@ -148,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1,
                         help="the run's processes under torchrun (default: 1)")
     args = parser.parse_args(argv)
-    eval_output = args.eval_output.read_text() if args.eval_output else ""
     try:
+        eval_output = args.eval_output.read_text() if args.eval_output else ""
         path = record_train(args.config, args.set, ranks=args.ranks, eval_output=eval_output)
+    except OSError as e:
+        print(f"record_train: {e.filename}: cannot read it ({e.strerror})", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"record_train: {e}", file=sys.stderr)
         return 2

@@ -77,8 +77,19 @@ def test_a_finished_run_becomes_the_row_the_tables_read(trained, glyphs_small, t
                             f"train.max_steps={STEPS}", "ranks=2")
 
 
+def _last_eval_scores(run: Path, top1: str, top5: str) -> None:
+    """Rewrite the run's last evaluation (at its planned step) with these scores."""
+    lines = (run / "eval.csv").read_text().splitlines()
+    step = lines[-1].split(",")[0]
+    (run / "eval.csv").write_text("\n".join([*lines[:-1], f"{step},{top1},{top5},100"]) + "\n")
+
+
 @pytest.mark.parametrize("damage, named", [
     (lambda run, data: (run / "eval.csv").unlink(), "eval.csv is missing"),
+    (lambda run, data: _last_eval_scores(run, "nan", "0.9"), "top1 is nan, outside [0, 1]"),
+    (lambda run, data: _last_eval_scores(run, "0.5", "inf"), "top5 is inf, outside [0, 1]"),
+    (lambda run, data: _last_eval_scores(run, "98.94", "0.9"), "top1 is 98.94, outside"),
+    (lambda run, data: _last_eval_scores(run, "0.5", "-3"), "top5 is -3, outside"),
     (lambda run, data: (run / "eval.csv").write_text("step,top1,top5,samples\n"),
      "eval.csv has no rows"),
     (lambda run, data: (run / "eval.csv").write_text("step,top1,top5\n30,high,0.9\n"),
@@ -202,3 +213,12 @@ def test_a_recorded_demo_appends_its_time_and_its_top1(trained, tmp_path):
     [run] = accuracy_tables.load_runs(tmp_path / "results" / "accuracy.csv")
     assert run.top1 == pytest.approx(100 * result.eval["top1"], abs=0.005)
     assert (run.class_means_top1, run.settings) == (61.25, (f"config={out / 'config.toml'}",))
+
+
+def test_a_missing_eval_output_is_named_and_records_nothing(tmp_path):
+    done = record([str(CONFIG), "--eval-output", str(tmp_path / "means.txt")],
+                  tmp_path / "results")
+    assert done.returncode == 2, done.stderr
+    assert f"{tmp_path / 'means.txt'}: cannot read it" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "results" / "accuracy.csv").exists()

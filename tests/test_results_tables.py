@@ -100,11 +100,20 @@ def test_the_accuracy_file_keeps_its_schema() -> None:
     assert runs and all(0 < r.top1 <= 100 for r in runs)
 
 
-def test_a_row_off_the_schema_is_an_error_naming_its_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("row, message", [
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,softmax,10,,,0,90.00,,,,", "head 'softmax'"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,nan,,,,", "'nan' is not a finite"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,,,,,", "a top-1 is required"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,9894.00,,,,", "9894.00 is not a perc"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,90.00,-3,,,", "-3 is not a percentage"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,90.00,,inf,,", "'inf' is not a finite"),
+    ("2026-11-25,abc1234,2-core CPU VM,100,2,full,100,,,0,90.00,,,nan,", "'nan' is not a finite"),
+])
+def test_a_row_off_the_schema_is_an_error_naming_its_line(tmp_path: Path, row: str,
+                                                           message: str) -> None:
     path = tmp_path / "accuracy.csv"
-    row = "2026-11-25,abc1234,2-core CPU VM,100,2,softmax,10,,,0,90.00,,,,"
     path.write_text(",".join(accuracy_tables.COLUMNS) + "\n" + row + "\n")
-    with pytest.raises(ValueError, match=r"accuracy.csv:2: head 'softmax'"):
+    with pytest.raises(ValueError, match=rf"accuracy.csv:2: {message}"):
         accuracy_tables.load_runs(path)
 
 
