@@ -57,6 +57,14 @@ def test_print_round_trips(tmp_path):
     assert tomllib.loads(to_toml(cfg))["head"]["kind"] == "partial"
 
 
+@pytest.mark.parametrize("path", ["/tmp/run\nnext", "tab\there", 'a "quoted" \\ path',
+                                  "bell\x07del\x7f", "漢字/é"])
+def test_print_round_trips_strings_toml_must_escape(tmp_path, path):
+    cfg = load_config(None, [f"train.out_dir={path}"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert str(again.train.out_dir) == path
+
+
 def test_print_documents_each_field_above_it():
     lines = to_toml(load_config(None, [])).splitlines()
     at = lines.index("rebuild_every = 0")

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import textwrap
 import tomllib
@@ -312,5 +313,5 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    # JSON's string escapes are TOML's (\n, \uXXXX, ...), but for DEL, which TOML escapes too
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
