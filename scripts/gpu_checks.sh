@@ -16,7 +16,8 @@
 # Steps, in this order, each under its own time limit and all within GPU_CHECKS_SECONDS (480):
 # a step that does not fit in the time left is skipped and named at the end, with the command
 # that runs it (--only STEP, in a second call).
-# The seconds in brackets are what each step took on an H100 or H200 host.
+# In brackets, the seconds a step took on an H100 or H200 host; "about": the sum of its
+# parts, measured when they ran grouped otherwise.
 #   setup      the wheels into /tmp/site, the fonts under /usr/share/fonts, the shards' C row
 #              update (ams/shard/_kernels.c) built in place [15]
 #   tests      pytest -k cuda: heads, row update and prefetch staging on CUDA, collective
@@ -33,7 +34,8 @@
 #   heads      bench_heads on CUDA at 1M: the head alone, exact graph [21]
 #   step-100m  bench_step at 100M, rows in host RAM, float16, d = 128: backbone alone, knn [201]
 #   graph-10m  bench_graph --device cuda: the exact graph of 10M rows (last: it has a figure
-#              of its own already, and the steps' rows are the ones the targets name) [about 200]
+#              of its own already, and the steps' rows are the ones the targets name)
+#              [over 200 with the rows' creation; the graph alone 142]
 #
 # Output: everything printed (the tables for RESULTS.md) also goes to $OUT/gpu_checks.log, and
 # the benchmarks' records to $OUT/results/*.jsonl ($OUT: default runs/gpu-checks). Back here,
