@@ -121,11 +121,12 @@ class StartTracer:
     def load_sampler_state(self, state: torch.Tensor | None) -> None:
         self.head.load_sampler_state(state)
 
-    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
+                         logq: bool = True) -> HeadStep:
         if self.step >= self.stop_at:
             # raised in the step after the last, so that one was logged and pushed in full
             raise StopTrace
-        out = self.head.forward_backward(features, batch)
+        out = self.head.forward_backward(features, batch, logq)
         self.losses.append(out.loss)
         step = self.step
         self.step += 1

@@ -251,6 +251,10 @@ def test_logq_correction_weights_the_uniform_draws(name):
     plain = build_head(name, make_client(num_rows=num_rows), "fc", num_rows, arcface_margin(),
                        logq_correction=False, **options)
     assert plain.forward_backward(features, active).loss < step.loss - 0.1
+    # a step outside the weights' schedule: the softmax without the offsets
+    unweighted = F.cross_entropy(logits.detach() - offsets, target)
+    assert head.forward_backward(features, active, logq=False).loss == pytest.approx(
+        unweighted.item(), abs=1e-5)
 
 
 def test_knn_head_needs_a_graph_deep_enough():

@@ -125,11 +125,13 @@ class CollectiveHead:
         return ActiveBatch(active_ids=selection.active, target=selection.target,
                            rows=torch.empty(0, 0), log_weight=selection.log_weight)
 
-    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
+                         logq: bool = True) -> HeadStep:
         """One step of the model-parallel softmax; a collective over all ranks.
 
         features: (B, dim) float, this rank's samples; batch: :meth:`prepare`'s, the labels
-        int64 (B,). Computes in float32, or float64 for float64 features.
+        int64 (B,); ``logq`` as in ``ClassifierHead.forward_backward``. Computes in float32,
+        or float64 for float64 features.
         Returns ``loss`` and ``accuracy`` of the global batch (equal on every rank),
         ``feature_grad`` (B, dim) the gradient of the mean loss over this rank's samples (as
         ``ClassifierHead`` returns it; DDP's average over ranks makes it the global batch's),
@@ -155,7 +157,7 @@ class CollectiveHead:
             target = selection.target.to(device)
             cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
             logits = self.margin(cosine, target).to(dtype)
-            if self.logq_correction:
+            if self.logq_correction and logq:
                 logits = logits + selection.log_weight.to(device=device, dtype=dtype)
             loss, accuracy, num_active, logit_grad = self._softmax(
                 logits.detach(), cosine.detach(), target)

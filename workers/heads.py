@@ -193,7 +193,8 @@ class RowHead(Protocol):
     def select(self, labels: torch.Tensor) -> Selection: ...
     def pull(self, selection: Selection) -> ActiveBatch: ...
     def prepare(self, labels: torch.Tensor) -> ActiveBatch: ...
-    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep: ...
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
+                         logq: bool = True) -> HeadStep: ...
     def sampler_state(self) -> torch.Tensor | None: ...
     def load_sampler_state(self, state: torch.Tensor | None) -> None: ...
 
@@ -242,13 +243,16 @@ class ClassifierHead:
         return ActiveBatch(active_ids=selection.active, target=selection.target, rows=rows,
                            log_weight=selection.log_weight)
 
-    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch) -> HeadStep:
+    def forward_backward(self, features: torch.Tensor, batch: ActiveBatch,
+                         logq: bool = True) -> HeadStep:
         """Loss and gradients of one batch over its active classes; changes no row.
 
         features: (B, dim) float, the backbone's output (its graph is left untouched: the head
         differentiates a detached copy and returns dL/dfeatures in ``HeadStep.feature_grad``).
         ``HeadStep.row_grad`` is w.r.t. the unnormalized rows, float32 (A, dim) on the
-        features' device.
+        features' device. ``logq``: False computes this step's softmax without the drawn
+        classes' weights even when the head applies them (its schedule, see
+        ``HeadConfig.logq_start_step``).
         """
         if features.dim() != 2 or features.shape[0] != batch.target.shape[0]:
             raise ValueError(f"features must be (B, dim) with B={batch.target.shape[0]}, "
@@ -263,7 +267,7 @@ class ClassifierHead:
             target = batch.target.to(device)
             cosine = F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()
             logits = self.margin(cosine, target)
-            if self.logq_correction:
+            if self.logq_correction and logq:
                 logits = logits + batch.log_weight.to(device)
             loss = F.cross_entropy(logits, target)
             feature_grad, row_grad = torch.autograd.grad(loss, (x, w))

@@ -145,6 +145,8 @@ class Trainer:
         self.head_warmup_steps = row_warmup_steps(
             cfg.optim.head_warmup_steps, cfg.optim.warmup_steps, head.num_classes,
             self.plan.batch_size * world)
+        logq_start = cfg.head.logq_start_step
+        self.logq_start_step = self.head_warmup_steps if logq_start == -1 else logq_start
         combine = head.combine_row_grads
         self.rows = RowUpdater(head.device_rows or client, self.table,
                                [self._head_lr(t) for t in range(self.total_steps)],
@@ -285,7 +287,8 @@ class Trainer:
         self._prefetcher.wait_prepared(self.step)
         self.rows.wait_pushed(self.step - 1)
         clock.lap("wait")
-        out = self.head.forward_backward(features, prepared.on_device())
+        out = self.head.forward_backward(features, prepared.on_device(),
+                                         logq=self.step >= self.logq_start_step)
         clock.lap("head")
         # pushed behind the backbone's backward and the next forward
         self.rows.update(self.step, out.active_ids, out.row_grad)
