@@ -131,7 +131,7 @@ class StartTracer:
         step = self.step
         self.step += 1
         if self.step % self.every == 0 or step == 0:
-            self._record(step, features, batch, out)
+            self._record(step, features, batch, out, logq)
         return out
 
     # ---- what is recorded -----------------------------------------------------------------
@@ -185,7 +185,7 @@ class StartTracer:
                 "means_seconds": round(time.perf_counter() - started, 1)}
 
     def _record(self, step: int, features: torch.Tensor, batch: ActiveBatch,
-                out: HeadStep) -> None:
+                out: HeadStep, logq: bool) -> None:
         lr = self.trainer.rows.lrs[step]
         active, target = batch.active_ids, batch.target
         labels = active[target]
@@ -202,7 +202,7 @@ class StartTracer:
         cosine = x @ F.normalize(w, dim=1).t()
         with torch.no_grad():
             logits = self.head.margin(cosine.clone(), target)
-            if self.head.logq_correction:
+            if self.head.logq_correction and logq:  # the softmax the step computed
                 logits = logits + batch.log_weight
             mass = torch.softmax(logits, dim=1).mean(dim=0)
         rows_norm = w.norm(dim=1)

@@ -538,3 +538,24 @@ def test_trace_start_only_reads_the_run_it_traces(glyphs_small, tmp_path):
     windows = [float(r["loss"]) for r in trace]
     assert (windows[0] + 4 * windows[1] + 5 * sum(windows[2:])) / 20 == pytest.approx(traced,
                                                                                       rel=1e-9)
+
+
+def test_trace_start_reports_the_softmax_each_step_computed(glyphs_small, tmp_path):
+    """Before ``head.logq_start_step`` the trace's probability mass is the plain softmax's: a
+    run whose weights start after the trace's last step records what a run without them does."""
+    import csv
+
+    common = ["--data", str(glyphs_small), "--epochs", "1", "--batch-size", "32",
+              "--sample-rate", "0.5", "--k", "4", "--rebuild-every", "10", "--warmup", "4",
+              "--threads", "1", "--num-workers", "0", "--seed", "1", "--head", "knn",
+              "--stop-at", "10", "--every", "5", "--means-every", "10", "--probe", "16"]
+
+    def masses(name: str, *options: str) -> list[float]:
+        done = run_benchmark("trace_start.py", *common, *options, "--out", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open(tmp_path / name / "knn" / "trace.csv", newline="") as f:
+            return [float(r["mass_random"]) for r in csv.DictReader(f)]
+
+    later = masses("later", "--set", "head.logq_start_step=100")
+    assert later == pytest.approx(masses("off", "--no-logq-correction"), abs=1e-6)
+    assert later != pytest.approx(masses("weighted"), abs=1e-3)
