@@ -10,6 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# The bound on a table's class count: ids and the slot arithmetic on them stay well inside int64.
+MAX_ROWS = 2**62
+
 # numpy's integer division and remainder below: a shard divides the ids of every request it
 # serves, most name a few ids, and a torch call costs several times a numpy one at that size
 

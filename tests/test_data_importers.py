@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import resource
 import struct
@@ -170,6 +171,29 @@ def test_rec_class_id_beyond_the_class_count_is_refused(tmp_path):
     assert import_rec_limited(rec, tmp_path / "ds", "--num-classes", "10").returncode == 0
     meta = read_metadata(tmp_path / "ds")
     assert meta.num_classes == 10 and LmdbImageDataset(tmp_path / "ds").labels().tolist() == [0, 7]
+
+
+def test_rec_class_count_of_a_hundred_million_holds_no_list_of_names(tmp_path):
+    # Ids 0 and 7 of a large set: classes are named by their ids, so the count costs no list in
+    # memory (the import runs in 1 GiB) and no names in the metadata.
+    rec = _write_rec(tmp_path, [(_png(1), 0.0), (_png(2), 7.0)])
+    done = import_rec_limited(rec, tmp_path / "ds", "--num-classes", str(10**8))
+    assert done.returncode == 0, done.stderr[-2000:]
+    meta = read_metadata(tmp_path / "ds")
+    assert meta.num_classes == 10**8 and len(meta.class_names) == 10**8
+    assert (meta.class_names[7], meta.class_names[-1]) == ("7", "99999999")
+    assert len(meta.to_json()) < 1024
+    info = subprocess.run([sys.executable, "-m", "xcls", "data", "info", str(tmp_path / "ds")],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(info.stdout)["class_names"] == [str(i) for i in range(10)] + ["..."]
+
+
+@pytest.mark.parametrize("count", ["0", "-3", str(2**62), str(10**30)])
+def test_rec_class_count_outside_what_a_table_holds_is_refused(tmp_path, count):
+    rec = _write_rec(tmp_path, [(_png(1), 0.0), (_png(2), 1.0)])
+    assert one_line_error(import_rec_limited(rec, tmp_path / "ds", "--num-classes", count)) == (
+        f"error: num_classes must be in [1, 2**62) (what a class table holds), got {count}")
+    assert not (tmp_path / "ds").exists()
 
 
 def test_rec_bad_magic(tmp_path):

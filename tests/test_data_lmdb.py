@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from workers.data.class_names import NumberedClasses
 from workers.data.errors import DatasetError
 from workers.data.lmdb_dataset import (
     META_DB,
@@ -181,18 +182,40 @@ def test_garbage_metadata(gray, raw, match):
         read_metadata(path)
 
 
-def test_bad_metadata_field(gray):
-    path, _, _ = gray
+def _set_metadata_field(path, name, value) -> None:
     close_dataset(path)
     env = lmdb.open(str(path), max_dbs=2)
     db = env.open_db(META_DB)
     with env.begin(write=True, db=db) as txn:
         meta = json.loads(txn.get(META_KEY))
-        meta["height"] = "tall"
+        meta[name] = value
         txn.put(META_KEY, json.dumps(meta).encode())
     env.close()
+
+
+def test_bad_metadata_field(gray):
+    path, _, _ = gray
+    _set_metadata_field(path, "height", "tall")
     with pytest.raises(DatasetError, match="'height'"):
         LmdbImageDataset(path)
+
+
+@pytest.mark.parametrize("names, expected", [
+    (None, NumberedClasses(5)),
+    ("numbered", DatasetError),
+    (["a", "b"], DatasetError),
+    ({"count": 4}, DatasetError),
+])
+def test_class_names_in_the_metadata(gray, names, expected):
+    """A list of num_classes names, or null (classes named by their ids); nothing else."""
+    path, _, _ = gray
+    _set_metadata_field(path, "class_names", names)
+    if expected is DatasetError:
+        with pytest.raises(DatasetError, match="'class_names' must be a list of num_classes=5 "
+                           r"names, or null \(numbered\)"):
+            read_metadata(path)
+    else:
+        assert read_metadata(path).class_names == expected
 
 
 def noise_dataset(path, n=300, side=32):

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from workers.backbones import build_backbone
+from workers.data.class_names import NumberedClasses
 from workers.predict import Classifier, write_export
 from xcls.cli import main
 
@@ -46,6 +47,18 @@ def test_an_intact_export_classifies_as_the_float64_brute_force(export):
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(scores.double(), ref_scores, atol=1e-5, rtol=0)
     assert clf.names(ids[:1, :1]) == [[f"class{int(ref_ids[0, 0])}"]]
+
+
+def test_numbered_classes_are_stored_as_null_and_named_by_their_ids(tmp_path):
+    """A .rec import's classes are named by number: the export stores no list of them."""
+    out = write_export(tmp_path / "model", build_backbone("resnet_small", DIM, 1, SIZE),
+                       [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))],
+                       backbone_name="resnet_small", num_classes=CLASSES, dim=DIM,
+                       image_size=SIZE, channels=1, class_names=NumberedClasses(CLASSES),
+                       step=1, config_toml="")
+    assert json.loads((out / "classes.json").read_text()) is None
+    clf = Classifier.load(out, device="cpu")
+    assert clf.names(torch.tensor([[7, 0], [9, 3]])) == [["7", "0"], ["9", "3"]]
 
 
 def _meta(**fields) -> Callable[[Path], None]:
@@ -100,6 +113,7 @@ DAMAGE = {
     "class names numbers": (_classes(json.dumps(list(range(CLASSES)))),
                             "must be a list of 10 class names"),
     "class names an object": (_classes('{"0": "a"}'), "must be a list of 10 class names"),
+    "class names a string": (_classes('"numbered"'), "must be a list of 10 class names"),
     "class names not UTF-8": (_classes(b'["\xff"]'), "classes.json: 'utf-8' codec"),
 }
 

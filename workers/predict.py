@@ -9,7 +9,7 @@ An export directory holds everything needed to classify without the AMS:
                          float32 features out
     rows.npy             (num_classes, dim) class rows (float16 or float32; memory-mapped):
                          the trained rows, or the training features' class means
-    classes.json         class id -> name (e.g. "U+4E00")
+    classes.json         class id -> name (e.g. "U+4E00"); null where class i is named "i"
     config.toml          the experiment config it was trained with, secrets redacted
 """
 
@@ -34,6 +34,7 @@ from ams.graph.topk import merge_top_lists, resolve_device
 from ams.jsontext import parse_json
 from ams.shard.optim import all_finite
 from workers.backbones import Backbone, build_backbone
+from workers.data.class_names import NumberedClasses
 
 EXPORT_FORMAT = "xcls-export"
 EXPORT_VERSION = 1
@@ -132,8 +133,8 @@ def export_onnx(backbone: Backbone, image_size: int, channels: int, path: Path) 
 
 def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torch.Tensor,
                  torch.Tensor]], *, backbone_name: str, num_classes: int, dim: int,
-                 image_size: int, channels: int, class_names: list[str], step: int,
-                 config_toml: str, row_source: str = "trained",
+                 image_size: int, channels: int, class_names: list[str] | NumberedClasses,
+                 step: int, config_toml: str, row_source: str = "trained",
                  rows_dtype: str = "float32", onnx: bool = False) -> Path:
     """Write an export directory (see the module docstring) from a trained backbone and the
     class rows streamed as (ids, rows) blocks; ``row_source`` (one of ``ROW_SOURCES``) says
@@ -159,7 +160,8 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
         _write_export_files(staging, backbone, rows_blocks, num_classes=num_classes, dim=dim,
                             image_size=image_size, channels=channels, onnx=onnx,
                             rows_dtype=rows_dtype)
-        (staging / "classes.json").write_text(json.dumps(class_names, ensure_ascii=False))
+        names = None if isinstance(class_names, NumberedClasses) else list(class_names)
+        (staging / "classes.json").write_text(json.dumps(names, ensure_ascii=False))
         (staging / "config.toml").write_text(config_toml)
         (staging / "export.json").write_text(json.dumps({
             "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
@@ -249,7 +251,8 @@ def _finite_rows(rows: torch.Tensor, start: int) -> torch.Tensor:
 class Classifier:
     """A trained model from an export directory: images -> top-k classes by nearest row."""
 
-    def __init__(self, backbone: Backbone, rows: torch.Tensor, class_names: list[str],
+    def __init__(self, backbone: Backbone, rows: torch.Tensor,
+                 class_names: list[str] | NumberedClasses,
                  image_size: int, channels: int, device: str = "cpu") -> None:
         """``rows`` (num_classes, dim) float32 or float16, on the CPU (may be memory-mapped):
         scored block by block on ``device``."""
@@ -292,10 +295,12 @@ class Classifier:
             names = parse_json((path / "classes.json").read_text(encoding="utf-8"))
         except ValueError as e:  # not UTF-8, not JSON
             raise ValueError(f"{path / 'classes.json'}: {e}") from None
-        if (not isinstance(names, list) or len(names) != meta["num_classes"]
+        if names is None:
+            names = NumberedClasses(meta["num_classes"])
+        elif (not isinstance(names, list) or len(names) != meta["num_classes"]
                 or not all(isinstance(name, str) for name in names)):
             raise ValueError(f"{path / 'classes.json'}: must be a list of "
-                             f"{meta['num_classes']} class names (strings)")
+                             f"{meta['num_classes']} class names (strings), or null (numbered)")
         return cls(backbone, torch.from_numpy(rows), names, meta["image_size"],
                    meta["channels"], device)
 

@@ -89,8 +89,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from workers.data.lmdb_dataset import read_metadata, verify_dataset
 
     def show() -> None:
-        meta = asdict(read_metadata(args.path))
-        names = meta.pop("class_names")
+        metadata = read_metadata(args.path)
+        meta, names = asdict(metadata), metadata.class_names
         meta["class_names"] = names[:10] + (["..."] if len(names) > 10 else [])
         if args.verify:
             meta["verified"] = verify_dataset(args.path)

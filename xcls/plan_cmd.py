@@ -134,14 +134,15 @@ def build_job(cfg: ExperimentConfig, args: argparse.Namespace) -> Job:
     """The ``ams.cluster.plan.Job`` of ``cfg`` with the flags' sizes; ValueError (one line) for bad
     flags or a class count that cannot be found."""
     from ams.addresses import parse_address
-    from ams.cluster.plan import MAX_CLASSES, MAX_COUNT, Job
+    from ams.cluster.plan import MAX_COUNT, Job
     from ams.errors import AmsError
+    from ams.sharding import MAX_ROWS
     from workers.data.errors import DatasetError
     from workers.data.lmdb_dataset import read_metadata
     from workers.heads import HeadKind
 
     if args.classes is not None:
-        classes = parse_count(args.classes, "--classes", MAX_CLASSES - 1)
+        classes = parse_count(args.classes, "--classes", MAX_ROWS - 1)
     elif cfg.data.train:
         try:
             classes = read_metadata(cfg.data.train).num_classes

@@ -179,7 +179,7 @@ def open_pair_sets(paths: list[str], train: DatasetMetadata) -> dict[str, LmdbIm
         except DatasetError as e:
             raise ConfigError(f"data.verification: {e}") from None
         m, name = pairs.metadata, Path(path).name
-        if tuple(m.class_names) != PAIR_CLASSES or m.num_samples % 2:
+        if m.class_names != list(PAIR_CLASSES) or m.num_samples % 2:
             raise ConfigError(f"data.verification: {path} is not a pair set (import one with "
                               "'xcls data bin')")
         if (m.height, m.width, m.channels) != (train.height, train.width, train.channels):

@@ -60,7 +60,7 @@ from ams.shard.neighbor_lists import id_dtype
 from ams.shard.slots import slot_capacity, slot_dtype
 from ams.shard.snapshot import COMMIT_BYTES
 from ams.shard.storage import StorageKind
-from ams.sharding import owned_count
+from ams.sharding import MAX_ROWS, owned_count
 
 RATES_FILE = "plan_rates.json"
 CLOCK_BYTES = 8  # float64 decay clock per row
@@ -73,7 +73,6 @@ KMEANS_ITERATIONS = 10
 # Largest count of shards, hosts or workers a plan takes: far past any cluster, and it keeps
 # every product of the arithmetic finite.
 MAX_COUNT = 1 << 24
-MAX_CLASSES = 2**62  # ams.shard.store.TableSpec's bound on num_rows
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class Job:
     handler_threads: int = 16
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_classes, int) or not 0 < self.num_classes < MAX_CLASSES:
+        if not isinstance(self.num_classes, int) or not 0 < self.num_classes < MAX_ROWS:
             raise ValueError(f"num_classes={self.num_classes} must be an integer in "
                              "[1, 2**62)")
         for name in ("shards", "hosts", "workers", "batch_size", "handler_threads"):

@@ -37,7 +37,7 @@ class TableSpec:
                 or not self.name.isprintable() or "/" in self.name:
             raise InvalidArgument(f"table name {shorten(self.name)}: need 1..{MAX_TABLE_NAME} "
                                   "printable characters, no '/'")
-        if not isinstance(self.num_rows, int) or not 0 < self.num_rows < 2**62:
+        if not isinstance(self.num_rows, int) or not 0 < self.num_rows < sharding.MAX_ROWS:
             raise InvalidArgument(
                 f"num_rows={shorten(self.num_rows)} must be an integer in [1, 2**62)")
         if not isinstance(self.dim, int) or not 0 < self.dim <= 65536:

@@ -35,6 +35,8 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from ams.sharding import MAX_ROWS
+from workers.data.class_names import NumberedClasses
 from workers.data.errors import DatasetError
 from workers.data.lmdb_dataset import (
     IMAGE_ERRORS,
@@ -287,8 +289,9 @@ def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int
             raise DatasetError(f"{p}: file not found")
     if workers < 1:
         raise DatasetError(f"workers must be >= 1, got {workers}")
-    if num_classes is not None and num_classes < 1:
-        raise DatasetError(f"num_classes must be >= 1, got {num_classes}")
+    if num_classes is not None and not 1 <= num_classes < MAX_ROWS:
+        raise DatasetError(f"num_classes must be in [1, 2**62) (what a class table holds), "
+                           f"got {num_classes}")
     index = read_index(idx_path)
     if not index:
         raise DatasetError(f"{idx_path}: index is empty")
@@ -307,7 +310,7 @@ def import_recordio(rec: str | os.PathLike, out: str | os.PathLike, *, size: int
     encode = partial(_encode_records, rec, size=size, channels=channels,
                      num_classes=num_classes)
     with LmdbImageWriter(out, height=size, width=size, channels=channels,
-                         class_names=[str(i) for i in range(num_classes)], split=split,
+                         class_names=NumberedClasses(num_classes), split=split,
                          sources={"importer": "recordio", "rec": str(rec)},
                          overwrite=overwrite) as writer, \
             _pool(workers) as pool:

@@ -36,6 +36,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ams.jsontext import parse_json
+from workers.data.class_names import NumberedClasses
 from workers.data.errors import DatasetError
 from workers.data.lmdb_file import check_data_file
 
@@ -68,8 +69,9 @@ IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 class DatasetMetadata:
     """The metadata record of one dataset (stored as JSON under ``meta/metadata``).
 
-    ``class_names[i]`` names class id ``i`` (e.g. ``"U+4E00"``); ``sources`` says where images
-    came from (font designs, folders, a .rec file) and is free-form per importer.
+    ``class_names[i]`` names class id ``i`` (e.g. ``"U+4E00"``); ``NumberedClasses`` (JSON
+    ``null``) where classes have only numbers. ``sources`` says where images came from (font
+    designs, folders, a .rec file) and is free-form per importer.
     """
 
     num_samples: int
@@ -78,14 +80,17 @@ class DatasetMetadata:
     width: int
     channels: int
     split: str
-    class_names: list[str]
+    class_names: list[str] | NumberedClasses
     sources: dict = field(default_factory=dict)
     labels_sha256: str = ""
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), ensure_ascii=False).encode("utf-8")
+        record = asdict(self)
+        if isinstance(self.class_names, NumberedClasses):
+            record["class_names"] = None
+        return json.dumps(record, ensure_ascii=False).encode("utf-8")
 
     @classmethod
     def from_json(cls, raw: bytes, path: Path) -> DatasetMetadata:
@@ -112,9 +117,11 @@ class DatasetMetadata:
             raise DatasetError(f"{path}: metadata field 'channels' must be 1 or 3, "
                                f"got {obj['channels']}")
         names = obj.get("class_names")
-        if not isinstance(names, list) or len(names) != obj["num_classes"]:
+        if names is None and "class_names" in obj:
+            obj["class_names"] = NumberedClasses(obj["num_classes"])
+        elif not isinstance(names, list) or len(names) != obj["num_classes"]:
             raise DatasetError(f"{path}: metadata field 'class_names' must be a list of "
-                               f"num_classes={obj['num_classes']} names")
+                               f"num_classes={obj['num_classes']} names, or null (numbered)")
         try:
             return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj})
         except TypeError as exc:
@@ -174,7 +181,8 @@ class LmdbImageWriter:
     Args:
         path: dataset directory to create.
         height, width, channels: every image's size; channels 1 (grayscale) or 3 (RGB).
-        class_names: ``class_names[i]`` names class id ``i``.
+        class_names: ``class_names[i]`` names class id ``i`` (a ``NumberedClasses`` is kept
+            as it is, not listed).
         split: e.g. ``"train"`` or ``"test"``.
         sources: free-form JSON-able description of where the images came from.
         batch_size: records per write transaction.
@@ -199,7 +207,8 @@ class LmdbImageWriter:
             raise DatasetError(f"{self.path} already exists (pass overwrite to replace it)")
         self.overwrite = overwrite
         self.height, self.width, self.channels = height, width, channels
-        self.class_names = list(class_names)
+        self.class_names = (class_names if isinstance(class_names, NumberedClasses)
+                            else list(class_names))
         self.split = split
         self.sources = dict(sources or {})
         self.batch_size = batch_size
