@@ -205,14 +205,15 @@ def test_bad_metadata_field(gray):
     ("numbered", DatasetError),
     (["a", "b"], DatasetError),
     ({"count": 4}, DatasetError),
+    ([0, 1, 2, 3, 4], DatasetError),
 ])
 def test_class_names_in_the_metadata(gray, names, expected):
     """A list of num_classes names, or null (classes named by their ids); nothing else."""
     path, _, _ = gray
     _set_metadata_field(path, "class_names", names)
     if expected is DatasetError:
-        with pytest.raises(DatasetError, match="'class_names' must be a list of num_classes=5 "
-                           r"names, or null \(numbered\)"):
+        with pytest.raises(DatasetError, match=r"'class_names' must be a list of 5 class names "
+                           r"\(strings\), or null \(numbered\)"):
             read_metadata(path)
     else:
         assert read_metadata(path).class_names == expected

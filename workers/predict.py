@@ -34,7 +34,7 @@ from ams.graph.topk import merge_top_lists, resolve_device
 from ams.jsontext import parse_json
 from ams.shard.optim import all_finite
 from workers.backbones import Backbone, build_backbone
-from workers.data.class_names import NumberedClasses
+from workers.data.class_names import NumberedClasses, class_names_from_json, class_names_to_json
 
 EXPORT_FORMAT = "xcls-export"
 EXPORT_VERSION = 1
@@ -160,8 +160,8 @@ def write_export(out: Path, backbone: Backbone, rows_blocks: Iterable[tuple[torc
         _write_export_files(staging, backbone, rows_blocks, num_classes=num_classes, dim=dim,
                             image_size=image_size, channels=channels, onnx=onnx,
                             rows_dtype=rows_dtype)
-        names = None if isinstance(class_names, NumberedClasses) else list(class_names)
-        (staging / "classes.json").write_text(json.dumps(names, ensure_ascii=False))
+        (staging / "classes.json").write_text(
+            json.dumps(class_names_to_json(class_names), ensure_ascii=False))
         (staging / "config.toml").write_text(config_toml)
         (staging / "export.json").write_text(json.dumps({
             "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "backbone": backbone_name,
@@ -295,12 +295,10 @@ class Classifier:
             names = parse_json((path / "classes.json").read_text(encoding="utf-8"))
         except ValueError as e:  # not UTF-8, not JSON
             raise ValueError(f"{path / 'classes.json'}: {e}") from None
-        if names is None:
-            names = NumberedClasses(meta["num_classes"])
-        elif (not isinstance(names, list) or len(names) != meta["num_classes"]
-                or not all(isinstance(name, str) for name in names)):
-            raise ValueError(f"{path / 'classes.json'}: must be a list of "
-                             f"{meta['num_classes']} class names (strings), or null (numbered)")
+        try:
+            names = class_names_from_json(names, meta["num_classes"])
+        except ValueError as e:
+            raise ValueError(f"{path / 'classes.json'}: {e}") from None
         return cls(backbone, torch.from_numpy(rows), names, meta["image_size"],
                    meta["channels"], device)
 

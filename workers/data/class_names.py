@@ -1,4 +1,4 @@
-"""Class names that are only numbers, kept as a count: a dataset's and an export's."""
+"""Class names as a dataset's metadata and an export's ``classes.json`` store them."""
 
 from __future__ import annotations
 
@@ -34,3 +34,21 @@ class NumberedClasses(Sequence[str]):
         if not -self.count <= i < self.count:
             raise IndexError(f"class id {i} outside [0, {self.count})")
         return str(i % self.count)
+
+
+def class_names_to_json(names: Sequence[str]) -> list[str] | None:
+    """The JSON value stored for ``names``: the list, or ``null`` for ``NumberedClasses``."""
+    return None if isinstance(names, NumberedClasses) else list(names)
+
+
+def class_names_from_json(value: object, count: int) -> list[str] | NumberedClasses:
+    """Read back what ``class_names_to_json`` stored for ``count`` classes.
+
+    Raises ValueError saying what the value must be; callers add the file it came from.
+    """
+    if value is None:
+        return NumberedClasses(count)
+    if (not isinstance(value, list) or len(value) != count
+            or not all(isinstance(name, str) for name in value)):
+        raise ValueError(f"must be a list of {count} class names (strings), or null (numbered)")
+    return value

@@ -36,7 +36,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ams.jsontext import parse_json
-from workers.data.class_names import NumberedClasses
+from workers.data.class_names import NumberedClasses, class_names_from_json, class_names_to_json
 from workers.data.errors import DatasetError
 from workers.data.lmdb_file import check_data_file
 
@@ -88,8 +88,7 @@ class DatasetMetadata:
 
     def to_json(self) -> bytes:
         record = asdict(self)
-        if isinstance(self.class_names, NumberedClasses):
-            record["class_names"] = None
+        record["class_names"] = class_names_to_json(self.class_names)
         return json.dumps(record, ensure_ascii=False).encode("utf-8")
 
     @classmethod
@@ -116,12 +115,11 @@ class DatasetMetadata:
         if obj["channels"] not in CHANNELS_TO_PIL_MODE:
             raise DatasetError(f"{path}: metadata field 'channels' must be 1 or 3, "
                                f"got {obj['channels']}")
-        names = obj.get("class_names")
-        if names is None and "class_names" in obj:
-            obj["class_names"] = NumberedClasses(obj["num_classes"])
-        elif not isinstance(names, list) or len(names) != obj["num_classes"]:
-            raise DatasetError(f"{path}: metadata field 'class_names' must be a list of "
-                               f"num_classes={obj['num_classes']} names, or null (numbered)")
+        if "class_names" in obj:
+            try:
+                obj["class_names"] = class_names_from_json(obj["class_names"], obj["num_classes"])
+            except ValueError as exc:
+                raise DatasetError(f"{path}: metadata field 'class_names' {exc}") from None
         try:
             return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj})
         except TypeError as exc:
