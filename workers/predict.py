@@ -292,12 +292,10 @@ class Classifier:
                              f"holds rows of shape ({meta['num_classes']}, {meta['dim']}) in "
                              f"one of {ROW_DTYPES}, native byte order")
         try:
-            names = parse_json((path / "classes.json").read_text(encoding="utf-8"))
-        except ValueError as e:  # not UTF-8, not JSON
-            raise ValueError(f"{path / 'classes.json'}: {e}") from None
-        try:
-            names = class_names_from_json(names, meta["num_classes"])
-        except ValueError as e:
+            names = class_names_from_json(
+                parse_json((path / "classes.json").read_text(encoding="utf-8")),
+                meta["num_classes"])
+        except ValueError as e:  # not UTF-8, not JSON, not a list of names nor null
             raise ValueError(f"{path / 'classes.json'}: {e}") from None
         return cls(backbone, torch.from_numpy(rows), names, meta["image_size"],
                    meta["channels"], device)

@@ -25,7 +25,7 @@ import shutil
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -87,8 +87,8 @@ class DatasetMetadata:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        record = asdict(self)
-        record["class_names"] = class_names_to_json(self.class_names)
+        # vars, not asdict: asdict would deep-copy the names only for them to be replaced
+        record = dict(vars(self), class_names=class_names_to_json(self.class_names))
         return json.dumps(record, ensure_ascii=False).encode("utf-8")
 
     @classmethod
