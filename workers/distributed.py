@@ -76,6 +76,16 @@ def worker_device(setting: DeviceSetting | str, local_rank: int) -> torch.device
     return device
 
 
+def group_max(value: int, world: int, device: torch.device) -> int:
+    """The largest of every rank's ``value``: a collective every rank of the default group calls
+    at the same point (``value`` itself when ``world`` == 1)."""
+    if world == 1:
+        return value
+    largest = torch.tensor([value], device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
+
+
 @contextmanager
 def process_group(world: int, device: torch.device) -> Iterator[None]:
     """The default process group for workers on ``device`` (NCCL for CUDA, gloo for CPU) for the

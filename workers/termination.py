@@ -14,7 +14,8 @@ import threading
 from types import FrameType
 
 import torch
-import torch.distributed as dist
+
+from workers.distributed import group_max
 
 # The exit code of a worker that stopped on SIGTERM after checkpointing (128 + SIGTERM, as a
 # shell reports a process that the signal ended).
@@ -47,8 +48,4 @@ class TerminationRequest:
     def agreed(self, world: int, device: torch.device) -> bool:
         """Whether any rank has been asked to stop; every rank of the group must call it at
         the same step (a collective when ``world`` > 1)."""
-        if world == 1:
-            return self.requested
-        flag = torch.tensor([int(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(group_max(int(self.requested), world, device))

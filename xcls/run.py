@@ -72,9 +72,11 @@ def worker_placement(cfg: ExperimentConfig) -> tuple[int, int, torch.device]:
 
 
 def build_run(cfg: ExperimentConfig,
-              placement: tuple[int, int, torch.device] | None = None) -> Run:
+              placement: tuple[int, int, torch.device] | None = None,
+              restarted: bool = False) -> Run:
     """Datasets, AMS client and table, backbone, optimizer, head and trainer from ``cfg``, for
-    the worker at ``placement`` (``worker_placement``; default: a lone worker, rank 0 of 1)."""
+    the worker at ``placement`` (``worker_placement``; default: a lone worker, rank 0 of 1).
+    ``restarted``: torchrun restarted this worker group, so the shards' table is this run's."""
     import torch
 
     rank, world, device = placement or (0, 1, training_device(cfg))
@@ -85,7 +87,7 @@ def build_run(cfg: ExperimentConfig,
     out_dir = create_out_dir(cfg)
     # A training worker keeps a lease; eval and export (no placement) only find the shards.
     client = create_client(cfg, out_dir, rank, world, lease=placement is not None)
-    create_table(cfg, client, data.num_classes, world)
+    create_table(cfg, client, data.num_classes, world, restarted)
     backbone = create_backbone(cfg, data.train.metadata, device, world)
     head = create_head(cfg, client, data.num_classes, rank, world, device)
     build_graph = create_graph_updater(cfg, client, device)
@@ -220,14 +222,16 @@ def create_client(cfg: ExperimentConfig, out_dir: Path, rank: int, world: int, *
 
 
 def create_table(cfg: ExperimentConfig, client: ShardedClient, num_classes: int,
-                 world: int = 1) -> None:
+                 world: int = 1, restarted: bool = False) -> None:
     """The class-row table ``ams.table``: one row of ``model.dim`` per class, seeded, with the
     rows' optimizer settings (kept as it is when it exists already, a resumed run's).
 
     A run that starts afresh refuses a table the shards already hold: it is another run's
     (shards that outlive a run, or restored its snapshots), and training on from its rows
     would mix the two runs and prune the new run's first snapshot among the old run's steps.
-    ``world``: the workers, which all look before any of them creates it."""
+    ``world``: the workers, which all look before any of them creates it. ``restarted``: a
+    restarted worker group, whose failed attempt may have made the table before any
+    checkpoint."""
     import torch.distributed as dist
 
     from ams.errors import TableNotFound
@@ -235,7 +239,6 @@ def create_table(cfg: ExperimentConfig, client: ShardedClient, num_classes: int,
 
     out_dir = Path(cfg.train.out_dir)
     resuming = cfg.train.resume and latest_step(out_dir) is not None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
     if not (resuming or restarted):
         try:
             client.spec(cfg.ams.table)

@@ -115,19 +115,21 @@ def run_config_examples(args: argparse.Namespace) -> int:
     return 0
 
 
-def _group_restarts() -> int:
-    """How many times torchrun has restarted this worker group (0: its first start)."""
+def _agent_restarts() -> int:
+    """How many times this host's torchrun agent has restarted its workers after a failure (0:
+    its first start). An agent whose own workers were healthy restarts them when another host's
+    agent comes back to the rendezvous after a failure, and counts no restart of its own."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
-def _begin_rollback(cfg: ExperimentConfig, rank: int) -> None:
+def _begin_rollback(cfg: ExperimentConfig, rank: int, restarts: int) -> None:
     """A restarted group continues from its newest checkpoint, whatever train.resume says:
     starting afresh would train on rows the shards kept from the failed attempt."""
     from workers.checkpoint import latest_step
 
     cfg.train.resume = True
     if rank == 0:
-        log.warning("rollback restart=%d to_step=%s", _group_restarts(),
+        log.warning("rollback restart=%d to_step=%s", restarts,
                     latest_step(Path(cfg.train.out_dir)))
 
 
@@ -150,7 +152,7 @@ def run_train(args: argparse.Namespace) -> int:
     from workers import metrics
     from workers.checkpoint import CheckpointError
     from workers.data.errors import DatasetError
-    from workers.distributed import process_group
+    from workers.distributed import group_max, process_group
     from workers.termination import EXIT_TERMINATED
 
     try:
@@ -162,12 +164,14 @@ def run_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _refuse(e)
     rank, world, device = placement
-    if _group_restarts():
-        _begin_rollback(cfg, rank)
     serve_metrics_from_args(args, metrics.REGISTRY, per_rank=True)
     with process_group(world, device):
+        # the group is restarted when any host's agent counted a failure (_agent_restarts)
+        restarts = group_max(_agent_restarts(), world, device)
+        if restarts:
+            _begin_rollback(cfg, rank, restarts)
         try:
-            run = build_run(cfg, placement)
+            run = build_run(cfg, placement, restarted=restarts > 0)
             result = run.trainer.train()
             # DDP's reducer holds the process group: freed after the group is destroyed, gloo's
             # destructor can deadlock at exit, so it goes first

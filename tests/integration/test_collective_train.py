@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import wait_until
+from tests.conftest import free_port, wait_until
 from tests.integration.conftest import our_processes
 
 
@@ -110,3 +110,47 @@ def test_a_killed_rank_rolls_the_group_back_then_one_rank_reshards(glyphs_small,
                               timeout=300)
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "exported step 50" in exported.stdout
+
+
+def test_a_rank_whose_agent_counted_no_failure_rolls_back_with_its_group(glyphs_small,
+                                                                          no_orphans):
+    """After a failure on one host, torchrun's agent there restarts its workers and counts the
+    restart (TORCHELASTIC_RESTART_COUNT=1); the agent of a host whose workers were healthy
+    restarts them when the first comes back to the rendezvous, and counts none (0). The two
+    workers below are that restarted group, as the two agents start it: every rank rolls back
+    to the newest checkpoint, rank 0 says so, even with train.resume off."""
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "collective.toml")
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                            "2", "--standalone", "-m", "xcls", "train", str(config), "--set",
+                            "train.max_steps=10"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    port = free_port()
+    procs, logs = [], [tmp / f"rank{rank}.log" for rank in range(2)]
+    try:
+        for rank, agent_restarts in ((0, 0), (1, 1)):
+            with open(logs[rank], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "xcls", "train", str(config), "--set",
+                     "train.max_steps=20", "--set", "train.resume=false"],
+                    stdout=log, stderr=subprocess.STDOUT, env={
+                        **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "1",
+                        "TORCHELASTIC_RESTART_COUNT": str(agent_restarts)}))
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    texts = [path.read_text(errors="replace") for path in logs]
+    assert codes == [0, 0], texts
+    assert "rollback restart=1 to_step=10" in texts[0], texts[0]
+    assert all("resumed step=10" in text for text in texts), texts
+    with open(out / "train.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == [5, 10, 15, 20]
