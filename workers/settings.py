@@ -139,11 +139,12 @@ class HeadConfig:
     classes it stands for (log(pool / drawn)), so the sampled softmax estimates the full one
     without bias; classes taken for sure (labels, neighbors) are unweighted. Off is
     PartialFC's (and KNN softmax's) plain softmax over the active classes (docs/accuracy.md)"""
-    logq_start_step: Annotated[int, Range(ge=-1)] = 0
-    """partial, knn with logq_correction: the first step that weights the drawn classes, >= 0,
-    or -1: the step after the class rows' warm-up (optim.head_warmup_steps). Before it the
-    softmax is plain: while the rows are untrained, the weighted draws hold most of its
-    probability and slow the rows' pull toward their classes (docs/accuracy.md, "The start")"""
+    logq_start_step: Annotated[int, Range(ge=-1)] = -1
+    """knn with logq_correction: the first step that weights the drawn classes, >= 0, or -1:
+    the step after the class rows' warm-up (optim.head_warmup_steps). Before it the softmax is
+    plain: while the rows are untrained, the weighted draws hold most of its probability and
+    slow the rows' pull toward their classes (docs/accuracy.md, "The start"). partial weights
+    its draws from the first step: a later start costs it accuracy (docs/decisions.md)"""
     margin: Margin = "cosface"
     """margin on the target logit: arcface | cosface | softmax (no margin;
     workers.losses.Margin)"""

@@ -145,7 +145,7 @@ class Trainer:
         self.head_warmup_steps = row_warmup_steps(
             cfg.optim.head_warmup_steps, cfg.optim.warmup_steps, head.num_classes,
             self.plan.batch_size * world)
-        logq_start = cfg.head.logq_start_step
+        logq_start = cfg.head.logq_start_step if cfg.head.kind == "knn" else 0
         self.logq_start_step = self.head_warmup_steps if logq_start == -1 else logq_start
         combine = head.combine_row_grads
         self.rows = RowUpdater(head.device_rows or client, self.table,
