@@ -7,10 +7,12 @@ defaults (a config key such as ``optim.head_weight_decay=5e-4``, or a named code
 ``decay_clock=off``), any other entry is a remark. Runs with the same setting are one row of a
 table: every seed's top-1, the mean and the spread, the commits.
 
-A change to the training code can move every figure, so runs are compared only within one span
-of training code: between two of the commits named in ``TRAINING_CODE_CHANGES`` and
-``CURRENT_TRAINING_CODE`` (by git ancestry, ``git merge-base --is-ancestor``). The README shows
-only runs measured at ``CURRENT_TRAINING_CODE`` or later.
+A change to the training code can move a head's figures, so runs are compared only within one
+span of training code: between two of the commits in ``TRAINING_CODE_CHANGES`` that changed
+the run's head (by git ancestry, ``git merge-base --is-ancestor``). The README shows only runs
+of each head's current code: at or after the newest change of that head. A change that made a
+measured setting the default credits the runs with that setting, since its span began, to the
+change, the setting dropped: they trained as the new default does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import statistics
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -31,15 +33,32 @@ COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budget", "k
            "notes")
 HEADS = ("full", "knn", "partial", "knn-ivf", "knn-touched")
 
-# Move this to the newest commit whenever a change alters training results (the row update's
-# rounding, the selection's draws, a default), and add the commit it held to
-# TRAINING_CODE_CHANGES: the README then shows only runs of the code as it is.
-# b13327f: the class rows warm up until each class has been a label about three times.
-CURRENT_TRAINING_CODE = "b13327f"
-# Earlier commits after which training gave other figures, oldest first, with what changed.
+KNN_HEADS = tuple(h for h in HEADS if h.startswith("knn"))
+
+
+@dataclass(frozen=True)
+class TrainingCodeChange:
+    """A commit after which training gave other figures."""
+
+    commit: str
+    what: str
+    heads: tuple[str, ...] = HEADS
+    """the heads whose figures it moves"""
+    was_setting: str = ""
+    """``key=value``: the setting that trained, before ``commit``, as its default does"""
+
+
+# Add the commit of every change that alters training results (the row update's rounding, the
+# selection's draws, a default), newest last: the README then shows only runs of the code as it
+# is.
 TRAINING_CODE_CHANGES = (
-    ("92ef1bb", "the shard's row step rounded as w.sub_(g, alpha=lr), not w - (lr·g)"),
-    ("7d33b40", "the uniform negatives drawn by one sort of the draws"),
+    TrainingCodeChange("92ef1bb", "the shard's row step rounded as w.sub_(g, alpha=lr), not "
+                       "w - (lr·g)"),
+    TrainingCodeChange("7d33b40", "the uniform negatives drawn by one sort of the draws"),
+    TrainingCodeChange("b13327f", "the class rows warm up until each class has been a label "
+                       "about three times"),
+    TrainingCodeChange("4044fea", "knn's logQ weighting of the drawn classes starts after the "
+                       "rows' warm-up", KNN_HEADS, "head.logq_start_step=-1"),
 )
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +83,8 @@ class Run:
     seconds_per_epoch: float | None
     settings: tuple[str, ...]
     remarks: tuple[str, ...]
+    credited_to: str = ""
+    """the training-code change whose default the run's setting was (``TrainingCodeChange``)"""
 
     @property
     def machine(self) -> str:
@@ -111,6 +132,7 @@ def load_runs(path: Path) -> list[Run]:
                     _number(row["seconds_per_epoch"]),
                     tuple(e for e in entries if "=" in e),
                     tuple(e for e in entries if "=" not in e)))
+                runs[-1] = _credited(runs[-1])
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{line}: {err}") from err
     return runs
@@ -127,27 +149,45 @@ def _descends(commit: str, ancestor: str) -> bool:
     return done.returncode == 0
 
 
-def _marks() -> list[str]:
-    return [c for c, _ in TRAINING_CODE_CHANGES] + [CURRENT_TRAINING_CODE]
+def _marks(head: str) -> list[str]:
+    """The commits that changed ``head``'s training, oldest first."""
+    return [c.commit for c in TRAINING_CODE_CHANGES if head in c.heads]
 
 
-def _span(commit: str) -> int:
-    """How many of the training code's marks ``commit`` descends from (0: before the first)."""
-    marks = _marks()
-    return next((i + 1 for i in reversed(range(len(marks))) if _descends(commit, marks[i])), 0)
+def _credited(run: Run) -> Run:
+    """``run``, its setting dropped and the run credited to the change, when the setting is the
+    default a later change made and the run descends from the change before it."""
+    for change in TRAINING_CODE_CHANGES:
+        if change.was_setting and change.was_setting in run.settings \
+                and run.head in change.heads:
+            marks = _marks(run.head)
+            before = marks[marks.index(change.commit) - 1]
+            if _descends(run.commit, before):
+                return replace(run, credited_to=change.commit, settings=tuple(
+                    s for s in run.settings if s != change.was_setting))
+    return run
 
 
-def code_span(commit: str) -> str:
-    """The span of training code ``commit`` falls in, e.g. "92ef1bb–7d33b40" or "≥ b13327f"."""
-    marks, span = _marks(), _span(commit)
+def _span(run: Run) -> int:
+    """How many of the marks of ``run``'s head's training code it descends from or is credited
+    to (0: before the first)."""
+    marks = _marks(run.head)
+    credited = marks.index(run.credited_to) + 1 if run.credited_to else 0
+    return max(credited, next((i + 1 for i in reversed(range(len(marks)))
+                               if _descends(run.commit, marks[i])), 0))
+
+
+def code_span(run: Run) -> str:
+    """The span of training code ``run`` falls in, e.g. "92ef1bb–7d33b40" or "≥ b13327f"."""
+    marks, span = _marks(run.head), _span(run)
     if span == 0:
         return f"< {marks[0]}"
     return f"≥ {marks[-1]}" if span == len(marks) else f"{marks[span - 1]}–{marks[span]}"
 
 
 def is_current(run: Run) -> bool:
-    """Whether ``run`` measured the current training code."""
-    return _descends(run.commit, CURRENT_TRAINING_CODE)
+    """Whether ``run`` measured its head's current training code."""
+    return _span(run) == len(_marks(run.head))
 
 
 def newest_spans(runs: Iterable[Run]) -> list[Run]:
@@ -159,8 +199,8 @@ def newest_spans(runs: Iterable[Run]) -> list[Run]:
 
     newest: dict[tuple, int] = {}
     for r in runs:
-        newest[setting(r)] = max(newest.get(setting(r), 0), _span(r.commit))
-    return [r for r in runs if _span(r.commit) == newest[setting(r)]]
+        newest[setting(r)] = max(newest.get(setting(r), 0), _span(r))
+    return [r for r in runs if _span(r) == newest[setting(r)]]
 
 
 def _fmt(value: float | None) -> str:
@@ -169,7 +209,7 @@ def _fmt(value: float | None) -> str:
 
 def _group_key(run: Run) -> tuple:
     return (run.settings, run.classes, run.epochs or 0, HEADS.index(run.head), run.budget,
-            run.k or 0, run.random_share or 0, run.machine, _span(run.commit), run.seed is None)
+            run.k or 0, run.random_share or 0, run.machine, _span(run), run.seed is None)
 
 
 def _cells(runs: list[Run]) -> list[str]:
@@ -222,7 +262,7 @@ def seeds_table(runs: Iterable[Run], *, settings: bool) -> str:
     rows = []
     for group in _groups(chosen):
         first = group[0]
-        row = [*_setting(first), first.machine, code_span(first.commit), *_cells(group)]
+        row = [*_setting(first), first.machine, code_span(first), *_cells(group)]
         rows.append(["; ".join(first.settings), *row] if settings else row)
     return _table(header, rows)
 
@@ -278,6 +318,15 @@ def readme_table(runs: Iterable[Run]) -> str:
     if awaiting:
         names = "; ".join(f"{c:,} classes × {e:g} epoch{'s' * (e != 1)}"
                           + (f" ({'; '.join(s)})" if s else "") for c, e, s in awaiting)
-        lines.append(f"Awaiting runs on the current training code ({CURRENT_TRAINING_CODE}): "
+        codes = "; ".join(f"{', '.join(heads)}: {commit}" for commit, heads in _current_codes())
+        lines.append(f"Awaiting runs on the current training code ({codes}): "
                      f"{names}.")
     return "\n\n".join(lines)
+
+
+def _current_codes() -> list[tuple[str, list[str]]]:
+    """Each commit that is some head's current training code, with those heads."""
+    heads_of: dict[str, list[str]] = {}
+    for head in ("full", "knn", "partial"):
+        heads_of.setdefault(_marks(head)[-1], []).append(head)
+    return list(heads_of.items())

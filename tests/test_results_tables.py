@@ -134,6 +134,32 @@ def test_runs_of_one_setting_on_cpus_of_other_models_are_one_row(tmp_path: Path)
     assert "| NVIDIA H100 80GB HBM3 |" in lines[1] and "| 0: 98.00 | 98.00 |" in lines[1]
 
 
+@needs_history
+def test_runs_of_a_setting_that_became_the_default_count_as_the_defaults(tmp_path: Path) -> None:
+    """4044fea made head.logq_start_step=-1 knn's default: a knn run with it at a89309a (after
+    b13327f) is a run of the current code at the defaults; the same setting on partial, which
+    the change does not touch, and a knn run without it stay where they were."""
+    path = tmp_path / "accuracy.csv"
+    rows = [f"2026-11-28,{commit},2-core CPU VM,40000,4,{head},4000,{k},{share},0,{top1},,,,"
+            f"{notes}"
+            for commit, head, k, share, top1, notes in [
+                ("a89309a", "knn", 16, 0.5, "98.00", "head.logq_start_step=-1"),
+                ("a89309a", "partial", "", "", "96.00", "head.logq_start_step=-1"),
+                ("f3630c9", "partial", "", "", "97.00", ""),
+                ("f3630c9", "knn", 16, 0.5, "95.00", "")]]
+    path.write_text(",".join(accuracy_tables.COLUMNS) + "\n" + "\n".join(rows) + "\n")
+    runs = accuracy_tables.load_runs(path)
+    assert [(r.head, r.settings, accuracy_tables.code_span(r),
+             accuracy_tables.is_current(r)) for r in runs] == [
+        ("knn", (), "≥ 4044fea", True),
+        ("partial", ("head.logq_start_step=-1",), "≥ b13327f", True),
+        ("partial", (), "≥ b13327f", True),
+        ("knn", (), "b13327f–4044fea", False)]
+    readme = accuracy_tables.readme_table(runs).splitlines()
+    assert readme[2].startswith("| 40,000 | 4 | 4,000 | study defaults | — | 98.00 (1 seed) | "
+                                "97.00 (1 seed) |"), readme
+
+
 def test_a_run_of_changed_code_is_recorded_as_dirty(tmp_path: Path, monkeypatch) -> None:
     """A tracked file that differs from the commit marks the commit "-dirty"; a changed record
     under benchmarks/results does not (a run appends there while it runs)."""
