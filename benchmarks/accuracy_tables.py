@@ -132,7 +132,6 @@ def load_runs(path: Path) -> list[Run]:
                     _number(row["seconds_per_epoch"]),
                     tuple(e for e in entries if "=" in e),
                     tuple(e for e in entries if "=" not in e)))
-                runs[-1] = _credited(runs[-1])
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{line}: {err}") from err
     return runs
@@ -154,9 +153,14 @@ def _marks(head: str) -> list[str]:
     return [c.commit for c in TRAINING_CODE_CHANGES if head in c.heads]
 
 
+def credit_defaults(runs: Iterable[Run]) -> list[Run]:
+    """``runs``, each with a setting that a later change made the default dropped and the run
+    credited to that change, where the run descends from the change before it (the tables call
+    it; it asks git, so it needs the repository's history)."""
+    return [_credited(r) for r in runs]
+
+
 def _credited(run: Run) -> Run:
-    """``run``, its setting dropped and the run credited to the change, when the setting is the
-    default a later change made and the run descends from the change before it."""
     for change in TRAINING_CODE_CHANGES:
         if change.was_setting and change.was_setting in run.settings \
                 and run.head in change.heads:
@@ -192,7 +196,7 @@ def is_current(run: Run) -> bool:
 
 def newest_spans(runs: Iterable[Run]) -> list[Run]:
     """Per setting, head and machine, only the runs of the newest span of code measured."""
-    runs = list(runs)
+    runs = credit_defaults(runs)
 
     def setting(r: Run) -> tuple:
         return (r.settings, r.classes, r.epochs, r.head, r.budget, r.k, r.random_share, r.machine)
@@ -254,7 +258,7 @@ SEED_COLUMNS = ["top-1 by seed", "mean", "min–max", "class means, mean", "comm
 def seeds_table(runs: Iterable[Run], *, settings: bool) -> str:
     """Per setting and head: every seed's top-1, the mean, the spread and the commits. With
     ``settings`` the runs with settings of their own, else those at the study's defaults."""
-    chosen = [r for r in runs if bool(r.settings) == settings]
+    chosen = [r for r in credit_defaults(runs) if bool(r.settings) == settings]
     header = ["classes", "epochs", "budget", "head", "k", "random share", "machine", "code",
               *SEED_COLUMNS]
     if settings:
@@ -284,7 +288,7 @@ def readme_table(runs: Iterable[Run]) -> str:
     """The runs of the current training code at the study's defaults or the demo's config, a
     row per setting and sampled budget with each head's mean top-1 (full's, the reference, in
     each of its setting's rows); then the settings that await runs on the current code."""
-    shown = [r for r in runs if r.head in ("full", "knn", "partial")
+    shown = [r for r in credit_defaults(runs) if r.head in ("full", "knn", "partial")
              and (not r.settings or any(s.startswith("config=") for s in r.settings))]
     current = [r for r in shown if is_current(r)]
 

@@ -148,7 +148,7 @@ def test_runs_of_a_setting_that_became_the_default_count_as_the_defaults(tmp_pat
                 ("f3630c9", "partial", "", "", "97.00", ""),
                 ("f3630c9", "knn", 16, 0.5, "95.00", "")]]
     path.write_text(",".join(accuracy_tables.COLUMNS) + "\n" + "\n".join(rows) + "\n")
-    runs = accuracy_tables.load_runs(path)
+    runs = accuracy_tables.credit_defaults(accuracy_tables.load_runs(path))
     assert [(r.head, r.settings, accuracy_tables.code_span(r),
              accuracy_tables.is_current(r)) for r in runs] == [
         ("knn", (), "≥ 4044fea", True),
