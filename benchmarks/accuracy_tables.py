@@ -34,6 +34,7 @@ COLUMNS = ("date", "commit", "device", "classes", "epochs", "head", "budget", "k
 HEADS = ("full", "knn", "partial", "knn-ivf", "knn-touched")
 
 KNN_HEADS = tuple(h for h in HEADS if h.startswith("knn"))
+README_HEADS = ("full", "knn", "partial")  # the README table's columns
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def readme_table(runs: Iterable[Run]) -> str:
     """The runs of the current training code at the study's defaults or the demo's config, a
     row per setting and sampled budget with each head's mean top-1 (full's, the reference, in
     each of its setting's rows); then the settings that await runs on the current code."""
-    shown = [r for r in credit_defaults(runs) if r.head in ("full", "knn", "partial")
+    shown = [r for r in credit_defaults(runs) if r.head in README_HEADS
              and (not r.settings or any(s.startswith("config=") for s in r.settings))]
     current = [r for r in shown if is_current(r)]
 
@@ -302,7 +303,7 @@ def readme_table(runs: Iterable[Run]) -> str:
     for key, budget in sorted(budgets, key=lambda kb: (kb[0], kb[1] or 0)):
         classes, epochs, settings, device = key
         cells = []
-        for head in ("full", "knn", "partial"):
+        for head in README_HEADS:
             mine = [r for r in current if setting(r) == key and r.head == head
                     and (head == "full" or r.budget == budget)]
             cells.append(_summary(mine) if mine else "—")
@@ -317,7 +318,7 @@ def readme_table(runs: Iterable[Run]) -> str:
                              if (r.classes, r.epochs or 0, r.settings) not in done)
     lines = []
     if rows:
-        lines.append(_table(["classes", "epochs", "budget", "setting", "full", "knn", "partial",
+        lines.append(_table(["classes", "epochs", "budget", "setting", *README_HEADS,
                              "machine", "commits"], rows))
     if awaiting:
         names = "; ".join(f"{c:,} classes × {e:g} epoch{'s' * (e != 1)}"
@@ -331,6 +332,6 @@ def readme_table(runs: Iterable[Run]) -> str:
 def _current_codes() -> list[tuple[str, list[str]]]:
     """Each commit that is some head's current training code, with those heads."""
     heads_of: dict[str, list[str]] = {}
-    for head in ("full", "knn", "partial"):
+    for head in README_HEADS:
         heads_of.setdefault(_marks(head)[-1], []).append(head)
     return list(heads_of.items())
