@@ -121,6 +121,22 @@ def reference_sgd_step(w: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, grad
     v[unique] = opt.state[p]["momentum_buffer"]
 
 
+def dense_sgd_with_sparse_grads(w: torch.Tensor, steps: list, wd: float) -> list[torch.Tensor]:
+    """The dense optimizer's answer: torch.optim.SGD (float64, momentum 0) on the whole table,
+    every row shrinking by its weight decay in every step, gradient or not. Returns W after
+    each step."""
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.SGD([p], lr=1.0, weight_decay=wd)
+    out = []
+    for ids, grads, lr in steps:
+        opt.param_groups[0]["lr"] = lr
+        p.grad = torch.zeros_like(p)
+        p.grad.index_add_(0, ids, grads.double())
+        opt.step()
+        out.append(p.detach().clone())
+    return out
+
+
 def in_position_order(store, name: str = "fc") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, state, row_clock) of a store's table in local position order (row p first is
     the shard's p-th class), whatever slots the storage keeps them in: the store's own

@@ -13,7 +13,12 @@ from ams import errors
 from ams.shard.optim import step_decay
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
-from tests.conftest import Storages, in_position_order, reference_sgd_step
+from tests.conftest import (
+    Storages,
+    dense_sgd_with_sparse_grads,
+    in_position_order,
+    reference_sgd_step,
+)
 
 N, D = 50, 8
 STORAGE: Storages | None = None  # the storage of the running test, see _on_each_storage
@@ -68,22 +73,6 @@ def test_push_without_momentum_is_plain_sgd_and_keeps_no_state(update_path):
         reference_sgd_step(w, v, ids, grads, 0.5 / (step + 1), 0.0, 0.01)
     torch.testing.assert_close(store.pull("fc", owned(store)).double(), w, rtol=1e-6, atol=1e-7)
     assert store.stats()["tables"]["fc"]["state_bytes"] == 0
-
-
-def dense_sgd_with_sparse_grads(w: torch.Tensor, steps: list, wd: float) -> list[torch.Tensor]:
-    """The dense optimizer's answer: torch.optim.SGD (float64, momentum 0) on the whole table,
-    every row shrinking by its weight decay in every step, gradient or not. Returns W after
-    each step."""
-    p = torch.nn.Parameter(w.clone())
-    opt = torch.optim.SGD([p], lr=1.0, weight_decay=wd)
-    out = []
-    for ids, grads, lr in steps:
-        opt.param_groups[0]["lr"] = lr
-        p.grad = torch.zeros_like(p)
-        p.grad.index_add_(0, ids, grads.double())
-        opt.step()
-        out.append(p.detach().clone())
-    return out
 
 
 @pytest.mark.parametrize("shard_id,num_shards", [(0, 1), (2, 3)])

@@ -104,9 +104,14 @@ class DeviceSlice:
         positions = self._positions(ids)
         check_grads(grads, positions.numel(), spec)
         lr, decay_clock, clocked = checked_rates(spec, lr, decay_clock)
-        if positions.numel() == 0:
+        # the clock after this step: every row of the slice, pushed or resting, owes decay up to it
+        after = float(decay_clock) + step_decay(float(lr), spec.weight_decay) if clocked else None
+        if positions.numel() == 0 and after is None:
             return
         self._load()
+        if positions.numel() == 0:  # none of the step's rows are here; its clock still counts
+            self._clock = max(self._clock, after)
+            return
         grads = grads.to(self.device, torch.float32)
         unique, summed = positions, grads
         # a head's active classes come ascending, each once: no sort needed to know it
@@ -126,8 +131,7 @@ class DeviceSlice:
         refuse_non_finite(spec, update.first_non_finite(), lr, grads,
                           unique * self.store.num_shards + self.store.shard_id)
         self._optimizer.commit(self._rows, self._state, update)
-        if clocked:
-            after = float(decay_clock) + step_decay(float(lr), spec.weight_decay)
+        if after is not None:
             self._row_clock.index_copy_(0, at, row_clock.clamp(min=after))
             self._clock = max(self._clock, after)
         self._changed[at] = True

@@ -248,9 +248,9 @@ class RowUpdater:
         if self.world > 1:
             ids, grads, sent, received = self._exchange(ids, grads)
             grads = grads / self.world
-        if ids.numel():
-            self.store.push(self.table, ids, grads, lr=self.lrs[item.step],
-                            decay_clock=self.clocks[item.step])
+        # pushed with no rows too: the shards learn the step's decay clock
+        self.store.push(self.table, ids, grads, lr=self.lrs[item.step],
+                        decay_clock=self.clocks[item.step])
         if self._group is not None:
             dist.barrier(group=self._group)  # every rank's part of this step is applied
         pushed = int(torch.unique(ids).numel())

@@ -202,7 +202,8 @@ class ShardedClient:
 
         ids: int (n,), repeats summed; grads: float (n, dim); lr: float >= 0;
         decay_clock: the step's weight-decay clock (``ams.shard.optim``; None: rows that sat
-        out steps do not catch up on their decay).
+        out steps do not catch up on their decay), sent to every shard, those that own none
+        of ``ids`` too.
         """
         with self._fence():
             ids = check_ids(ids)
@@ -222,8 +223,10 @@ class ShardedClient:
         once each and ascending (its fast path, sorted on this fan-out thread so that the
         shards' sorts overlap), cut into pieces that each carry a sequence of this client."""
         keys, values, source = ascending_unique(ids, grads, None if parts is None else parts[s])
-        if not keys.numel():
+        if not keys.numel() and decay_clock is None:
             return
+        # A shard with none of the step's rows still takes the step's clock (an empty piece):
+        # its resting rows owe that step's decay to every pull and scan until its next push.
         sizes = piece_sizes(keys.numel(), self.shards[s].piece_bytes // (grads.shape[1] * 4))
         pieces = PushPieces(keys, values, source, sizes, self._next_sequences(len(sizes)))
         self.shards[s].push(name, pieces, lr, self.client_id, decay_clock)

@@ -227,8 +227,8 @@ class ShardStore:
         [0, 2**64)) makes the push idempotent: a repeat returns False and changes nothing (see
         ``PushDedupe`` for how long a pair is remembered). ``decay_clock``: the step's decay clock
         (``ams.shard.optim``); the rows first take the weight decay of the steps they sat out, and
-        the clock advances by this step's decay. None: no catch-up, clocks unchanged. Returns True
-        when applied.
+        the clock advances by this step's decay, on a push of no rows too (a step none of whose
+        rows live here). None: no catch-up, clocks unchanged. Returns True when applied.
 
         A push whose result would hold a non-finite value (after rounding to the table's
         dtypes) is refused whole with ``InvalidArgument``: no row, state, clock or counter
@@ -239,7 +239,15 @@ class ShardStore:
         positions = self._owned_positions(table, ids)
         check_grads(grads, positions.numel(), table.spec)
         lr, decay_clock, clocked = checked_rates(table.spec, lr, decay_clock)
-        if positions.numel() == 0:
+        # the clock after this step: every row here, pushed or resting, owes decay up to it
+        after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay) \
+            if clocked else None
+        if positions.numel() == 0:  # none of the step's rows live here; its clock still does
+            if after is not None:
+                with table.lock:
+                    if table.closed:
+                        raise FailedPrecondition(f"table {shorten(name)}: the store was closed")
+                    table.clock = max(table.clock, after)
             return True
         prefetch_rows(table.tensors, positions)
         unique, summed = _summed_by_position(positions, grads)
@@ -265,8 +273,7 @@ class ShardStore:
                                   self._class_ids(unique))
                 at = table.slots.relocate(unique)
                 table.optimizer.commit(table.rows, table.state, replace(update, positions=at))
-            if clocked:
-                after = float(decay_clock) + step_decay(float(lr), table.spec.weight_decay)
+            if after is not None:
                 row_clock = row_clock.clamp(min=after)
                 table.clock = max(table.clock, after)
             if row_clock is not None:

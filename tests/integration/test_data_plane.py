@@ -11,6 +11,7 @@ import collections
 import concurrent.futures
 import fcntl
 import json
+import math
 import os
 import random
 import re
@@ -33,7 +34,7 @@ from ams.errors import IdOutOfRange, InvalidArgument
 from ams.limits import PIECE_BYTES, SHARED_PIECE_BYTES
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
-from tests.conftest import free_port
+from tests.conftest import dense_sgd_with_sparse_grads, free_port
 
 N, D = 1000, 16
 HEADER = struct.Struct("<4sBBBBIIQQQ")
@@ -396,6 +397,33 @@ def test_a_resent_push_applies_once_and_a_refused_one_is_not_remembered(cluster)
     peer.close()
     torch.testing.assert_close(client.pull("once", torch.tensor([0, 4])).double(),
                                start - 0.5 * 0.1, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["in process", "shard processes"])
+def test_a_shard_without_rows_in_a_step_still_takes_its_decay(cluster, where):
+    """Pushes that land on one shard only (and a step with no rows at all): every row, on
+    either shard, pulls and scans as float64 dense SGD has it, which shrinks each row by its
+    weight decay in every step."""
+    wd = 0.05
+    client = ams.connect(local_shards=2) if where == "in process" else cluster[1]
+    client.create_table("decay", num_rows=N, dim=D, seed=4, momentum=0.0, weight_decay=wd)
+    gen = torch.Generator().manual_seed(3)
+    even = torch.arange(0, N, 2)  # shard 0's classes of two
+    steps = [(even[torch.randint(0, even.numel(), (5,), generator=gen)],
+              torch.randn(5, D, generator=gen), 0.5) for _ in range(3)]
+    steps.append((torch.zeros(0, dtype=torch.int64), torch.zeros(0, D), 0.25))
+    dense = dense_sgd_with_sparse_grads(client.pull("decay", torch.arange(N)).double(), steps,
+                                        wd)[-1]
+    clock = 0.0
+    for ids, g, lr in steps:
+        client.push("decay", ids, g, lr, decay_clock=clock)
+        clock -= math.log1p(-lr * wd)
+    torch.testing.assert_close(client.pull("decay", torch.arange(N)).double(), dense,
+                               rtol=1e-6, atol=1e-7)
+    ids, rows = (torch.cat(parts) for parts in zip(*client.scan("decay"), strict=True))
+    torch.testing.assert_close(rows[ids.argsort()].double(), dense, rtol=1e-6, atol=1e-7)
+    if where == "in process":
+        client.close()
 
 
 def test_a_pull_reply_over_the_limit_is_refused_before_it_is_built(cluster):
