@@ -9,6 +9,9 @@ REQUEST_BYTES = 32 << 20
 # Tensor bytes one reply may carry; the rest of MAX_MESSAGE_BYTES is left to the framing
 # (field tags, shapes). A shard checks this before it builds a reply, not after.
 MAX_REPLY_PAYLOAD_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
+# Ids one request may name (a shard refuses more before it reads the body); the client cuts
+# pulls, pushes and neighbor lists into requests within it whatever their rows' bytes.
+MAX_IDS_PER_REQUEST = 1 << 20
 # The data plane (ams.dataplane) sends a pull or push in pieces of about this many bytes of
 # rows, # PIPELINE_WINDOW of them on the wire at once: the shard applies one while the next arrives.
 PIECE_BYTES = 2 << 20

@@ -31,7 +31,7 @@ from ams.client.backend import ShardBackend, check_ids
 from ams.dataplane.shm import MIN_SHARED_BYTES, SharedArena
 from ams.dtypes import parse_row_dtype
 from ams.errors import AmsError, InvalidArgument, ShardRestarted, TableNotFound
-from ams.limits import MAX_REPLY_PAYLOAD_BYTES, REQUEST_BYTES
+from ams.limits import MAX_IDS_PER_REQUEST, MAX_REPLY_PAYLOAD_BYTES, REQUEST_BYTES
 from ams.shard.neighbor_lists import id_dtype, list_lengths, lists_to_dense
 from ams.shard.rowcopy import ascending_unique
 from ams.shard.spec import TableSpec
@@ -191,9 +191,9 @@ class ShardedClient:
         # the one before. Rows a shard writes straight into the result do not travel, and each
         # request costs a round trip, so such a pull asks for up to a request's bytes at once.
         most = REQUEST_BYTES if in_arena else shard.piece_bytes
-        row_bytes = rows.shape[1] * rows.element_size()
-        pieces = [wanted] if wanted.numel() * row_bytes <= most \
-            else list(wanted.split(piece_sizes(wanted.numel(), most // row_bytes)))
+        per_piece = min(MAX_IDS_PER_REQUEST, most // (rows.shape[1] * rows.element_size()))
+        pieces = [wanted] if wanted.numel() <= per_piece \
+            else list(wanted.split(piece_sizes(wanted.numel(), per_piece)))
         shard.pull(name, pieces, (rows, None if parts is None else parts[s]))
 
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float,
@@ -227,7 +227,8 @@ class ShardedClient:
             return
         # A shard with none of the step's rows still takes the step's clock (an empty piece):
         # its resting rows owe that step's decay to every pull and scan until its next push.
-        sizes = piece_sizes(keys.numel(), self.shards[s].piece_bytes // (grads.shape[1] * 4))
+        sizes = piece_sizes(keys.numel(), min(MAX_IDS_PER_REQUEST,
+                                              self.shards[s].piece_bytes // (grads.shape[1] * 4)))
         pieces = PushPieces(keys, values, source, sizes, self._next_sequences(len(sizes)))
         self.shards[s].push(name, pieces, lr, self.client_id, decay_clock)
 
@@ -293,7 +294,8 @@ class ShardedClient:
                     and small.min <= int(neighbors.min()) and int(neighbors.max()) <= small.max:
                 neighbors = neighbors.to(torch.int32)
 
-            step_rows = max(1, REQUEST_BYTES // (8 * (neighbors.shape[1] + 2)))
+            step_rows = max(1, min(MAX_IDS_PER_REQUEST,
+                                   REQUEST_BYTES // (8 * (neighbors.shape[1] + 2))))
 
             def work(s: int) -> None:
                 for start in range(0, parts[s].numel(), step_rows):

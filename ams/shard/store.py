@@ -28,7 +28,7 @@ from ams.errors import (
     TableNotFound,
     shorten,
 )
-from ams.limits import MAX_REPLY_PAYLOAD_BYTES
+from ams.limits import MAX_IDS_PER_REQUEST, MAX_REPLY_PAYLOAD_BYTES
 from ams.shard import rowcopy
 from ams.shard.checks import (
     check_grads,
@@ -56,7 +56,7 @@ class ShardStore:
     """
 
     def __init__(self, shard_id: int = 0, num_shards: int = 1,
-                 max_rows_per_request: int = 1 << 20,
+                 max_rows_per_request: int = MAX_IDS_PER_REQUEST,
                  max_reply_bytes: int = MAX_REPLY_PAYLOAD_BYTES,
                  storage: str = StorageKind.MEMORY,
                  storage_dir: str | Path | None = None) -> None:

@@ -426,6 +426,24 @@ def test_a_shard_without_rows_in_a_step_still_takes_its_decay(cluster, where):
         client.close()
 
 
+@pytest.mark.parametrize("where", ["in process", "shard processes"])
+def test_a_narrow_tables_pulls_and_pushes_are_cut_within_the_ids_a_request_may_name(
+        cluster, where):
+    """Rows of one float each: a request's bytes allow far more ids than a shard takes
+    (MAX_IDS_PER_REQUEST), and the client still moves 2.5M of them in one call."""
+    n = 2_500_000  # 1.25M ids per shard
+    client = ams.connect(local_shards=2) if where == "in process" else cluster[1]
+    client.create_table("narrow", num_rows=n, dim=1, seed=5, momentum=0.0, weight_decay=0.0)
+    ids = torch.arange(n)
+    start = client.pull("narrow", ids).double()
+    grads = torch.linspace(-1.0, 1.0, n).reshape(n, 1)
+    client.push("narrow", ids, grads, 0.5)
+    torch.testing.assert_close(client.pull("narrow", ids).double(),
+                               start - 0.5 * grads.double(), rtol=0, atol=1e-6)
+    if where == "in process":
+        client.close()
+
+
 def test_a_pull_reply_over_the_limit_is_refused_before_it_is_built(cluster):
     address, client = cluster
     client.create_table("wide", num_rows=10, dim=512, momentum=0.0)
