@@ -32,6 +32,7 @@ from ams.dataplane.shm import MIN_SHARED_BYTES, SharedArena
 from ams.dtypes import parse_row_dtype
 from ams.errors import AmsError, InvalidArgument, ShardRestarted, TableNotFound
 from ams.limits import MAX_IDS_PER_REQUEST, MAX_REPLY_PAYLOAD_BYTES, REQUEST_BYTES
+from ams.shard.checks import check_finite_grads, check_in_table
 from ams.shard.neighbor_lists import id_dtype, list_lengths, lists_to_dense
 from ams.shard.rowcopy import ascending_unique
 from ams.shard.spec import TableSpec
@@ -213,6 +214,10 @@ class ShardedClient:
                 got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads)
                 raise InvalidArgument(f"grads: shape {got}, need ({ids.numel()}, {spec.dim})")
             grads = grads.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            # refused here, before any shard applies its part, rather than by one shard
+            # after the others applied theirs
+            check_in_table(ids, spec)
+            check_finite_grads(grads)
             self._fan_out(self._push_to_shard, name, ids, grads, self._split_by_shard(ids),
                           float(lr), decay_clock)
 

@@ -27,11 +27,7 @@ def owned_positions(ids: torch.Tensor, spec: TableSpec, shard_id: int, num_shard
                               f"{max_ids}; split the request")
     if ids.numel() == 0:
         return ids
-    lo, hi = rowcopy.bounds(ids)
-    if lo < 0 or hi >= spec.num_rows:
-        raise IdOutOfRange(
-            f"{field_name}: id {lo if lo < 0 else hi} is outside table {shorten(spec.name)} "
-            f"(num_rows={spec.num_rows}, valid ids 0..{spec.num_rows - 1})")
+    check_in_table(ids, spec, field_name)
     if num_shards > 1:
         foreign = sharding.shard_of(ids, num_shards) != shard_id
         if bool(foreign.any()):
@@ -39,6 +35,29 @@ def owned_positions(ids: torch.Tensor, spec: TableSpec, shard_id: int, num_shard
             raise IdOutOfRange(f"{field_name}: id {bad} belongs to shard {bad % num_shards}, "
                                f"this is shard {shard_id} of {num_shards}")
     return sharding.local_index(ids, num_shards)
+
+
+def check_in_table(ids: torch.Tensor, spec: TableSpec, field_name: str = "ids") -> None:
+    """``IdOutOfRange`` unless every id (int64 (n,)) is a row of ``spec``'s table."""
+    if ids.numel() == 0:
+        return
+    lo, hi = rowcopy.bounds(ids)
+    if lo < 0 or hi >= spec.num_rows:
+        raise IdOutOfRange(
+            f"{field_name}: id {lo if lo < 0 else hi} is outside table {shorten(spec.name)} "
+            f"(num_rows={spec.num_rows}, valid ids 0..{spec.num_rows - 1})")
+
+
+def check_finite_grads(grads: torch.Tensor) -> None:
+    """``InvalidArgument`` naming the first row of ``grads`` (float (n, dim)) that holds a NaN
+    or an infinity."""
+    if all_finite(grads):
+        return
+    # One look at the rows that are not finite: gradients in a client's shared buffer
+    # (ams.dataplane.shm) may be rewritten by the client between two looks.
+    bad = (~torch.isfinite(grads)).any(dim=1).nonzero()
+    if bad.numel():
+        raise InvalidArgument(f"grads: row {int(bad[0, 0])} has a non-finite value (nan or inf)")
 
 
 def check_grads(grads: torch.Tensor, n: int, spec: TableSpec) -> None:
@@ -82,13 +101,7 @@ def refuse_non_finite(spec: TableSpec, found: tuple[str, int] | None, lr: float,
     update non-finite, so ``grads`` is looked at only then."""
     if found is None:
         return
-    if not all_finite(grads):
-        # One look at the rows that are not finite: gradients in a client's shared buffer
-        # (ams.dataplane.shm) may be rewritten by the client between two looks.
-        bad = (~torch.isfinite(grads)).any(dim=1).nonzero()
-        if bad.numel():
-            raise InvalidArgument(f"grads: row {int(bad[0, 0])} has a non-finite value (nan "
-                                  "or inf)")
+    check_finite_grads(grads)
     what, index = found
     kind = "row" if what == "rows" else "momentum"
     raise InvalidArgument(

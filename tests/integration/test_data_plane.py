@@ -347,11 +347,11 @@ def test_a_refused_piece_leaves_the_connection_in_step(cluster, refused):
     if refused == "pull":
         with pytest.raises(IdOutOfRange):
             client.pull(table, torch.cat([torch.tensor([N + 2]), ids]))
-    else:
+    else:  # a gradient the client passes (finite) but whose row the shard refuses
         g = grads(ids.numel())
-        g[0, 0] = float("nan")
-        with pytest.raises(InvalidArgument, match="finite"):
-            client.push(table, ids, g, 0.1)
+        g[0, 0] = 3e38
+        with pytest.raises(InvalidArgument, match="would become non-finite"):
+            client.push(table, ids, g, 10.0)
     for _ in range(3):  # each pooled connection is used again
         assert torch.equal(client.pull(table, torch.arange(N)),
                            reference.pull(table, torch.arange(N)))
@@ -440,6 +440,32 @@ def test_a_narrow_tables_pulls_and_pushes_are_cut_within_the_ids_a_request_may_n
     client.push("narrow", ids, grads, 0.5)
     torch.testing.assert_close(client.pull("narrow", ids).double(),
                                start - 0.5 * grads.double(), rtol=0, atol=1e-6)
+    if where == "in process":
+        client.close()
+
+
+@pytest.mark.parametrize("where", ["in process", "shard processes"])
+def test_a_push_refused_for_its_ids_or_gradients_changes_no_shard(cluster, where):
+    """Over two shards, a push with one bad id or one non-finite gradient row (of a class on
+    the other shard than the first id's) is refused before any shard applies its part, so
+    the corrected push applies exactly once."""
+    client = ams.connect(local_shards=2) if where == "in process" else cluster[1]
+    client.create_table("whole", num_rows=N, dim=D, seed=6, momentum=0.0, weight_decay=0.0)
+    ids = torch.tensor([2, 7, 10])  # shards 0, 1, 0
+    start = client.pull("whole", torch.arange(N)).double()
+    g = grads(3, value=0.25)
+    bad = g.clone()
+    bad[1, 3] = float("inf")
+    with pytest.raises(InvalidArgument, match="row 1 has a non-finite value"):
+        client.push("whole", ids, bad, 0.5)
+    with pytest.raises(IdOutOfRange, match=f"id {N + 1} is outside"):
+        client.push("whole", torch.tensor([2, 7, N + 1]), g, 0.5)
+    assert torch.equal(client.pull("whole", torch.arange(N)).double(), start)
+    client.push("whole", ids, g, 0.5)
+    expected = start.clone()
+    expected[ids] -= 0.5 * g.double()
+    torch.testing.assert_close(client.pull("whole", torch.arange(N)).double(), expected,
+                               rtol=0, atol=1e-6)
     if where == "in process":
         client.close()
 
