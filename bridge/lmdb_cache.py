@@ -29,6 +29,8 @@ import numpy as np
 
 from bridge.cache import FeatureCacheBase
 from bridge.codec import FEATURE_HEADER, FEATURE_MAGIC, entry_nbytes
+from bridge.errors import BridgeError
+from bridge.lmdb_file import DamagedDataFile, check_data_file
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,13 @@ class LmdbFeatureCache(FeatureCacheBase):
     def _open(self) -> lmdb.Environment:
         if self._env is None or self._pid != os.getpid():
             self.path.mkdir(parents=True, exist_ok=True)
+            data = self.path / "data.mdb"
+            if data.exists():  # a page mapped past the end of a file cut short is a SIGBUS
+                try:
+                    check_data_file(data)
+                except DamagedDataFile as e:
+                    raise BridgeError(f"gear feature cache: {e}; delete {self.path} and the "
+                                      "cache starts empty") from None
             env = lmdb.open(str(self.path), map_size=self.map_size, max_dbs=3, subdir=True,
                             # Integrity survives SIGKILL and power loss; only the very last
                             # transaction may be lost to a power cut, which a cache can afford.

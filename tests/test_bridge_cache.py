@@ -323,6 +323,33 @@ def test_lmdb_persists_across_reopen(tmp_path):
     again.close()
 
 
+OPEN_CACHE = """
+import sys
+import numpy as np
+from bridge.errors import BridgeError
+from bridge.lmdb_cache import LmdbFeatureCache
+try:
+    LmdbFeatureCache(sys.argv[1], int(sys.argv[2]), max_bytes=1 << 20).get(np.arange(3))
+except BridgeError as e:
+    print(e)
+"""
+
+
+def test_lmdb_cache_cut_short_is_one_error_not_a_bus_error(tmp_path):
+    ids = np.arange(200)
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
+    cache.put(ids, feats(ids, 0), 0)
+    cache.close()
+    data = tmp_path / "c" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    # in a process of its own: without the check, the read kills the process with SIGBUS
+    out = subprocess.run([sys.executable, "-c", OPEN_CACHE, str(tmp_path / "c"), str(DIM)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"gear feature cache: {data}: truncated")
+    assert out.stdout.strip().endswith(f"delete {tmp_path / 'c'} and the cache starts empty")
+
+
 def test_lmdb_garbage_is_rejected_not_returned(tmp_path):
     cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=1 << 20)
     cache.put(np.arange(3), feats(np.arange(3), 0), 0)

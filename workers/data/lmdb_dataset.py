@@ -36,9 +36,9 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ams.jsontext import parse_json
+from bridge.lmdb_file import DamagedDataFile, check_data_file
 from workers.data.class_names import NumberedClasses, class_names_from_json, class_names_to_json
 from workers.data.errors import DatasetError
-from workers.data.lmdb_file import check_data_file
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,11 @@ def _open_env(path: Path) -> lmdb.Environment:
                            "build one with 'xcls data glyphs|folder|rec')")
     # in every process that opens it (DataLoader workers too): a page LMDB maps past the end
     # of a file cut short would kill the process with SIGBUS
-    check_data_file(path / "data.mdb")
+    try:
+        check_data_file(path / "data.mdb")
+    except DamagedDataFile as e:
+        raise DatasetError(f"{e}; an interrupted copy or download? copy or build it "
+                           "again") from None
     try:
         # lock=False: datasets are read-only once written, and many readers may share the files.
         # readahead=False: access is random, readahead would fill the page cache with waste.

@@ -5,7 +5,8 @@ that was cut short (an interrupted copy or download) kills the reading process w
 no message, in a DataLoader worker as in the main process. The file's first two pages are its
 meta pages (``MDB_meta`` in LMDB's ``mdb.c``); the newer of the two (the larger transaction id)
 names the last page in use, so the file must hold at least ``(last page + 1) * page size``
-bytes.
+bytes. Both LMDB files of xcls are checked so: a dataset (``workers.data.lmdb_dataset``) and
+the gear's feature cache (``bridge.lmdb_cache``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-
-from workers.data.errors import DatasetError
 
 # A meta page of a 64-bit build (py-lmdb's): the page header (page number, pad, flags, bounds),
 # then MDB_meta: magic, version, fixed address, map size, the free pages' database (its first
@@ -27,32 +26,36 @@ MDB_MAGIC = 0xBEEFC0DE
 _PAGE_SIZES = {1 << n for n in range(12, 17)}
 
 
+class DamagedDataFile(ValueError):
+    """An LMDB ``data.mdb`` that LMDB must not map: what is wrong with it, in one line naming
+    the file, for the caller to add what to do about it."""
+
+
 def check_data_file(path: Path) -> None:
-    """DatasetError naming ``path`` (an LMDB ``data.mdb``) when it is shorter than its meta
+    """DamagedDataFile naming ``path`` (an LMDB ``data.mdb``) when it is shorter than its meta
     pages say, or has no valid meta page: one line, instead of a SIGBUS when it is read."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < _META.size:
-                raise DatasetError(f"{path}: truncated: {size} bytes, not even an LMDB meta "
-                                   "page; copy or build it again")
+                raise DamagedDataFile(f"{path}: truncated: {size} bytes, not even an LMDB meta "
+                                      "page")
             first = _meta(f.read(_META.size), 0)
             if first is None:
-                raise DatasetError(f"{path}: not an LMDB data file (no meta page at its start)")
+                raise DamagedDataFile(f"{path}: not an LMDB data file (no meta page at its start)")
             page_size = first[0]
             f.seek(page_size)
             second = _meta(f.read(_META.size), 1)
     except OSError as e:
-        raise DatasetError(f"{path}: cannot read it ({e.strerror})") from None
+        raise DamagedDataFile(f"{path}: cannot read it ({e.strerror})") from None
     if second is None:
-        raise DatasetError(f"{path}: truncated or damaged: {size} bytes, its second meta page "
-                           f"(at byte {page_size}) is missing or not a meta page")
+        raise DamagedDataFile(f"{path}: truncated or damaged: {size} bytes, its second meta "
+                              f"page (at byte {page_size}) is missing or not a meta page")
     _, last_page, _ = max(first, second, key=lambda meta: meta[2])
     needed = (last_page + 1) * page_size
     if size < needed:
-        raise DatasetError(f"{path}: truncated: {size} bytes, its meta page says {needed} "
-                           f"({last_page + 1} pages of {page_size}); an interrupted copy or "
-                           "download? copy or build it again")
+        raise DamagedDataFile(f"{path}: truncated: {size} bytes, its meta page says {needed} "
+                              f"({last_page + 1} pages of {page_size})")
 
 
 def _meta(raw: bytes, page: int) -> tuple[int, int, int] | None:
