@@ -69,6 +69,35 @@ def test_expiry_vacates_the_slot_moves_the_generation_and_fences_the_incarnation
     assert table.shard_map() == ShardMap(2, (A0, A1), ("inc-0", "inc-1b"), 2)
 
 
+def test_after_a_scheduler_restart_a_replaced_shard_cannot_take_its_slot_back():
+    """A shard cut off long enough to be replaced, whose link comes back only after the
+    scheduler restarted (which forgot whom it fenced), rejoins and is refused; its
+    replacement keeps the slot."""
+    before = LeaseTable(1, TTL, instance="before")
+    zombie = before.register(Role.SHARD, 0, A0, "inc-x", 0).lease_id
+    before.expire_due(TTL)  # cut off: its lease expires
+    replacement = before.register(Role.SHARD, 0, A1, "inc-y", TTL + 100).lease_id
+    after = LeaseTable(1, TTL, instance="after")  # the scheduler restarted
+    assert after.renew(replacement, 5000).status is LeaseStatus.UNKNOWN
+    after.register(Role.SHARD, 0, A1, "inc-y", 5000, rejoin=True)
+    assert after.renew(zombie, 5100).status is LeaseStatus.UNKNOWN
+    with pytest.raises(FailedPrecondition, match="inc-y holds the slot: it was replaced"):
+        after.register(Role.SHARD, 0, A0, "inc-x", 5100, rejoin=True)
+    assert after.shard_map() == ShardMap(1, (A1,), ("inc-y",), 0)
+    # a rejoin of the holder itself keeps its lease; a new process still replaces it
+    again = after.register(Role.SHARD, 0, A1, "inc-y", 5200, rejoin=True)
+    assert after.renew(again.lease_id, 5300).status is LeaseStatus.ALIVE
+    after.register(Role.SHARD, 0, A0, "inc-z", 5400)
+    assert after.shard_map() == ShardMap(1, (A0,), ("inc-z",), 1)
+
+
+def test_a_rejoin_fills_an_empty_slot_without_moving_the_generation():
+    table = LeaseTable(2, TTL, instance="after")
+    table.register(Role.SHARD, 1, A1, "inc-1", 0, rejoin=True)
+    table.register(Role.WORKER, 0, "host-a", "w-0", 0, rejoin=True)
+    assert table.shard_map() == ShardMap(2, ("", A1), ("", "inc-1"), 0)
+
+
 def test_renewing_past_the_deadline_expires_even_without_expire_due():
     table, lease0, _ = two_shards()
     renewal = table.renew(lease0, 1000)

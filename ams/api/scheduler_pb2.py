@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61ms/api/scheduler.proto\x12\x08xcls.ams\"c\n\x0fRegisterRequest\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.xcls.ams.Role\x12\x0c\n\x04slot\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"E\n\rRegisterReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x04\" \n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"G\n\nRenewReply\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.xcls.ams.LeaseStatus\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rShardsRequest\"p\n\x0bShardsReply\x12\x12\n\nnum_shards\x18\x01 \x01(\x05\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x14\n\x0cincarnations\x18\x03 \x03(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08*=\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_SHARD\x10\x01\x12\x0f\n\x0bROLE_WORKER\x10\x02*b\n\x0bLeaseStatus\x12\x1c\n\x18LEASE_STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLEASE_ALIVE\x10\x01\x12\x11\n\rLEASE_EXPIRED\x10\x02\x12\x11\n\rLEASE_UNKNOWN\x10\x03\x32\xf9\x01\n\tScheduler\x12>\n\x08Register\x12\x19.xcls.ams.RegisterRequest\x1a\x17.xcls.ams.RegisterReply\x12\x35\n\x05Renew\x12\x16.xcls.ams.RenewRequest\x1a\x14.xcls.ams.RenewReply\x12;\n\x07Release\x12\x18.xcls.ams.ReleaseRequest\x1a\x16.xcls.ams.ReleaseReply\x12\x38\n\x06Shards\x12\x17.xcls.ams.ShardsRequest\x1a\x15.xcls.ams.ShardsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61ms/api/scheduler.proto\x12\x08xcls.ams\"s\n\x0fRegisterRequest\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.xcls.ams.Role\x12\x0c\n\x04slot\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0e\n\x06rejoin\x18\x05 \x01(\x08\"E\n\rRegisterReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x04\" \n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"G\n\nRenewReply\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.xcls.ams.LeaseStatus\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rShardsRequest\"p\n\x0bShardsReply\x12\x12\n\nnum_shards\x18\x01 \x01(\x05\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x14\n\x0cincarnations\x18\x03 \x03(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08*=\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_SHARD\x10\x01\x12\x0f\n\x0bROLE_WORKER\x10\x02*b\n\x0bLeaseStatus\x12\x1c\n\x18LEASE_STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLEASE_ALIVE\x10\x01\x12\x11\n\rLEASE_EXPIRED\x10\x02\x12\x11\n\rLEASE_UNKNOWN\x10\x03\x32\xf9\x01\n\tScheduler\x12>\n\x08Register\x12\x19.xcls.ams.RegisterRequest\x1a\x17.xcls.ams.RegisterReply\x12\x35\n\x05Renew\x12\x16.xcls.ams.RenewRequest\x1a\x14.xcls.ams.RenewReply\x12;\n\x07Release\x12\x18.xcls.ams.ReleaseRequest\x1a\x16.xcls.ams.ReleaseReply\x12\x38\n\x06Shards\x12\x17.xcls.ams.ShardsRequest\x1a\x15.xcls.ams.ShardsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ams.api.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=517
-  _globals['_ROLE']._serialized_end=578
-  _globals['_LEASESTATUS']._serialized_start=580
-  _globals['_LEASESTATUS']._serialized_end=678
+  _globals['_ROLE']._serialized_start=533
+  _globals['_ROLE']._serialized_end=594
+  _globals['_LEASESTATUS']._serialized_start=596
+  _globals['_LEASESTATUS']._serialized_end=694
   _globals['_REGISTERREQUEST']._serialized_start=37
-  _globals['_REGISTERREQUEST']._serialized_end=136
-  _globals['_REGISTERREPLY']._serialized_start=138
-  _globals['_REGISTERREPLY']._serialized_end=207
-  _globals['_RENEWREQUEST']._serialized_start=209
-  _globals['_RENEWREQUEST']._serialized_end=241
-  _globals['_RENEWREPLY']._serialized_start=243
-  _globals['_RENEWREPLY']._serialized_end=314
-  _globals['_RELEASEREQUEST']._serialized_start=316
-  _globals['_RELEASEREQUEST']._serialized_end=350
-  _globals['_RELEASEREPLY']._serialized_start=352
-  _globals['_RELEASEREPLY']._serialized_end=384
-  _globals['_SHARDSREQUEST']._serialized_start=386
-  _globals['_SHARDSREQUEST']._serialized_end=401
-  _globals['_SHARDSREPLY']._serialized_start=403
-  _globals['_SHARDSREPLY']._serialized_end=515
-  _globals['_SCHEDULER']._serialized_start=681
-  _globals['_SCHEDULER']._serialized_end=930
+  _globals['_REGISTERREQUEST']._serialized_end=152
+  _globals['_REGISTERREPLY']._serialized_start=154
+  _globals['_REGISTERREPLY']._serialized_end=223
+  _globals['_RENEWREQUEST']._serialized_start=225
+  _globals['_RENEWREQUEST']._serialized_end=257
+  _globals['_RENEWREPLY']._serialized_start=259
+  _globals['_RENEWREPLY']._serialized_end=330
+  _globals['_RELEASEREQUEST']._serialized_start=332
+  _globals['_RELEASEREQUEST']._serialized_end=366
+  _globals['_RELEASEREPLY']._serialized_start=368
+  _globals['_RELEASEREPLY']._serialized_end=400
+  _globals['_SHARDSREQUEST']._serialized_start=402
+  _globals['_SHARDSREQUEST']._serialized_end=417
+  _globals['_SHARDSREPLY']._serialized_start=419
+  _globals['_SHARDSREPLY']._serialized_end=531
+  _globals['_SCHEDULER']._serialized_start=697
+  _globals['_SCHEDULER']._serialized_end=946
 # @@protoc_insertion_point(module_scope)

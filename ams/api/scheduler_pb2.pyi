@@ -28,16 +28,18 @@ LEASE_EXPIRED: LeaseStatus
 LEASE_UNKNOWN: LeaseStatus
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "slot", "address", "incarnation")
+    __slots__ = ("role", "slot", "address", "incarnation", "rejoin")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     role: Role
     slot: int
     address: str
     incarnation: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., slot: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    rejoin: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., slot: _Optional[int] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("lease_id", "ttl_ms", "generation")

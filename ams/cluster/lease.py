@@ -15,7 +15,15 @@ every rank. A lease that expired, was released or was replaced is gone for good:
 answers EXPIRED and its incarnation may not register again, so a member the cluster gave up on
 stays fenced off. Lease ids carry the issuing table's instance id, so a member can tell "this
 scheduler gave up on me" (EXPIRED) from "this scheduler never knew me" (UNKNOWN: it restarted,
-and the member registers again).
+and the member registers again, as a *rejoin*).
+
+A restarted scheduler has forgotten whom it gave up on, so a rejoin never displaces another
+incarnation: a shard cut off from the cluster long enough to be replaced, whose link comes
+back only after the scheduler restarted, finds its replacement in the slot and is refused,
+rather than taking the slot back with rows the workers have not trained against. (Should it
+rejoin first, its replacement is refused and exits; restarted as a new process, it registers
+afresh and displaces the old one, and the workers, which check the incarnations after a
+scheduler restart, roll back.)
 
     table = LeaseTable(num_shards=2, ttl_ms=10_000)
     grant = table.register(Role.SHARD, 0, "10.0.0.5:7001", "a1b2", now_ms=0)
@@ -139,10 +147,12 @@ class LeaseTable:
     # ---- members ----------------------------------------------------------------------
 
     def register(self, role: Role | str, slot: int, address: str, incarnation: str,
-                 now_ms: int) -> Grant:
+                 now_ms: int, rejoin: bool = False) -> Grant:
         """Take ``slot`` of ``role`` for this incarnation; the slot's previous holder, if any,
         loses its lease. The same incarnation registering again keeps its lease (a retried
-        call). FailedPrecondition for an incarnation this table already gave up on."""
+        call). FailedPrecondition for an incarnation this table already gave up on, and for a
+        ``rejoin`` (a member whose earlier scheduler restarted) to a slot another incarnation
+        holds."""
         role = self._check_role(role)
         self._check_slot(role, slot)
         address = _check_text(address, "address", MAX_ADDRESS_CHARS)
@@ -157,6 +167,10 @@ class LeaseTable:
         if held is not None and held.incarnation == incarnation:
             held.address, held.deadline_ms = address, now_ms + self.ttl_ms
             return Grant(held.lease_id, self.ttl_ms, self.generation)
+        if held is not None and rejoin:
+            raise FailedPrecondition(
+                f"{role} {slot}: incarnation {incarnation} rejoins after a scheduler restart, "
+                f"but incarnation {held.incarnation} holds the slot: it was replaced")
         if held is not None:  # a new process took the slot: the old one must not return
             self._drop(held)
             self._dead.add(held.incarnation)

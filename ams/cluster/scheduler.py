@@ -30,7 +30,7 @@ from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.cluster.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
 from ams.cluster.metrics import record_expiry, watch_lease_table
-from ams.errors import AmsError, InvalidArgument, Unavailable
+from ams.errors import AmsError, FailedPrecondition, InvalidArgument, Unavailable
 from ams.server.interceptors import RequestDecodingInterceptor, TokenAuthInterceptor
 from ams.server.service import start_serving
 from ams.wire.status import error_from_rpc, rpc_method
@@ -88,7 +88,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self._expire()
             before = self.table.generation
             grant = self.table.register(role, request.slot, request.address,
-                                        request.incarnation, _now_ms())
+                                        request.incarnation, _now_ms(), request.rejoin)
         log.info("registered role=%s slot=%d address=%s incarnation=%s lease=%s generation=%d",
                  role, request.slot, request.address, request.incarnation, grant.lease_id,
                  grant.generation)
@@ -226,11 +226,12 @@ class SchedulerClient:
             raise err from None
 
     def register(self, role: Role, slot: int, address: str, incarnation: str, *,
-                 timeout: float = 60.0) -> pb.RegisterReply:
+                 rejoin: bool = False, timeout: float = 60.0) -> pb.RegisterReply:
         """Take a lease for ``slot`` of ``role``; retried while the scheduler cannot be reached,
-        up to ``timeout`` seconds (it may start after its members)."""
+        up to ``timeout`` seconds (it may start after its members). ``rejoin``: registering
+        again after the scheduler restarted (``LeaseTable.register``)."""
         request = pb.RegisterRequest(role=_WIRE_ROLES[Role(role)], slot=slot, address=address,
-                                     incarnation=incarnation)
+                                     incarnation=incarnation, rejoin=rejoin)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -307,7 +308,9 @@ class LeaseKeeper:
 
     A scheduler that cannot be reached is retried at the same pace: only the scheduler may
     declare a member dead. One that restarted (UNKNOWN) is registered with again, under the
-    same incarnation; a worker then checks that no shard it knows changed its incarnation.
+    same incarnation, as a rejoin; a worker then checks that no shard it knows changed its
+    incarnation. A rejoin refused (another incarnation holds the slot, or this one was given
+    up on) loses the lease, as EXPIRED does.
     """
 
     def __init__(self, client: SchedulerClient, role: Role, slot: int, address: str,
@@ -371,12 +374,18 @@ class LeaseKeeper:
         else:
             log.warning("scheduler_restarted lease=%s; registering again", self.lease_id)
             self.generation = None  # a new scheduler counts from 0
-            self._register(self.interval_s * 3)
+            try:
+                self._register(self.interval_s * 3, rejoin=True)
+            except FailedPrecondition as e:
+                self._gone = True
+                self._lose(f"the restarted scheduler refused {self.role} {self.slot} "
+                           f"(incarnation {self.incarnation}): {e}")
+                return
             self._check_incarnations()
 
-    def _register(self, timeout: float) -> None:
+    def _register(self, timeout: float, rejoin: bool = False) -> None:
         reply = self.client.register(self.role, self.slot, self.address, self.incarnation,
-                                     timeout=timeout)
+                                     rejoin=rejoin, timeout=timeout)
         self.lease_id = reply.lease_id
         self.interval_s = max(0.05, reply.ttl_ms / 3000)
         if self.generation is None:

@@ -21,9 +21,9 @@ import torch
 from ams.api import scheduler_pb2 as pb
 from ams.api import scheduler_pb2_grpc as pb_grpc
 from ams.cluster.lease import LeaseStatus, Role
-from ams.cluster.scheduler import SchedulerClient
+from ams.cluster.scheduler import SchedulerClient, create_scheduler_server
 from ams.errors import InvalidArgument, ShardRestarted, Unauthenticated, Unavailable
-from tests.conftest import wait_until
+from tests.conftest import free_port, wait_until
 from tests.integration.test_cluster import CHECKPOINTS, train_rows, write_config
 from tests.integration.test_shard_server import undecodable_request_codes
 from xcls.config import ConfigError, load_config
@@ -201,6 +201,28 @@ def _register(**fields: object) -> pb.RegisterRequest:
     request = {"role": pb.ROLE_SHARD, "slot": 0, "address": "127.0.0.1:7001",
                "incarnation": "abc", **fields}
     return pb.RegisterRequest(**request)
+
+
+def test_a_keeper_whose_slot_was_taken_while_the_scheduler_was_away_loses_its_lease():
+    """The scheduler restarts, and another incarnation (a shard's replacement) rejoins for a
+    slot first: the keeper of the earlier holder, renewing a lease of the scheduler before,
+    rejoins, is refused and loses its lease (a shard then exits), and the slot stays taken."""
+    port = free_port()
+    first = create_scheduler_server(1, lease_ttl=9.0, port=port)
+    lost: list[str] = []
+    with SchedulerClient(f"127.0.0.1:{port}") as client, \
+            SchedulerClient(f"127.0.0.1:{port}") as replacement:
+        keeper = client.keep_lease(Role.SHARD, 0, "127.0.0.1:7001", "inc-x", lost.append)
+        first.stop(grace=0)
+        second = create_scheduler_server(1, lease_ttl=9.0, port=port)
+        try:  # the keeper renews every 3 s: the replacement rejoins well before
+            replacement.register(Role.SHARD, 0, "127.0.0.1:7002", "inc-y", rejoin=True)
+            wait_until(lambda: lost, "the keeper to lose its lease", PATIENCE_S)
+            assert "inc-y holds the slot: it was replaced" in lost[0]
+            assert replacement.shards().incarnations == ("inc-y",)
+        finally:
+            keeper.stop(release=False)
+            second.stop(grace=0)
 
 
 @pytest.mark.parametrize("method, request_", [
