@@ -30,8 +30,9 @@ MAX_STRANGERS_PER_PEER = 32
 # Seconds a connection has from its accept to an accepted HELLO (the TLS handshake included).
 HELLO_TIMEOUT_S = 5.0
 # Bytes of request ids and gradients one shard holds at once while they arrive and are
-# applied: four bodies of the largest size a frame may have (``frames.MAX_BODY_BYTES``);
-# the client's pieces are a hundredth of that (``ams.limits.PIECE_BYTES``).
+# applied, and of answers' ids and rows while they are sent: four bodies of the largest
+# size a frame may have (``frames.MAX_BODY_BYTES``); the client's pieces are a hundredth of
+# that (``ams.limits.PIECE_BYTES``).
 MAX_BODY_BYTES_HELD = 1 << 30
 
 Key = TypeVar("Key")
@@ -77,7 +78,7 @@ class Admission(Generic[Key]):
 
 
 class BodyBudget:
-    """Request bytes held at once, up to ``limit``. Thread-safe."""
+    """Bytes of requests and answers held at once, up to ``limit``. Thread-safe."""
 
     def __init__(self, limit: int = MAX_BODY_BYTES_HELD) -> None:
         self.limit = limit
@@ -90,9 +91,10 @@ class BodyBudget:
         with self._lock:
             if self._held + nbytes > self.limit:
                 raise RequestTooLarge(
-                    f"data plane: {self._held} bytes of request bodies are being received or "
-                    f"applied, and {nbytes} more would pass the shard's {self.limit}-byte "
-                    "limit; send smaller requests, or fewer at once")
+                    f"data plane: {self._held} bytes of request bodies and answers are "
+                    f"being received, applied or sent, and {nbytes} more would pass the "
+                    f"shard's {self.limit}-byte limit; send smaller requests, or fewer at "
+                    "once")
             self._held += nbytes
         return nbytes
 

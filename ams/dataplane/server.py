@@ -41,6 +41,7 @@ from ams.dataplane.sockets import (
 )
 from ams.errors import (
     AmsError,
+    RequestTooLarge,
     ShardRestarted,
     Unauthenticated,
     Unavailable,
@@ -58,7 +59,8 @@ log = logging.getLogger(__name__)
 THREADS_EXIT_S = 30.0
 IDLE_TIMEOUT_S = 3600.0
 # A frame has BODY_TIMEOUT_S from its first byte, and one second more for each of these
-# bytes of its body: a peer sending slower than this holds its body's memory no longer.
+# bytes of its body: a peer sending (or reading an answer) slower than this holds its
+# memory no longer.
 MIN_BODY_BYTES_PER_S = 1 << 20
 # Strangers evicted are logged at most this often (they may come by the thousand).
 EVICTIONS_LOG_S = 60.0
@@ -350,9 +352,22 @@ class DataPlaneServer:
                 self._send_error(sock, _truncated(e))
                 return False
             kind, reply, code = self._apply(frame, shared, method)
+            del frame  # the request's body is no longer held, its answer is
+            self._bodies.give_back(held)
+            held = 0
+            answer_bytes = _answer_bytes(reply)
             try:
-                send_frame(sock, kind, **reply)
-            except OSError as e:  # the peer left before its answer: nothing failed here
+                held = self._bodies.take(answer_bytes)
+            except RequestTooLarge as e:  # a pull or scan: nothing was changed
+                code = e.code
+                self._send_error(sock, e)
+                return True
+            try:
+                # an answer, like a body, has BODY_TIMEOUT_S and a second per MiB: a peer that
+                # reads a byte now and then cannot hold its memory for long
+                send_frame(sock, kind, **reply, deadline=time.monotonic() + BODY_TIMEOUT_S
+                           + answer_bytes / MIN_BODY_BYTES_PER_S)
+            except OSError as e:  # the peer left before its answer, or took too long
                 log.debug("dataplane_answer_lost method=%s error=%s", method, e)
                 code = "CANCELLED"
                 return False
@@ -400,6 +415,12 @@ class DataPlaneServer:
             send_frame(sock, Kind.ERROR, _error_meta(error))
         except OSError:
             pass  # the peer is gone; nothing to tell
+
+
+def _answer_bytes(reply: dict) -> int:
+    """Bytes of the ids and rows an answer (``send_frame``'s arguments) sends from memory."""
+    return sum(t.numel() * t.element_size() for key in ("ids", "rows", "positions")
+               if (t := reply.get(key)) is not None and not (key == "rows" and reply.get("shared")))
 
 
 def _error_meta(error: AmsError) -> dict:

@@ -50,6 +50,15 @@ def _body_stalled() -> None:
     raise TimeoutError("no byte within the socket's timeout")
 
 
+# A TLS socket sends this much at a time between its deadline checks (``send_buffers``).
+_TLS_SEND_BYTES = 1 << 20
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("the peer did not take the frame within its deadline")
+
+
 class SocketReader:
     """Reads a socket through a 64 KiB buffer: a small frame, header and body, arrives with
     one system call; a large body goes from the socket straight into its destination.
@@ -141,15 +150,22 @@ class SocketReader:
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview],
-                 stalled: Callable[[], None] = _body_stalled) -> None:
+                 stalled: Callable[[], None] = _body_stalled,
+                 deadline: float | None = None) -> None:
     """Send ``buffers`` back to back: one gather-write system call where the socket allows.
-    ``stalled``: as ``SocketReader``'s, for a send that gives up."""
+    ``stalled``: as ``SocketReader``'s, for a send that gives up. ``deadline``
+    (``time.monotonic``; None: none): ``TimeoutError`` once it passed with bytes unsent, so
+    a peer that takes a byte now and then cannot hold the frame (and its memory) for long;
+    checked between sends, each bounded by the socket's own timeout."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg
         for view in views:
-            sock.sendall(view)
+            for start in range(0, view.nbytes, _TLS_SEND_BYTES):
+                _check_deadline(deadline)
+                sock.sendall(view[start:start + _TLS_SEND_BYTES])
         return
     while views:
+        _check_deadline(deadline)
         try:
             sent = sock.sendmsg(views)
         except BlockingIOError:
@@ -167,12 +183,13 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview],
 def send_frame(sock: socket.socket, kind: Kind, meta: dict | bytes | None = None, *,
                ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                positions: torch.Tensor | None = None, shared: bool = False,
-               stalled: Callable[[], None] = _body_stalled) -> None:
+               stalled: Callable[[], None] = _body_stalled,
+               deadline: float | None = None) -> None:
     """One frame: ``meta`` (JSON object, or its encoding), ``ids`` (int64 (n,)),
     ``positions`` (int64 (n,), a shared PULL's) and ``rows`` ((m, dim)); ``shared``: the rows
     are in the shared buffer, where the meta's "offset" says (a request's ``rows``: already
-    written there; an answer's: written there, sent for their shape and dtype); ``stalled``:
-    as ``send_buffers``'."""
+    written there; an answer's: written there, sent for their shape and dtype); ``stalled``
+    and ``deadline``: as ``send_buffers``'."""
     raw_meta = meta if isinstance(meta, bytes) else frames.encode_meta(meta) if meta else b""
     num_ids = 0 if ids is None else ids.numel()
     header = frames.pack_header(kind, raw_meta, num_ids=num_ids, rows=rows, shared=shared,
@@ -181,7 +198,7 @@ def send_frame(sock: socket.socket, kind: Kind, meta: dict | bytes | None = None
                         tensor_bytes(ids) if ids is not None else b"",
                         tensor_bytes(positions) if positions is not None else b"",
                         tensor_bytes(rows) if rows is not None and not shared else b""],
-                 stalled)
+                 stalled, deadline)
 
 
 @dataclass

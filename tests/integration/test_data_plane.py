@@ -755,6 +755,71 @@ def test_request_bodies_a_shard_holds_at_once_are_bounded(cluster):
     again.close()
 
 
+def test_answers_a_peer_does_not_read_count_in_what_the_shard_holds(cluster):
+    """A pull's answer waiting for a peer that does not read it is held in the same budget
+    as request bodies: three announced 250 MiB pushes and one such answer fill it, and the
+    next 250 MiB pull is refused with RESOURCE_EXHAUSTED (its connection serving on)."""
+    address, client = cluster
+    client.create_table("answers", num_rows=2000, dim=65536, momentum=0.0, init_std=0.0)
+    ids = list(range(0, 2000, 2))  # shard 0's 1000 rows: 250 MiB
+    held = [announce_push(address, "answers", 1000, 65536) for _ in range(3)]
+    unread = Peer(address)
+    unread.hello()
+    unread.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    unread.send(frame(PULL, {"table": "answers"}, ids))
+    time.sleep(1.0)  # the answer is built and waits in the shard's send
+    over = Peer(address)
+    over.hello()
+    over.send(frame(PULL, {"table": "answers"}, ids))
+    over.sock.settimeout(30)
+    kind, reply, _, _ = over.answer()
+    assert (kind, reply["code"]) == (ERROR, "RESOURCE_EXHAUSTED"), reply
+    assert "bytes of request bodies and answers" in reply["message"]
+    over.send(frame(PULL, {"table": "answers"}, [0]))
+    assert over.answer()[0] == ROWS
+    for peer in [*held, unread, over]:
+        peer.close()
+
+
+def test_an_answer_must_be_taken_within_its_deadline_not_only_byte_by_byte(monkeypatch):
+    """A greeted peer that reads a 64 MiB answer 64 KiB every 0.3 s, well within the time
+    allowed between two bytes, is cut off once the answer's deadline passed (BODY_TIMEOUT_S,
+    shortened here, plus its size at MIN_BODY_BYTES_PER_S, raised here): the shard stops
+    holding its memory, and serves others on."""
+    import ams.dataplane.server
+
+    monkeypatch.setattr(ams.dataplane.server, "BODY_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(ams.dataplane.server, "MIN_BODY_BYTES_PER_S", 1 << 30)
+    store = ShardStore(0, 1)
+    running = create_server(store)
+    address = f"127.0.0.1:{running.port}"
+    try:
+        store.create_table(ams.TableSpec("big", num_rows=16384, dim=1024, momentum=0.0))
+        peer = Peer(address)
+        peer.hello()
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        peer.send(frame(PULL, {"table": "big"}, list(range(16384))))
+        got = 0
+        for _ in range(17):  # five seconds at a pace that would take five minutes
+            time.sleep(0.3)
+            got += len(peer.sock.recv(1 << 16))
+        peer.sock.settimeout(20)
+        while True:  # then the rest at once: what was sent before the cut, and the end
+            try:
+                data = peer.sock.recv(1 << 20)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            got += len(data)
+        assert got < 64 << 20  # the answer's rows alone are 64 MiB
+        peer.close()
+        with ams.connect([address]) as other:
+            assert other.pull("big", torch.tensor([5])).shape == (1, 1024)
+    finally:
+        running.stop(0)
+
+
 def test_a_body_must_arrive_within_its_deadline_not_only_byte_by_byte(monkeypatch):
     """A greeted peer that sends a push a byte every 0.3 s, well within the time allowed
     between two bytes, is cut off once the frame's own deadline passed (BODY_TIMEOUT_S from
