@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ams.errors import SnapshotError
+from ams.graph.build import build_graph, graph_on_every_shard
 from ams.shard import restore, snapshot
 from ams.shard.manifest import FORMAT_VERSION, load_manifest, verify_files
 from ams.wire.pieces import PushPieces
@@ -310,6 +311,84 @@ def test_last_snapshot_step_reads_the_restored_step(tmp_path):
     assert [s["last_snapshot_step"] for s in fresh.stats()] == [-1, -1]
     assert fresh.restore() == 7
     assert [s["last_snapshot_step"] for s in fresh.stats()] == [7, 7]
+
+
+# ---- neighbor graphs written between the pieces --------------------------------------------
+
+
+def graph_lists(shift):
+    """Class c's list: c, then c + shift, c + 2 * shift (mod N)."""
+    return torch.stack([(torch.arange(N) + j * shift) % N for j in range(3)], dim=1)
+
+
+def install_graph(client, version, step, shift=1):
+    client.set_neighbors("fc", torch.arange(N), graph_lists(shift), version=version, step=step,
+                         replace_all=True)
+
+
+def graph_dropped(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == restore.__name__ and "snapshot_graph_dropped" in r.getMessage()]
+
+
+# What the graph build between shard 0's piece and shard 1's did: shard 0's piece holds the
+# lists before it (None: no graph yet), shard 1's those after it; no graph after it: none.
+GRAPHS_BETWEEN_PIECES = {
+    "only-shard-1-has-one": (None, (1, 7)),
+    "only-shard-0-has-one": ((1, 7), None),
+    "versions-differ": ((1, 7), (2, 8)),
+}
+
+
+@pytest.mark.parametrize("new", [1, 3])
+@pytest.mark.parametrize("case", GRAPHS_BETWEEN_PIECES)
+def test_a_graph_not_in_every_piece_of_one_version_is_not_restored(tmp_path, caplog, case,
+                                                                    new):
+    before, after = GRAPHS_BETWEEN_PIECES[case]
+    src = trained_client(tmp_path, 2, keep_snapshots=0)
+    if before is not None:
+        install_graph(src, *before, shift=1)
+    src.shards[0].snapshot(5)
+    if after is None:  # a shard that restarted empty between the two pieces
+        src.shards[1].store.table("fc").graph = None
+    else:
+        install_graph(src, *after, shift=2)
+    src.shards[1].snapshot(5)
+
+    dst = STORAGE.connect(local_shards=new, data_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger=restore.__name__):
+        assert dst.restore() == 5
+    for a, b in zip(full_state(src), full_state(dst), strict=True):
+        assert torch.equal(a, b)  # the rows are restored whole all the same
+    # every restored shard took rows from both pieces: none has a graph, so the trainer
+    # builds one before its next step (it checks graph_on_every_shard)
+    assert [s.store.table("fc").graph for s in dst.shards] == [None] * new
+    assert not graph_on_every_shard(dst, "fc")
+    versions = ",".join(f"{snapshot.piece_name(i, 2)}:{'none' if g is None else f'{g[0]}/k3'}"
+                        for i, g in enumerate((before, after)))
+    assert graph_dropped(caplog) == new * [
+        f"snapshot_graph_dropped table='fc' step=5 versions={versions} reason='the pieces "
+        "hold no graph or graphs of different versions; the table is restored without one, "
+        "and the next graph build makes it'"]
+    build_graph(dst, "fc", 3, step=6)
+    assert graph_on_every_shard(dst, "fc")
+
+
+def test_a_graph_refreshed_between_the_pieces_is_restored_at_its_newest_step(tmp_path, caplog):
+    src = trained_client(tmp_path, 2, keep_snapshots=0)
+    install_graph(src, version=4, step=7)
+    src.shards[0].snapshot(5)
+    # a refresh keeps the version and moves the step of the shards it writes to
+    src.set_neighbors("fc", torch.tensor([1]), graph_lists(1)[1:2], version=4, step=9,
+                      replace_all=False)
+    src.shards[1].snapshot(5)
+    dst = STORAGE.connect(local_shards=1, data_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger=restore.__name__):
+        assert dst.restore() == 5
+    graph = dst.shards[0].store.table("fc").graph
+    assert (graph.version, graph.step, graph.k) == (4, 9, 3)
+    assert torch.equal(dst.neighbors("fc", torch.arange(N)), graph_lists(1))
+    assert graph_dropped(caplog) == []
 
 
 # ---- push dedupe state --------------------------------------------------------------------

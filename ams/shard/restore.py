@@ -181,18 +181,43 @@ def _gather_pieces(store: ShardStore, pieces: list[Path], out: dict[str, dict]
         except (KeyError, TypeError, ValueError, IndexError, AmsError) as e:
             raise SnapshotError(f"{path}: malformed snapshot ({type(e).__name__}: "
                                 f"{shorten(str(e))})") from e
-    result = []
     for name, acc in out.items():
         if not bool(acc["filled"].all()):
             raise SnapshotError(f"table {shorten(name)}: the pieces do not cover every row")
-        graph = None
-        meta = acc["graph_meta"]
-        if meta and acc["graph_parts"]:
-            graph = NeighborTable.from_parts(acc["graph_parts"], acc["owned"],
-                                             num_classes=acc["spec"].num_rows, k=meta["k"])
-            graph.version, graph.step = meta["version"], meta["step"]
+    result = []
+    for name, acc in out.items():
+        try:
+            graph = _graph_of(name, acc)
+        except (KeyError, TypeError, ValueError, IndexError, AmsError) as e:
+            raise SnapshotError(f"table {shorten(name)}: malformed graph in the snapshot "
+                                f"({type(e).__name__}: {shorten(str(e))})") from e
         result.append((acc["spec"], acc["staged"], acc["clock"], graph, acc["dedupe"]))
     return result
+
+
+def _graph_of(name: str, acc: dict) -> NeighborTable | None:
+    """The table's graph from the lists of the pieces it took rows from, or None unless they
+    all carry lists of one version and k. Each shard writes its piece at its own moment, so a
+    graph build can fall between them: some pieces then hold no lists or an older version.
+    The graph is derived from the rows, and a table restored without one is built again
+    before the next training step (``workers.trainer``: ``graph_on_every_shard``)."""
+    graphs: list[tuple[str, dict | None]] = acc["graphs"]
+    kinds = {None if g is None else (g["version"], g["k"]) for _, g in graphs}
+    if len(kinds) != 1 or None in kinds:
+        if kinds - {None}:  # some lists are lost: say whose
+            found = ",".join(f"{piece}:" + ("none" if g is None else f"{g['version']}/k{g['k']}")
+                             for piece, g in graphs)
+            log.warning("snapshot_graph_dropped table=%s step=%d versions=%s reason=%r",
+                        shorten(name), acc["step"], found,
+                        "the pieces hold no graph or graphs of different versions; the table "
+                        "is restored without one, and the next graph build makes it")
+        return None
+    version, k = kinds.pop()
+    graph = NeighborTable.from_parts(acc["graph_parts"], acc["owned"],
+                                     num_classes=acc["spec"].num_rows, k=k)
+    # a refresh keeps the version and moves the step on the shards it wrote to
+    graph.version, graph.step = version, max(g["step"] for _, g in graphs)
+    return graph
 
 
 def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -> None:
@@ -209,7 +234,8 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
             acc = out[name] = {
                 "spec": spec, "staged": staged, "clock": 0.0, "owned": owned,
                 "filled": torch.zeros(owned, dtype=torch.bool),
-                "graph_parts": [], "graph_meta": entry["graph"], "dedupe": PushDedupe(),
+                "graph_parts": [], "graphs": [], "dedupe": PushDedupe(),
+                "step": manifest["step"],
             }
         if acc["spec"] != spec:
             raise SnapshotError(f"table {shorten(name)}: spec differs between pieces")
@@ -225,6 +251,9 @@ def _gather_piece(store: ShardStore, manifest: dict, tensors: dict, out: dict) -
         acc["filled"][new_pos] = True
         if bool(mine.any()):  # a piece's pushes matter where its rows do
             acc["dedupe"].merge(_dedupe_of(got["push_dedupe"]))
+        if not (bool(mine.any()) or acc["owned"] == 0):
+            continue  # none of our rows here: its graph, or none, is no concern of ours
+        acc["graphs"].append((piece_name(old_shard, old_count), entry["graph"]))
         if "graph_neighbors" in got:
             # either layout, either id dtype, into the table's own
             old_graph = NeighborTable(got.get("graph_offsets"), got["graph_neighbors"],
