@@ -3,14 +3,17 @@ manifests, the push dedupe state, pruning."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
 import resource
 import shutil
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import lmdb
 import pytest
@@ -615,6 +618,52 @@ def test_steps_shards_failed_to_write_are_reported_as_incomplete(tmp_path, caplo
     # pruning removes the crashed write, and the step directory that held nothing else
     snapshot.prune_snapshots(tmp_path, 0, 2, keep=1)
     assert snapshot.list_steps(tmp_path) == [2, 1]
+
+
+@pytest.mark.parametrize("crash", ["between-the-renames", "after-the-renames"])
+def test_a_step_written_again_keeps_a_whole_piece_whenever_a_crash_comes(tmp_path, monkeypatch,
+                                                                         crash):
+    client = trained_client(tmp_path, 1, keep_snapshots=2)
+    client.snapshot(step=1)
+    client.snapshot(step=2)
+    piece = piece_dir(tmp_path, 2)
+    shutil.copytree(piece, tmp_path / "old-piece")
+    old = full_state(client)
+    client.push("fc", torch.tensor([1, 2]), torch.ones(2, D), lr=1.0)
+    new = full_state(client)
+    aside = piece.parent / f"{snapshot.ASIDE}{piece.name}"
+    if crash == "between-the-renames":
+        # the rename of the new piece into place fails once, as a crash just before it
+        # would stop it: whatever was done to the old piece before it is done
+        rename, failed = os.rename, []
+
+        def new_piece_not_moved_in(src, dst):
+            if Path(dst) == piece and not failed:
+                failed.append(src)
+                raise OSError(errno.EIO, "the process dies here")
+            rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", new_piece_not_moved_in)
+        with pytest.raises(SnapshotError, match="snapshot step 2 not written"):
+            client.snapshot(step=2)
+        assert failed and not piece.exists() and aside.is_dir()
+        whole = old
+    else:
+        client.snapshot(step=2)
+        # the new piece came in; the old one, aside, was not removed yet
+        shutil.copytree(tmp_path / "old-piece", aside)
+        whole = new
+
+    fresh = STORAGE.connect(local_shards=1, data_dir=tmp_path)
+    assert fresh.restore() == 2
+    for a, b in zip(whole, full_state(fresh), strict=True):
+        assert torch.equal(a, b)
+    # the next snapshot's prune puts the piece back in place or removes the one aside
+    client.snapshot(step=3)
+    assert [p.name for p in piece.parent.iterdir()] == [piece.name]
+    assert fresh.restore(step=2) == 2
+    for a, b in zip(whole, full_state(fresh), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_large_table_beyond_lmdb_default_map_size(tmp_path):

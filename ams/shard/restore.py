@@ -21,7 +21,14 @@ from ams.errors import AmsError, RequestTooLarge, SnapshotError, StorageError, s
 from ams.shard.dedupe import PushDedupe
 from ams.shard.manifest import DTYPES, load_manifest, verify_files
 from ams.shard.neighbor_lists import NeighborTable
-from ams.shard.snapshot import PIECE_RE, IncompleteStep, list_steps, pieces_of, step_dir
+from ams.shard.snapshot import (
+    ASIDE,
+    IncompleteStep,
+    list_steps,
+    piece_match,
+    pieces_of,
+    step_dir,
+)
 from ams.shard.spec import TableSpec
 from ams.shard.storage import TableTensors
 from ams.shard.store import ShardStore
@@ -64,7 +71,7 @@ def read_piece(path: Path, load: bool = True) -> tuple[dict, dict[str, dict[str,
     manifest = load_manifest(path)
     expected = (f"step-{manifest['step']:012d}",
                 piece_name(manifest["shard_id"], manifest["num_shards"]))
-    if (path.parent.name, path.name) != expected:
+    if (path.parent.name, path.name.removeprefix(ASIDE)) != expected:
         raise SnapshotError(f"{path}: the manifest describes {'/'.join(expected)}")
     verify_files(path, manifest)
     if not load:
@@ -169,7 +176,7 @@ def _gather_pieces(store: ShardStore, pieces: list[Path], out: dict[str, dict]
     for path in pieces:
         # Every piece is verified, so all shards agree on whether a step is usable; only the
         # pieces that hold rows of ours are loaded (with S == S' that is one piece of S).
-        old_shard, old_count = (int(g) for g in PIECE_RE.match(path.name).groups())
+        old_shard, old_count = (int(g) for g in piece_match(path).groups())
         mine = _shares_rows(old_shard, old_count, store.shard_id, store.num_shards)
         manifest, tensors = read_piece(path, load=mine)
         if not mine:

@@ -11,7 +11,9 @@ Layout under a data dir shared by the shards of a cluster::
 
 A piece is written under a temporary name, fsynced, and renamed into place, so a piece either
 exists whole or not at all; a write that fails removes its temporary, and the step directory
-when nothing else is in it, so a failed snapshot leaves no trace. Restore checks, in this
+when nothing else is in it, so a failed snapshot leaves no trace. A piece written again for
+its step replaces the old one through a rename aside (``_move_in``), so a crash at any moment
+leaves the old piece or the new one to restore. Restore checks, in this
 order and before it installs anything: the manifest's checksum, the manifest's fields, every
 data file's size and checksum (before LMDB maps the file: a truncated file would kill the
 process with SIGBUS), then every value as it loads (``ams.shard.manifest``,
@@ -65,6 +67,8 @@ _MAKE_TMP_TRIES = 3
 # Step numbers are zero-padded to 12 digits so that names sort; larger steps grow wider.
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 PIECE_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
+# A piece being replaced by a new write of its step waits under this prefix (``_move_in``).
+ASIDE = ".old-"
 # The JSON of a full dedupe state: every client id, and every sequence as up to 20 digits.
 _DEDUPE_BYTES = PUSH_DEDUPE_CLIENTS * (PUSH_DEDUPE_WINDOW * 22 + 6 * MAX_CLIENT_ID + 16)
 # One writer or pruner at a time per piece identity (data dir, shard, shard count) in this
@@ -193,6 +197,7 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
             tmp = _new_tmp(final)
             manifest = _write_data(store, tmp, step)
             _seal(tmp, manifest)
+            _move_in(tmp, final)
         except (OSError, lmdb.Error, RequestTooLarge, StorageError) as e:
             # a full disk, a file-size limit, no room for an mmap table's scratch copy
             _drop_write(tmp, final.parent)
@@ -203,13 +208,32 @@ def write_snapshot(store: ShardStore, data_dir: Path, step: int) -> Path:
         except BaseException:
             _drop_write(tmp, final.parent)
             raise
-        if final.exists():  # a snapshot of the same step again: replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(final.parent)
+        # the renames, and the step directory and snapshots/ made for this write, survive a
+        # power loss once their parents are synced
+        for parent in (final.parent, final.parent.parent, Path(data_dir)):
+            fsync_path(parent)
+        shutil.rmtree(_aside(final), ignore_errors=True)
     log.info("snapshot_written step=%d path=%s bytes=%d", step, final,
              manifest["files"][DATA_FILE]["size"])
     return final
+
+
+def _aside(piece: Path) -> Path:
+    """Where ``piece`` waits while a new write of its step replaces it."""
+    return piece.parent / f"{ASIDE}{piece.name}"
+
+
+def _move_in(tmp: Path, final: Path) -> None:
+    """Rename the written piece ``tmp`` to ``final``. A directory cannot be renamed over a
+    full one, so a piece already there (a snapshot of the same step again) is first renamed
+    aside and removed only once the new one is in: a crash between the two renames leaves
+    the old piece aside, which restore reads in its place (``pieces_of``) and the next prune
+    renames back (``_remove_leftover_writes``)."""
+    aside = _aside(final)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # a crash after its replacement came in
+        os.rename(final, aside)
+    os.rename(tmp, final)
 
 
 def _new_tmp(final: Path) -> Path:
@@ -298,23 +322,33 @@ def list_steps(data_dir: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def piece_match(path: Path) -> re.Match | None:
+    """``PIECE_RE``'s match of a piece's name, in place or set aside (``ASIDE``)."""
+    return PIECE_RE.match(path.name.removeprefix(ASIDE))
+
+
 def pieces_of(step_path: Path) -> list[Path]:
     """Every piece of the step at ``step_path``, one per shard of the count that wrote it;
-    ``IncompleteStep`` when a shard wrote none."""
+    ``IncompleteStep`` when a shard wrote none. A piece set aside for a new write of the step
+    stands for its shard when the new one never came in (a crash between the renames)."""
     if not step_path.is_dir():
         raise SnapshotError(f"{step_path} does not exist")
     entries = list(step_path.iterdir())
-    pieces = sorted(p for p in entries if PIECE_RE.match(p.name))
+    found = {p.name: p for p in entries if PIECE_RE.match(p.name)}
+    for p in entries:
+        if p.name.startswith(ASIDE) and piece_match(p):
+            found.setdefault(p.name.removeprefix(ASIDE), p)
+    pieces = [found[name] for name in sorted(found)]
     if not pieces:
         writes = sum(p.name.startswith(".tmp-") for p in entries)
         raise IncompleteStep(f"{step_path}: no shard wrote its piece" + (
             f" ({writes} being written, or left by a crash)" if writes else
             " (the snapshot failed)"))
-    totals = {int(PIECE_RE.match(p.name).group(2)) for p in pieces}
+    totals = {int(piece_match(p).group(2)) for p in pieces}
     if len(totals) != 1:
         raise SnapshotError(f"{step_path}: pieces of different shard counts {sorted(totals)}")
     total = totals.pop()
-    have = {int(PIECE_RE.match(p.name).group(1)) for p in pieces}
+    have = {int(piece_match(p).group(1)) for p in pieces}
     missing = sorted(set(range(total)) - have)
     if missing:
         raise IncompleteStep(f"{step_path}: shards {shorten(missing)} of {total} wrote no piece "
@@ -335,7 +369,8 @@ def prune_snapshots(data_dir: Path, shard_id: int, num_shards: int, keep: int, *
     pieces this shard answers for (``shard-i-of-M`` with i mod ``num_shards`` ==
     ``shard_id``, so pieces of an earlier shard count go too), then the step directory once
     it is empty. It also removes this shard's ``.tmp-`` directories left by interrupted
-    writes. ``keep=0`` keeps every step. With no complete step at all nothing is removed.
+    writes, and puts back or removes its pieces left aside (``_remove_leftover_writes``).
+    ``keep=0`` keeps every step. With no complete step at all nothing is removed.
     """
     if not is_int(keep) or keep < 0:
         raise ValueError(f"keep={shorten(keep)} must be an integer >= 0")
@@ -383,11 +418,21 @@ def _is_complete(step_path: Path) -> bool:
 
 def _remove_leftover_writes(root: Path, piece: str) -> list[Path]:
     """This piece's ``.tmp-`` directories in every step: no write of ours is in progress
-    while the caller holds the piece lock, so each is the leftover of an interrupted one."""
+    while the caller holds the piece lock, so each is the leftover of an interrupted one.
+    A piece set aside (``ASIDE``) is removed where its replacement came in, and renamed back
+    where a crash kept it out."""
     removed = []
     for step_path in root.iterdir():
         if not _STEP_RE.match(step_path.name) or not step_path.is_dir():
             continue
+        aside = step_path / f"{ASIDE}{piece}"
+        if aside.is_dir():
+            if (step_path / piece).exists():
+                shutil.rmtree(aside, ignore_errors=True)
+                removed.append(aside)
+            else:
+                os.rename(aside, step_path / piece)
+                fsync_path(step_path)
         leftovers = list(step_path.glob(f".tmp-{piece}-*"))
         for tmp in leftovers:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -406,7 +451,7 @@ def _remove_pieces(step_path: Path, shard_id: int, num_shards: int) -> list[Path
     except FileNotFoundError:  # the other shards removed their pieces and the directory first
         return removed
     for p in entries:
-        m = PIECE_RE.match(p.name)
+        m = piece_match(p)
         if m and int(m.group(1)) % num_shards == shard_id:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
