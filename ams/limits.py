@@ -20,6 +20,9 @@ PIPELINE_WINDOW = 2
 # a socket, and each piece costs a round trip, so larger ones win (docs/decisions.md, "Piece
 # sizes").
 SHARED_PIECE_BYTES = 8 << 20
+# The widest class row a table holds (ams.shard.spec); the config's model.dim is refused past it
+# when it loads, before any table is asked for.
+MAX_DIM = 1 << 16
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -50,6 +50,38 @@ def test_class_rows_learning_rate(sets, rows_lr):
     assert load_config(None, sets).optim.effective_head_lr() == pytest.approx(rows_lr)
 
 
+def test_comma_lists_take_the_type_of_their_items():
+    assert load_config(None, ["train.batch_schedule=64,96"]).train.batch_schedule == [64, 96]
+    assert load_config(None, ["train.batch_schedule=64, 96,"]).train.batch_schedule == [64, 96]
+    assert load_config(None, ["data.verification=a,b"]).data.verification == ["a", "b"]
+
+
+def test_row_decay_is_checked_at_the_largest_lr_a_growing_batch_reaches():
+    """The trainer multiplies the rows' lr by each epoch's batch over the first's: at 8x the
+    peak, lr 1 x decay 0.5 crosses 1 (the decay clock's log(1 - lr x decay) is undefined)."""
+    sets = ["train.batch_schedule=[8,64]", "optim.head_weight_decay=0.5"]
+    with pytest.raises(ConfigError, match=r"optim.head_weight_decay: the class rows' lr 8 "
+                       r"\(peak 1 x 8, the largest batch of train.batch_schedule over its "
+                       r"first\) x head_weight_decay 0.5 must be below 1"):
+        load_config(None, [*sets, "train.epochs=2"])
+    # the epoch of the larger batch is never reached, or the rates do not follow the batch
+    assert load_config(None, [*sets, "train.epochs=1"]).train.batch_schedule == [8, 64]
+    assert load_config(None, [*sets, "train.epochs=2", "train.batch_lr_scaling=false"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.batch_schedule=[8,64]", "optim.head_weight_decay: the class rows' lr 8"),
+    ("model.dim=100000", "model.dim: must be at most 65536"),
+    ("gear.ttl=1e30", "gear.ttl: must be at most"),
+    ("train.out_dir=", "train.out_dir: must name the run's directory"),
+])
+def test_cli_refuses_in_one_line_naming_the_key(override, needle, capsys):
+    sets = ["train.epochs=2", "optim.head_weight_decay=0.5", override]
+    assert main(["config", "print", *sum((["--set", s] for s in sets), [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
+
+
 def test_print_round_trips(tmp_path):
     cfg = load_config(None, ["head.kind=partial", "ams.addresses=a:1"])
     again = load_config(write(tmp_path, to_toml(cfg)))
@@ -133,6 +165,10 @@ def test_hostile_files(tmp_path, text, needle):
     ("train.batch_schedule=[64, 0]", "train.batch_schedule: every batch must be > 0"),
     ("train.batch_schedule=64", "train.batch_schedule: expected a list"),
     ("train.batch_schedule=[64, 1.5]", "expected an integer"),
+    ("train.batch_schedule=64,x", "train.batch_schedule[1]: expected an integer, got 'x'"),
+    ("model.dim=100000", "model.dim: must be at most 65536, got 100000"),
+    ("gear.ttl=1e30", "gear.ttl: must be at most 1000000000, got 1e+30"),
+    ("train.out_dir=", "train.out_dir: must name the run's directory"),
     ("head.placement=ps", "head.placement: 'ps' is not one of"),
     ("optim.name=adam", "optim.name: 'adam' is not one of"),
     pytest.param("train.max_steps=" + "[" * 100_000, "train.max_steps: expected an integer",

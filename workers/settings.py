@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
+from ams.limits import MAX_DIM
 from workers.field_marks import (
     NON_NEGATIVE,
     OR_EMPTY,
@@ -70,6 +71,9 @@ MAX_THREADS = 1024
 FRACTION = Range(gt=0, le=1)  # a share that cannot be nothing: (0, 1]
 SHARE = Range(ge=0, le=1)  # [0, 1]
 MOMENTUM = Range(ge=0, lt=1)  # at 1 a velocity would never decay
+# The longest a cached feature may stay usable: about 31 years, far below what every cache
+# backend takes (Redis refuses an EX past about 2**63 / 1000 s and then caches nothing).
+MAX_TTL_S = 10**9
 
 
 def _host_port(text: str) -> bool:
@@ -108,8 +112,8 @@ class DataConfig:
 class ModelConfig:
     backbone: BackboneKind = "resnet_small"
     """resnet_small (32-64 px) or iresnet50 (112 px faces) (workers.backbones.BackboneKind)"""
-    dim: Annotated[int, POSITIVE] = 128
-    """embedding width = class-row width"""
+    dim: Annotated[int, POSITIVE, Range(le=MAX_DIM)] = 128
+    """embedding width = class-row width, at most 65536"""
 
 
 @dataclass
@@ -281,7 +285,8 @@ class TrainConfig:
     """auto (CUDA when there is one) | cpu | cuda; each worker takes the GPU of its LOCAL_RANK"""
     threads: Annotated[int, NON_NEGATIVE, Range(le=MAX_THREADS)] = 0
     """torch CPU threads, at most 1024 (0: torch's default)"""
-    out_dir: str = "runs/experiment"
+    out_dir: Annotated[str, Rule(bool, "must name the run's directory (empty would write it "
+                                      "all into the current one)")] = "runs/experiment"
     """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
     log_every: Annotated[int, POSITIVE] = 50
     eval_every: Annotated[int, NON_NEGATIVE] = 0
@@ -294,6 +299,15 @@ class TrainConfig:
     resume: bool = True
     """continue from the newest checkpoint in out_dir if there is one"""
 
+    def largest_batch_scale(self) -> float:
+        """The largest factor the learning rates are multiplied by over the run's epochs: its
+        largest batch over the first epoch's with batch_lr_scaling and a batch_schedule, 1
+        otherwise (``workers.trainer.Trainer._batch_scale`` per step)."""
+        if not (self.batch_lr_scaling and self.batch_schedule):
+            return 1.0
+        reached = self.batch_schedule[:self.epochs]
+        return max(reached) / reached[0]
+
     @property
     def snapshots_to_keep(self) -> int:
         """AMS snapshots a run keeps: one per kept checkpoint, plus one for a snapshot whose
@@ -304,8 +318,8 @@ class TrainConfig:
 @dataclass
 class GearConfig:
     enabled: bool = False
-    ttl: Annotated[float, NON_NEGATIVE] = 0.0
-    """seconds a cached feature stays usable (0: never reuse)"""
+    ttl: Annotated[float, NON_NEGATIVE, Range(le=MAX_TTL_S)] = 0.0
+    """seconds a cached feature stays usable, at most 1e9 (0: never reuse)"""
     m: Annotated[int, POSITIVE] = 1
     """gradients per sample averaged before the slow gear applies them"""
     backend: GearBackend = "memory"

@@ -169,10 +169,15 @@ def check_across_fields(cfg: ExperimentConfig) -> None:
                               "placement 'ams')")
         if cfg.gear.enabled:
             raise ConfigError("head.placement: gear mode trains with placement 'ams' only")
-    if cfg.optim.effective_head_lr() * cfg.optim.head_weight_decay >= 1:
-        raise ConfigError(f"optim.head_weight_decay: the class rows' lr "
-                          f"{cfg.optim.effective_head_lr():g} x head_weight_decay "
-                          f"{cfg.optim.head_weight_decay:g} must be below 1")
+    # The decay clock takes log(1 - lr x decay) at every step, so the test is at the largest
+    # rate any step reaches: the peak, scaled up by a growing batch's largest.
+    scale = cfg.train.largest_batch_scale()
+    lr = cfg.optim.effective_head_lr() * scale
+    if lr * cfg.optim.head_weight_decay >= 1:
+        scaled = f" (peak {lr / scale:g} x {scale:g}, the largest batch of " \
+            "train.batch_schedule over its first)" if scale != 1 else ""
+        raise ConfigError(f"optim.head_weight_decay: the class rows' lr {lr:g}{scaled} x "
+                          f"head_weight_decay {cfg.optim.head_weight_decay:g} must be below 1")
 
 
 def _parse_override(text: str, kind: Any, key: str) -> Any:
@@ -187,7 +192,10 @@ def _parse_override(text: str, kind: Any, key: str) -> Any:
         value = {"true": True, "yes": True, "1": True, "false": False, "no": False,
                  "0": False}.get(value.lower(), value)
     if typing.get_origin(kind) is list and isinstance(value, str):
-        value = [v for v in value.split(",") if v]
+        # a,b,c: each item read as an override of the list's item type (64,96 -> [64, 96])
+        (item,) = typing.get_args(kind)
+        value = [_parse_override(v.strip(), item, f"{key}[{i}]")
+                 for i, v in enumerate(v for v in value.split(",") if v)]
     return _coerce(value, kind, key)
 
 

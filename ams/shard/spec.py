@@ -11,6 +11,7 @@ import torch
 from ams import sharding
 from ams.dtypes import DTYPE_NAMES, parse_row_dtype
 from ams.errors import InvalidArgument, shorten
+from ams.limits import MAX_DIM
 from ams.shard.optim import MAX_RATE
 from ams.shard.rowinit import MAX_ABS_NORMAL
 
@@ -40,8 +41,8 @@ class TableSpec:
         if not isinstance(self.num_rows, int) or not 0 < self.num_rows < sharding.MAX_ROWS:
             raise InvalidArgument(
                 f"num_rows={shorten(self.num_rows)} must be an integer in [1, 2**62)")
-        if not isinstance(self.dim, int) or not 0 < self.dim <= 65536:
-            raise InvalidArgument(f"dim={shorten(self.dim)} must be an integer in [1, 65536]")
+        if not isinstance(self.dim, int) or not 0 < self.dim <= MAX_DIM:
+            raise InvalidArgument(f"dim={shorten(self.dim)} must be an integer in [1, {MAX_DIM}]")
         object.__setattr__(self, "dtype", parse_row_dtype(self.dtype, "dtype"))
         object.__setattr__(self, "state_dtype", parse_row_dtype(self.state_dtype, "state_dtype"))
         nonnegative("momentum", self.momentum)
