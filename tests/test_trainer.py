@@ -350,6 +350,23 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path, capsys):
     assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
 
 
+def test_graph_settings_this_host_or_data_cannot_run_are_refused_before_anything_is_written(
+        glyphs_small, tmp_path, capsys):
+    """graph.device and graph.k were used only at the first graph build, after the run's
+    directory, snapshot and config.toml were written: a traceback from the graph search."""
+    refusals = [("graph.device=banana", "graph.device: 'banana': not a device (cpu, cuda or "
+                                        "cuda:N)"),
+                ("graph.k=121", "graph.k=121 exceeds the 120 classes of data.train: lower "
+                                "graph.k to at most 120")]
+    if not torch.cuda.is_available():
+        refusals.append(("graph.device=cuda", "graph.device: cuda: no CUDA device is available"))
+    for change, line in refusals:
+        args = overrides(glyphs_small, tmp_path / "run", **{"train.max_steps": 2})
+        assert main(["train", "/dev/null", *sum((["--set", a] for a in [*args, change]), [])]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+        assert not (tmp_path / "run").exists()
+
+
 def test_an_out_dir_that_cannot_be_made_is_a_config_error(glyphs_small, tmp_path):
     (tmp_path / "a file").write_text("mine")
     for out in (tmp_path / "a file", tmp_path / "a file" / "run"):

@@ -241,7 +241,7 @@ class GraphConfig:
     of neighbors it replaced to OUT/graph.csv ("turnover"): how stale the lists the knn head
     took were (docs/accuracy.md)"""
     device: str = ""
-    """where to build (empty: the training device)"""
+    """where to build: cpu, cuda or cuda:N (empty: the training device)"""
     method: GraphMethod = "exact"
     """how a full build finds the neighbors: exact (every pair scored, O(N^2 d)) | ivf (faiss
     inverted lists over float16 rows, about O(N^1.5 d); each build logs and writes to

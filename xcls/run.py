@@ -84,6 +84,7 @@ def build_run(cfg: ExperimentConfig,
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     data = create_datasets(cfg)
+    check_graph(cfg, data.num_classes)
     out_dir = create_out_dir(cfg)
     # A training worker keeps a lease; eval and export (no placement) only find the shards.
     client = create_client(cfg, out_dir, rank, world, lease=placement is not None)
@@ -105,7 +106,7 @@ def check_run(cfg: ExperimentConfig, world: int) -> None:
     a rendezvous that fails or hangs: the rules that depend on the number of workers, the
     datasets and the output directory. ConfigError, the same on every rank."""
     check_workers(cfg, world)
-    create_datasets(cfg)
+    check_graph(cfg, create_datasets(cfg).num_classes)
     create_out_dir(cfg)
 
 
@@ -124,6 +125,24 @@ def check_workers(cfg: ExperimentConfig, world: int) -> None:
         raise ConfigError("gear.slow: an in-process slow gear steps each worker's backbone "
                           "alone, which data-parallel workers cannot share; use "
                           "gear.slow=external with 'xcls gear slow'")
+
+
+def check_graph(cfg: ExperimentConfig, num_classes: int) -> None:
+    """The graph settings this host and the data cannot run with, refused before anything is
+    written: a ``graph.device`` that names no device here (the check of ``xcls graph build
+    --device``), and for knn a ``graph.k`` past the classes, which no build can list;
+    ConfigError."""
+    from ams.graph import resolve_device
+    from workers.heads import HeadKind
+
+    if cfg.graph.device:
+        try:
+            resolve_device(cfg.graph.device)
+        except ValueError as e:
+            raise ConfigError(f"graph.device: {e}") from None
+    if cfg.head.kind == HeadKind.KNN and cfg.graph.k > num_classes:
+        raise ConfigError(f"graph.k={cfg.graph.k} exceeds the {num_classes} classes of "
+                          f"data.train: lower graph.k to at most {num_classes}")
 
 
 @dataclass
