@@ -367,6 +367,32 @@ def test_graph_settings_this_host_or_data_cannot_run_are_refused_before_anything
         assert not (tmp_path / "run").exists()
 
 
+def test_resume_under_another_batch_or_head_drops_the_prefetched_batches(glyphs_small, tmp_path,
+                                                                         caplog):
+    """A checkpoint's prefetched batches were loaded and selected under its batch size and
+    head: resumed with other ones (data.batch_size, train.batch_schedule, head.*), the run
+    loads and selects from the saved data position afresh, as with another worker count,
+    rather than stepping on batches that no longer fit (data.batch_size: a ValueError
+    traceback) or classes of the other head."""
+    base = overrides(glyphs_small, tmp_path / "run", **{
+        "train.max_steps": 2, "train.checkpoint_every": 2, "data.test": "",
+        "train.log_every": 1})
+    build_run(load_config(None, base)).trainer.train()
+    for change, name in (("data.batch_size=32", "batch"), ("head.kind=full", "head"),
+                         ("train.seed=0", "same")):
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "run", out)
+        caplog.clear()
+        cfg = load_config(None, [*base, change, f"train.out_dir={out}", "train.max_steps=4"])
+        result = build_run(cfg).trainer.train()
+        dropped = "prefetched_batches_dropped" in caplog.text
+        assert result.steps == 4 and dropped == (name != "same"), caplog.text
+        rows = csv.DictReader((out / "train.csv").read_text().splitlines())
+        active = [int(row["active"]) for row in rows]
+        if name == "head":  # every step after the resume took the full head's 120 classes
+            assert active[2:] == [120, 120], active
+
+
 def test_an_out_dir_that_cannot_be_made_is_a_config_error(glyphs_small, tmp_path):
     (tmp_path / "a file").write_text("mine")
     for out in (tmp_path / "a file", tmp_path / "a file" / "run"):

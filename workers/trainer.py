@@ -429,6 +429,7 @@ class Trainer:
             if self._prefetcher else [],
             "selector_rng": self.head.sampler_state(),
             "world": self.world,
+            "selected_by": self._selected_by(),
             "gear": self.gear.state_dict() if self.gear is not None else None,
             "comm": self.compressor.state_dict() if self.compressor is not None else None,
             "loss_window": self._window.losses,
@@ -448,6 +449,12 @@ class Trainer:
                      checkpoint.checkpoint_dir(out, self.step))
         self._barrier()
         self._checkpointed_step = self.step
+
+    def _selected_by(self) -> dict:
+        """The settings that decide a prepared batch's samples and active classes besides the
+        worker count: a checkpoint's prefetched batches are replayed only under the same."""
+        return {"batch_sizes": list(self.plan.batch_sizes), "seed": self.cfg.train.seed,
+                "head": {key: str(value) for key, value in vars(self.cfg.head).items()}}
 
     def try_resume(self) -> bool:
         """Load the newest checkpoint in out_dir (and the AMS snapshot of its step); False
@@ -489,8 +496,14 @@ class Trainer:
         self._barrier()
         self.rows.reload()
         if private is not None and private.get("world") == self.world:
-            self._resumed = {**private, "prepared": [ActiveBatch.from_dict(a)
-                                                     for a in private["prepared"]]}
+            prepared = [ActiveBatch.from_dict(a) for a in private["prepared"]]
+            if prepared and private.get("selected_by") != self._selected_by():
+                # Batches of another size or classes of another head: this run loads and
+                # selects them afresh from the saved data position, as after a new world size.
+                log.warning("prefetched_batches_dropped count=%d saved=%s now=%s",
+                            len(prepared), private.get("selected_by"), self._selected_by())
+                prepared = []
+            self._resumed = {**private, "prepared": prepared}
             self.head.load_sampler_state(private["selector_rng"])
             if self.compressor is not None and private.get("comm") is not None:
                 self.compressor.load_state_dict(private["comm"])
