@@ -342,12 +342,16 @@ def test_hostile_inputs_give_clear_errors(glyphs_small, tmp_path, capsys):
             value[-3] ^= 0xFF
             txn.put(key, bytes(value))
     env.close()
-    # refused while it trains: the command as a process
-    out = subprocess.run([sys.executable, "-m", "xcls", *argv(f"data.train={broken}",
-                                                             "data.test=")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert "error:" in out.stderr and "sample" in out.stderr and "CRC32" in out.stderr
+    # refused while it trains: the command as a process, the same one line whether the
+    # training process or a DataLoader worker process read the record
+    for workers in (0, 2):
+        out = subprocess.run([sys.executable, "-m", "xcls", *argv(
+            f"data.train={broken}", "data.test=", f"data.num_workers={workers}")],
+            capture_output=True, text=True, timeout=300)
+        errors = [line for line in out.stderr.splitlines() if not line.startswith("ts=")]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+        assert re.fullmatch(f"error: {broken}: sample \\d+: image bytes fail their CRC32 check "
+                            r"\(corrupt record\)", errors[0]), errors
 
 
 def test_graph_settings_this_host_or_data_cannot_run_are_refused_before_anything_is_written(

@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from workers.data.errors import DatasetError, unwrap_worker_error
+
 # One loaded batch: sample ids int64 (B,), images uint8 (B, C, H, W), labels int64 (B,).
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -88,11 +90,21 @@ class BatchPlan:
     def loader(self, dataset: Dataset, epoch: int, consumed: int,
                num_workers: int) -> Iterator[Batch]:
         """The batches of ``batches(epoch, consumed)`` read from ``dataset``
-        (``dataset[i]`` -> (id, image, label)) by ``num_workers`` loader processes."""
-        return iter(DataLoader(dataset, batch_sampler=_BatchList(list(self.batches(epoch,
-                                                                                  consumed))),
-                               num_workers=num_workers, collate_fn=collate,
-                               persistent_workers=False))
+        (``dataset[i]`` -> (id, image, label)) by ``num_workers`` loader processes. A
+        ``DatasetError`` a loader process raises comes out with its own one-line message, as
+        it would from this process, not torch's report of the worker's traceback."""
+        loaded = iter(DataLoader(dataset, batch_sampler=_BatchList(list(self.batches(epoch,
+                                                                                    consumed))),
+                                 num_workers=num_workers, collate_fn=collate,
+                                 persistent_workers=False))
+        while True:
+            try:
+                batch = next(loaded)
+            except StopIteration:
+                return
+            except DatasetError as e:
+                raise unwrap_worker_error(e) from None
+            yield batch
 
 
 class _BatchList(Sampler):
