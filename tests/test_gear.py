@@ -34,6 +34,7 @@ from workers import checkpoint
 from workers.backbones import build_backbone
 from workers.gear import Gear, SlowGear, SlowGearGroup, run_slow_worker
 from workers.predict import images_to_input
+from xcls.cli import main
 from xcls.config import load_config
 from xcls.run import build_run
 
@@ -252,6 +253,24 @@ def consumer_group_ready(client, prefix: str) -> bool:
     """Whether the slow group's consumer group exists on the gradient stream: the external
     worker reads from then on."""
     return bool(client.exists(stream_key(prefix)) and client.xinfo_groups(stream_key(prefix)))
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--block-ms", "-1", "--block-ms -1 must be >= 0"),
+    ("--min-idle-ms", "-5", "--min-idle-ms -5 must be >= 0"),
+    ("--max-steps", "-5", "--max-steps -5 must be >= 0"),
+    ("--idle-exit", "-1", "--idle-exit -1.0 must be >= 0 and finite"),
+    ("--idle-exit", "inf", "--idle-exit inf must be >= 0 and finite"),
+])
+def test_slow_gear_refuses_flags_it_cannot_run_with(flag, value, needle, capsys):
+    """Refused in one line before Redis is asked (none runs here): --block-ms -1 was a Redis
+    error's traceback, --min-idle-ms -5 failed every read as if Redis were down, and a negative
+    --max-steps or --idle-exit stopped with exit 0 before the first step."""
+    sets = ["gear.enabled=true", "gear.backend=redis", "gear.slow=external",
+            "gear.redis_url=redis://127.0.0.1:1/0"]
+    assert main(["gear", "slow", "/dev/null", flag, value,
+                 *sum((["--set", s] for s in sets), [])]) == 2
+    assert capsys.readouterr().err == f"error: {needle}\n"
 
 
 def test_external_slow_gear_process(glyphs_small, tmp_path, redis_server):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -69,9 +70,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gear.set_defaults(func=lambda args: gear.print_help() or 2)
 
 
+def _check_slow_args(args: argparse.Namespace) -> None:
+    """Refuse flags no slow gear can run with, before the config is read or Redis is asked:
+    a negative wait is an error from Redis (--block-ms) or a claim every read fails with
+    (--min-idle-ms), and a negative limit would stop the worker before its first step."""
+    for flag, value in (("--max-steps", args.max_steps), ("--min-idle-ms", args.min_idle_ms),
+                        ("--block-ms", args.block_ms)):
+        if value < 0:
+            raise SystemExit(f"error: {flag} {value} must be >= 0")
+    if not 0 <= args.idle_exit < math.inf:
+        raise SystemExit(f"error: --idle-exit {args.idle_exit} must be >= 0 and finite")
+
+
 def run_slow(args: argparse.Namespace) -> int:
     from workers.distributed import process_group
 
+    _check_slow_args(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.gear.backend != "redis":
