@@ -350,6 +350,18 @@ def test_cli_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, caps
     assert len(err) == 1 and err[0].startswith(f"error: {blocker}") and "Not a directory" in err[0]
 
 
+def test_rec_index_that_is_not_text_is_refused_naming_it(tmp_path):
+    """A binary file given as --idx (the .rec itself, an image) is one line naming it, not a
+    UnicodeDecodeError traceback; no dataset is left."""
+    rec = _write_rec(tmp_path, [(_png(1), 0), (_png(2), 1)])
+    binary = tmp_path / "image.png"
+    binary.write_bytes(_png(3))
+    done = import_rec_limited(rec, tmp_path / "ds", "--idx", str(binary))
+    assert one_line_error(done) == (f"error: {binary}: not an index ('index<TAB>offset' text "
+                                    "lines): byte 0 is not UTF-8 text")
+    assert not (tmp_path / "ds").exists()
+
+
 def test_cli_refuses_a_missing_rec_with_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "xcls", "data", "rec", str(tmp_path / "no.rec"),
                           "--out", str(tmp_path / "ds"), "--processes", "1"],

@@ -207,8 +207,13 @@ def _class_of(label: float, path: Path, index: int, num_classes: int) -> int:
 
 def read_index(idx_path: Path) -> dict[int, int]:
     """``index -> byte offset`` from an insightface ``.idx`` file (``index\toffset`` lines)."""
+    try:
+        text = idx_path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:  # a .rec, an image, another binary file given as --idx
+        raise DatasetError(f"{idx_path}: not an index ('index<TAB>offset' text lines): byte "
+                           f"{exc.start} is not UTF-8 text") from None
     index = {}
-    for lineno, line in enumerate(idx_path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
