@@ -8,7 +8,8 @@ the backbone's backward of step t and the forward of step t+1; nothing reads the
 it is applied: the trainer waits for it (:meth:`RowUpdater.wait_pushed`) before the head of
 step t+1, the prefetch thread before it pulls rows of a later step
 (``workers.prefetch``), and a graph build, a checkpoint or an evaluation after
-:meth:`RowUpdater.flush`. So the rows each step sees are those of the strict order.
+:meth:`RowUpdater.flush`. So the rows each step sees do not depend on thread timing: those
+after step t-d-1's push, with ``d`` the prefetch depth (0: the strict order).
 
 Several data-parallel ranks (W > 1). Each rank's gradient is the gradient of the mean loss over
 its own samples; a row's update is the mean over ranks (the gradient of the global batch's mean

@@ -111,7 +111,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     backbone: BackboneKind = "resnet_small"
-    """resnet_small (32-64 px) or iresnet50 (112 px faces) (workers.backbones.BackboneKind)"""
+    """resnet_small (16-64 px) or iresnet50 (112 px faces) (workers.backbones.BackboneKind)"""
     dim: Annotated[int, POSITIVE, Range(le=MAX_DIM)] = 128
     """embedding width = class-row width, at most 65536"""
 
@@ -208,6 +208,7 @@ class AmsConfig:
     local_shards: Annotated[int, POSITIVE] = 2
     """embedded mode: number of in-process shards"""
     table: str = "fc"
+    """name of the class-row table on the shards"""
     dtype: RowDtype = "float32"
     """row dtype: float32 | float16 | bfloat16 (ams.dtypes.RowDtype)"""
     state_dtype: Annotated[RowDtype, OR_EMPTY] = ""
@@ -265,6 +266,7 @@ class GraphConfig:
 @dataclass
 class TrainConfig:
     epochs: Annotated[int, POSITIVE] = 10
+    """passes over the training set"""
     max_steps: Annotated[int, NON_NEGATIVE] = 0
     """stop after this many steps (0: run all epochs)"""
     batch_schedule: Annotated[list[int], Each(POSITIVE, "batch")] = field(default_factory=list)
@@ -277,8 +279,11 @@ class TrainConfig:
     batch over the first epoch's (the linear scaling rule); false keeps them as optim says
     (growing the batch then stands in for decaying the learning rate)"""
     seed: Annotated[int, NON_NEGATIVE] = 0
+    """seed of the backbone's and rows' initialization, the data order, augmentation and the
+    random negatives"""
     prefetch_depth: Annotated[int, NON_NEGATIVE] = 1
-    """batches whose active rows are pulled ahead (0: strict, pull after the last push)"""
+    """batches whose active rows are pulled ahead, each missing the pushes since (0: the
+    strict order, pull after the last push)"""
     amp: bool = True
     """mixed precision on CUDA (ignored on CPU)"""
     device: DeviceSetting = "auto"
@@ -289,6 +294,7 @@ class TrainConfig:
                                       "all into the current one)")] = "runs/experiment"
     """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
     log_every: Annotated[int, POSITIVE] = 50
+    """steps between log lines (and rows of metrics.csv)"""
     eval_every: Annotated[int, NON_NEGATIVE] = 0
     """steps between evaluations (0: at each epoch end)"""
     checkpoint_every: Annotated[int, NON_NEGATIVE] = 0
@@ -318,6 +324,7 @@ class TrainConfig:
 @dataclass
 class GearConfig:
     enabled: bool = False
+    """gear mode: cache the backbone's features and train the head on them (docs/architecture.md)"""
     ttl: Annotated[float, NON_NEGATIVE, Range(le=MAX_TTL_S)] = 0.0
     """seconds a cached feature stays usable, at most 1e9 (0: never reuse)"""
     m: Annotated[int, POSITIVE] = 1
