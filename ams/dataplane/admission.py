@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
-from ams.errors import RequestTooLarge
+from ams.errors import Unavailable
 
 # Greeted connections a shard serves at once.
 MAX_GREETED = 256
@@ -86,15 +86,16 @@ class BodyBudget:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> int:
-        """Hold ``nbytes`` more, until ``give_back``; returns them. ``RequestTooLarge``
-        (RESOURCE_EXHAUSTED), holding nothing, when they would pass the limit."""
+        """Hold ``nbytes`` more, until ``give_back``; returns them. ``Unavailable``, holding
+        nothing, when they would pass the limit: the shard is busy now, and a client retries
+        after a pause (its pieces are far below the limit, so only load fills it)."""
         with self._lock:
             if self._held + nbytes > self.limit:
-                raise RequestTooLarge(
+                raise Unavailable(
                     f"data plane: {self._held} bytes of request bodies and answers are "
                     f"being received, applied or sent, and {nbytes} more would pass the "
-                    f"shard's {self.limit}-byte limit; send smaller requests, or fewer at "
-                    "once")
+                    f"shard's {self.limit}-byte limit; retry, or send smaller requests or "
+                    "fewer at once")
             self._held += nbytes
         return nbytes
 

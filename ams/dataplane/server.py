@@ -41,7 +41,6 @@ from ams.dataplane.sockets import (
 )
 from ams.errors import (
     AmsError,
-    RequestTooLarge,
     ShardRestarted,
     Unauthenticated,
     Unavailable,
@@ -358,7 +357,7 @@ class DataPlaneServer:
             answer_bytes = _answer_bytes(reply)
             try:
                 held = self._bodies.take(answer_bytes)
-            except RequestTooLarge as e:  # a pull or scan: nothing was changed
+            except Unavailable as e:  # a pull or scan: nothing was changed, a retry may pass
                 code = e.code
                 self._send_error(sock, e)
                 return True

@@ -731,7 +731,7 @@ def no_answer_within(peer: Peer, seconds: float) -> bool:
 
 def test_request_bodies_a_shard_holds_at_once_are_bounded(cluster):
     """Greeted peers that announce pushes of 250 MiB and send them slowly: the shard holds
-    four such bodies (1 GiB) and answers the fifth with RESOURCE_EXHAUSTED at once; once the
+    four such bodies (1 GiB) and answers the fifth with UNAVAILABLE (busy: retry) at once; once the
     four are gone, it holds a new one again."""
     address, client = cluster
     client.create_table("budget", num_rows=2, dim=65536, momentum=0.0)
@@ -741,7 +741,7 @@ def test_request_bodies_a_shard_holds_at_once_are_bounded(cluster):
     over = announce_push(address, "budget", ids, 65536)
     over.sock.settimeout(20)
     kind, reply, _, _ = over.answer()
-    assert (kind, reply["code"]) == (ERROR, "RESOURCE_EXHAUSTED"), reply
+    assert (kind, reply["code"]) == (ERROR, "UNAVAILABLE"), reply
     assert "bytes of request bodies" in reply["message"]
     for peer in [*held, over]:
         peer.close()
@@ -758,7 +758,8 @@ def test_request_bodies_a_shard_holds_at_once_are_bounded(cluster):
 def test_answers_a_peer_does_not_read_count_in_what_the_shard_holds(cluster):
     """A pull's answer waiting for a peer that does not read it is held in the same budget
     as request bodies: three announced 250 MiB pushes and one such answer fill it, and the
-    next 250 MiB pull is refused with RESOURCE_EXHAUSTED (its connection serving on)."""
+    next 250 MiB pull is refused with UNAVAILABLE (busy: a client retries; its connection
+    serves on)."""
     address, client = cluster
     client.create_table("answers", num_rows=2000, dim=65536, momentum=0.0, init_std=0.0)
     ids = list(range(0, 2000, 2))  # shard 0's 1000 rows: 250 MiB
@@ -773,7 +774,7 @@ def test_answers_a_peer_does_not_read_count_in_what_the_shard_holds(cluster):
     over.send(frame(PULL, {"table": "answers"}, ids))
     over.sock.settimeout(30)
     kind, reply, _, _ = over.answer()
-    assert (kind, reply["code"]) == (ERROR, "RESOURCE_EXHAUSTED"), reply
+    assert (kind, reply["code"]) == (ERROR, "UNAVAILABLE"), reply
     assert "bytes of request bodies and answers" in reply["message"]
     over.send(frame(PULL, {"table": "answers"}, [0]))
     assert over.answer()[0] == ROWS
