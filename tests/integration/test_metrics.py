@@ -65,8 +65,9 @@ def test_shard_metrics_count_rows_calls_and_refusals(shard_cluster):
         client.push("fc", torch.randperm(N, generator=g)[:n], torch.randn(n, D, generator=g),
                     lr=0.1)
         pushed, pushes = pushed + n, pushes + 1
-    with pytest.raises(errors.InvalidArgument, match="non-finite"):
-        client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
+    with pytest.raises(errors.InvalidArgument, match="would become non-finite"):
+        # finite, so the client sends it; the row it makes is not, so the shard refuses it
+        client.push("fc", torch.tensor([3]), torch.full((1, D), 3e38), lr=10.0)
 
     def calls(scraped: dict, method: str) -> float:
         return scraped.get(("xcls_shard_request_seconds_count", (("method", method),)), 0)

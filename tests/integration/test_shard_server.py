@@ -279,8 +279,9 @@ def test_client_raises_typed_errors(raw_stub):
         client.pull("fc", torch.tensor([1, N + 5]))
     with pytest.raises(errors.TableNotFound):
         client.pull("other", torch.tensor([1]))
-    with pytest.raises(errors.InvalidArgument, match="non-finite"):
-        client.push("fc", torch.tensor([3]), torch.full((1, D), float("nan")), lr=0.1)
+    with pytest.raises(errors.InvalidArgument, match="would become non-finite"):
+        # finite, so the client sends it; the shard refuses the row it would make
+        client.push("fc", torch.tensor([3]), torch.full((1, D), 3e38), lr=10.0)
 
 
 def test_every_call_of_a_client_ends_by_its_timeout_on_a_stopped_shard(stopped_for):
