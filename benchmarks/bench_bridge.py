@@ -28,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge import LmdbFeatureCache, MemoryFeatureCache, RedisFeatureCache  # noqa: E402
+from bridge.cache import FEATURE_DTYPE  # noqa: E402
 from bridge.redis_util import make_client  # noqa: E402
 
 
@@ -106,7 +107,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per figure (best kept)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for the backbone")
     ap.add_argument("--backends", nargs="+", default=["memory", "lmdb", "redis"],
@@ -130,13 +130,13 @@ def main() -> None:
                 for kind in args.backends:
                     budget = 2 * (args.repeats + 1) * batch * (dim * 4 + 64) + (16 << 20)
                     if kind == "memory":
-                        cache = MemoryFeatureCache(dim, budget, args.dtype, ttl_s=3600)
+                        cache = MemoryFeatureCache(dim, budget, ttl_s=3600)
                     elif kind == "lmdb":
                         cache = LmdbFeatureCache(Path(tmp) / f"lmdb_{dim}_{batch}", dim, budget,
-                                                 args.dtype, ttl_s=3600)
+                                                 ttl_s=3600)
                     else:
                         cache = RedisFeatureCache(make_client(port=port), dim, f"b{dim}x{batch}",
-                                                  3600, args.dtype)
+                                                  3600)
                     put, get = measure_cache(cache, feats, args.repeats)
                     if isinstance(cache, LmdbFeatureCache):
                         cache.close()
@@ -147,7 +147,7 @@ def main() -> None:
             redis_proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"dtype={args.dtype} torch_threads={args.threads} repeats={args.repeats} "
+    print(f"dtype={FEATURE_DTYPE} torch_threads={args.threads} repeats={args.repeats} "
           f"(features/s, best of repeats; get = all hits)")
     header = "| backend | dim | batch | put feat/s | get feat/s | backbone fwd feat/s | get/fwd |"
     print(f"{header}\n|---|---:|---:|---:|---:|---:|---:|")

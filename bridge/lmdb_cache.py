@@ -80,13 +80,11 @@ class LmdbFeatureCache(FeatureCacheBase):
     """
 
     def __init__(self, path: str | os.PathLike, dim: int, max_bytes: int,
-                 dtype: str = "float16", ttl_s: float | None = None,
-                 max_staleness_versions: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        super().__init__(dim, dtype, ttl_s, max_staleness_versions, clock)
-        if max_bytes < footprint(entry_nbytes(dim, dtype)):
+                 ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(dim, ttl_s, clock)
+        if max_bytes < footprint(entry_nbytes(dim, self.dtype)):
             raise ValueError(f"max_bytes={max_bytes} cannot hold one entry of "
-                             f"{footprint(entry_nbytes(dim, dtype))} bytes")
+                             f"{footprint(entry_nbytes(dim, self.dtype))} bytes")
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.map_size = map_size_for(max_bytes)

@@ -23,13 +23,12 @@ class MemoryFeatureCache(FeatureCacheBase):
     and the training thread may share it).
     """
 
-    def __init__(self, dim: int, max_bytes: int, dtype: str = "float16",
-                 ttl_s: float | None = None, max_staleness_versions: int | None = None,
+    def __init__(self, dim: int, max_bytes: int, ttl_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        super().__init__(dim, dtype, ttl_s, max_staleness_versions, clock)
-        if max_bytes < entry_nbytes(dim, dtype):
+        super().__init__(dim, ttl_s, clock)
+        if max_bytes < entry_nbytes(dim, self.dtype):
             raise ValueError(f"max_bytes={max_bytes} cannot hold one entry of "
-                             f"{entry_nbytes(dim, dtype)} bytes")
+                             f"{entry_nbytes(dim, self.dtype)} bytes")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, bytes] = OrderedDict()
         self._bytes = 0

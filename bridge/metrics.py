@@ -9,17 +9,15 @@ from dataclasses import asdict, dataclass
 class CacheMetrics:
     """Counts since the cache was opened.
 
-    ``expired``: found but older than ``ttl_s``; ``stale``: found but more than
-    ``max_staleness_versions`` behind; ``corrupt``: found but undecodable (see
+    ``expired``: found but older than ``ttl_s``; ``corrupt``: found but undecodable (see
     :class:`bridge.errors.CorruptEntryError`); ``unavailable``: ids answered as misses because the
     backend could not be reached. Every id of a ``get`` lands in exactly one of ``hits`` or
-    ``misses``; expired/stale/corrupt/unavailable ids are also counted as misses.
+    ``misses``; expired/corrupt/unavailable ids are also counted as misses.
     """
 
     hits: int = 0
     misses: int = 0
     expired: int = 0
-    stale: int = 0
     corrupt: int = 0
     unavailable: int = 0
     puts: int = 0

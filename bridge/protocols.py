@@ -54,10 +54,9 @@ class CheckpointState(Protocol):
 class FeatureCache(CheckpointState, Protocol):
     """Dense features of one job, keyed by sample id, with freshness checked on every read."""
 
-    def get(self, ids: torch.Tensor, current_version: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (n,) int64 -> (features (n, dim) float32 with zero rows for misses, hit mask
-        (n,) bool); ``current_version``: the backbone version now training."""
+        (n,) bool)."""
         ...
 
     def put(self, ids: torch.Tensor, features: torch.Tensor, version: int) -> None:

@@ -31,12 +31,11 @@ class RedisFeatureCache(FeatureCacheBase):
     :class:`bridge.cache.FeatureCacheBase`."""
 
     def __init__(self, client: redis.Redis, dim: int, prefix: str, ttl_s: float,
-                 dtype: str = "float16", max_staleness_versions: int | None = None,
                  retry_after_s: float = 1.0, chunk: int = 1024,
                  clock: Callable[[], float] = time.time) -> None:
         if ttl_s is None:
             raise ValueError("RedisFeatureCache needs ttl_s: unexpiring keys would fill Redis")
-        super().__init__(dim, dtype, ttl_s, max_staleness_versions, clock)
+        super().__init__(dim, ttl_s, clock)
         if not prefix or ":" in prefix:
             raise ValueError(f"prefix must be a non-empty name without ':', got {prefix!r}")
         self.client = client

@@ -309,7 +309,7 @@ class Gear:
         that cost most of the accuracy early in training)."""
         n = int(ids.numel())
         if self.cache is not None:
-            feats, hit = self.cache.get(ids, self.version)
+            feats, hit = self.cache.get(ids)
             feats = feats.to(self.device)
         else:
             feats, hit = None, torch.zeros(n, dtype=torch.bool)
