@@ -14,8 +14,10 @@ import torch
 import ams
 from ams.errors import InvalidArgument
 from ams.graph import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
-from ams.graph.build import GraphMethod, build_graph, current_graph_version
+from ams.graph.build import GraphMethod, build_graph, current_graph_version, refresh_graph
 from ams.graph.ivf import load_faiss
+from workers.heads import NeighborClasses
+from workers.selection import select_weighted
 
 N, D, K = 3000, 16, 10
 # float16 storage moves a unit-row score by at most about 2**-10; candidates closer than
@@ -192,6 +194,39 @@ def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog):
         again = build_graph(client, "fc", K, method="ivf", recall_queries=200)
     assert again.version == 2 and again.sampled == 200 and 0 <= again.recall <= 1
     assert "sampled=200" in caplog.text
+    client.close()
+
+
+def test_short_ivf_lists_stay_short_and_k_stays_the_graphs(rows):
+    """One probed list of a few rows per class leaves every IVF list short of k: the
+    recall is still reported at k (against brute force), a knn head takes the short lists
+    -1 padded (it refused them as a graph of a smaller k), and a refresh gives the classes
+    it touches exact lists of k (it kept the length of the first one's short list)."""
+    n, k = 1500, 64
+    client = table_with_rows(rows[:n])
+    stored = client.pull("fc", torch.arange(n))
+    scores = exact_scores(stored)
+    report = build_graph(client, "fc", k, method="ivf", nlist=300, nprobe=1, recall_queries=n)
+    lists = client.neighbors("fc", torch.arange(n))
+    assert lists.shape[1] < k
+    padded = torch.full((n, k), -1, dtype=torch.int64)
+    padded[:, :lists.shape[1]] = lists
+    assert report.recall == pytest.approx(
+        brute_force_recall(padded.numpy(), exact_lists(scores, k)), abs=1e-12)
+
+    labels = torch.tensor([5, 9, 5])
+    chosen = NeighborClasses(client, "fc", n, k, 40, torch.Generator().manual_seed(0))(labels)
+    wanted = select_weighted(labels, padded[labels], 40, torch.Generator().manual_seed(0), n)
+    assert torch.equal(chosen.active, wanted.active)
+    assert torch.equal(chosen.target, wanted.target)
+
+    moved = torch.tensor([3, 700])
+    refresh_graph(client, "fc", moved, k)
+    refreshed = client.neighbors("fc", moved)
+    for i, c in enumerate(moved.tolist()):
+        kth = np.sort(scores[c])[-k]
+        assert (refreshed[i] >= 0).sum() == k and refreshed[i, 0] == c
+        assert (scores[c, refreshed[i, :k].numpy()] >= kth - 1e-6).all()
     client.close()
 
 

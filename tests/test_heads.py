@@ -13,6 +13,7 @@ import ams
 from tests.conftest import DEVICES
 from workers.heads import HeadKind, build_head
 from workers.losses import CombinedMarginLoss
+from workers.selection import select_weighted
 
 N, DIM, B = 40, 16, 12
 S, M2 = 16.0, 0.5  # ArcFace at a scale that keeps float32 comparisons tight
@@ -257,14 +258,19 @@ def test_logq_correction_weights_the_uniform_draws(name):
         unweighted.item(), abs=1e-5)
 
 
-def test_knn_head_needs_a_graph_deep_enough():
+def test_knn_head_needs_a_graph_and_takes_short_lists_as_they_are():
+    """No graph: the lookup fails. Lists shorter than the head's k (an IVF graph's, whose
+    probed lists held fewer rows) are -1 padded, as select_weighted takes a short list; the
+    config keeps head.k <= graph.k, so a run's lists are short only where the graph's are."""
     client = make_client()
-    head = build_head("knn", client, "fc", N, arcface_margin(), k=3, budget=20)
+    head = build_head("knn", client, "fc", N, arcface_margin(), k=3, budget=20, seed=7)
+    labels = torch.tensor([1, 2])
     with pytest.raises(ams.AmsError):
-        head.prepare(torch.tensor([1, 2]))
-    write_exact_graph(client, k=2)
-    with pytest.raises(ValueError, match="k=3"):
-        head.prepare(torch.tensor([1, 2]))
+        head.prepare(labels)
+    lists = write_exact_graph(client, k=2)
+    padded = torch.cat([lists, torch.full((N, 1), -1)], dim=1)
+    want = select_weighted(labels, padded[labels], 20, torch.Generator().manual_seed(7), N)
+    assert torch.equal(head.select(labels).active, want.active)
 
 
 @pytest.mark.parametrize(

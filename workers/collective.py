@@ -43,6 +43,7 @@ from ams.client.local import LocalShard
 from ams.client.sharded import ShardedClient
 from ams.cluster.plan import budget_for_sample_rate
 from ams.server.service import RunningServer, create_server
+from ams.shard.neighbor_lists import lists_to_dense
 from ams.sharding import owned_count
 from workers.device_slice import DeviceSlice
 from workers.heads import ActiveBatch, HeadKind, HeadStep, RowStore, checked_labels
@@ -191,12 +192,9 @@ class CollectiveHead:
         own = labels % self.world == self.rank
         lists = torch.full((labels.numel(), self.k), -1, dtype=torch.int64)
         if bool(own.any()):
-            found = self.store.neighbors(self.table, labels[own])
-            if found.shape[1] < self.k:
-                raise ValueError(f"knn head wants k={self.k} neighbors but table "
-                                 f"{self.table!r} keeps {found.shape[1]}; rebuild the graph "
-                                 f"with k >= {self.k}")
-            lists[own] = found[:, :self.k]
+            # short lists (an IVF graph's) stay -1 padded, as in ClassifierHead's lookup
+            lists[own] = lists_to_dense(None, self.store.neighbors(self.table, labels[own]),
+                                        self.k)
         # NCCL reduces device tensors only
         return self._all_reduce(lists.to(device or "cpu"), dist.ReduceOp.MAX).cpu()
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ams.cluster.plan import budget_for_sample_rate
+from ams.shard.neighbor_lists import lists_to_dense
 from workers.device_slice import DeviceSlice
 from workers.losses import CombinedMarginLoss
 from workers.selection import Selection, select_weighted
@@ -160,11 +161,11 @@ class NeighborClasses:
         self.generator = generator
 
     def __call__(self, labels: torch.Tensor) -> Selection:
-        neighbors = self.store.neighbors(self.table, labels)
-        if neighbors.shape[1] < self.k:
-            raise ValueError(f"knn head wants k={self.k} neighbors but table {self.table!r} "
-                             f"keeps {neighbors.shape[1]}; rebuild the graph with k >= {self.k}")
-        return select_weighted(labels, neighbors[:, :self.k], self.budget, self.generator,
+        # The lookup's width is the longest of these labels' lists: an IVF graph's lists may
+        # all be shorter than k (the config keeps head.k <= graph.k), and a short one is -1
+        # padded like any other.
+        neighbors = lists_to_dense(None, self.store.neighbors(self.table, labels), self.k)
+        return select_weighted(labels, neighbors, self.budget, self.generator,
                                self.num_classes, self.random_share)
 
 

@@ -43,6 +43,7 @@ from ams.graph import (
     sample_ids,
 )
 from ams.graph.ivf import DEFAULT_NPROBE, TRAIN_ROWS_PER_LIST
+from ams.shard.neighbor_lists import lists_to_dense
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def _build_ivf(client: ShardedClient, table: str, k: int, homes: Sequence[int], 
     bar.close()
     where, index_nprobe = index.device, index.nprobe
     del index  # the exact check below streams the rows again; the index is not needed
-    recall, sampled = _sampled_recall(client, table, homes, recall_queries, seed + 1,
+    recall, sampled = _sampled_recall(client, table, k, homes, recall_queries, seed + 1,
                                      device=device)
     seconds = time.perf_counter() - started
     log.info("graph_built table=%s k=%d version=%d step=%d rows=%d method=ivf nlist=%d "
@@ -218,12 +219,13 @@ def _build_ivf(client: ShardedClient, table: str, k: int, homes: Sequence[int], 
     return GraphBuildReport(version, GraphMethod.IVF, True, classes, seconds, recall, sampled)
 
 
-def _sampled_recall(client: ShardedClient, table: str, shards: Sequence[int], count: int,
-                   seed: int, device: str | None = None) -> tuple[float | None, int]:
+def _sampled_recall(client: ShardedClient, table: str, k: int, shards: Sequence[int],
+                   count: int, seed: int, device: str | None = None
+                   ) -> tuple[float | None, int]:
     """Recall@k of the stored lists of a seeded sample of ``count`` classes owned by
-    ``shards`` (all of them if fewer), against their exact lists over all rows
-    (``ams.graph.list_recall``; k: the stored lists' length). Returns (recall, classes
-    checked); (None, 0) when the shards own no class."""
+    ``shards`` (all of them if fewer), against their exact k lists over all rows
+    (``ams.graph.list_recall``; a list shorter than k misses the rest). Returns (recall,
+    classes checked); (None, 0) when the shards own no class."""
     spec = client.spec(table)
     owned = torch.tensor([sharding.owned_count(spec.num_rows, s, client.num_shards)
                           for s in shards], dtype=torch.int64)
@@ -237,16 +239,20 @@ def _sampled_recall(client: ShardedClient, table: str, shards: Sequence[int], co
     position = picks - (ends - owned)[which]
     ids = position * client.num_shards + torch.tensor(list(shards), dtype=torch.int64)[which]
     ids = ids.sort().values
-    found = client.neighbors(table, ids)
-    exact, _ = refresh_neighbors(ids, client.pull(table, ids), client.scan(table),
-                                 found.shape[1], device=device)
+    # the width of the lists asked for is their longest, which IVF's short lists may keep
+    # below k
+    found = lists_to_dense(None, client.neighbors(table, ids), k)
+    exact, _ = refresh_neighbors(ids, client.pull(table, ids), client.scan(table), k,
+                                 device=device)
     return list_recall(found, exact), ids.numel()
 
 
-def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, *, step: int = 0,
-                  device: str | None = None, low_precision: bool | None = None) -> int:
-    """Recompute the exact lists of just ``class_ids`` (int64 (m,), m << N) against all rows,
-    in place, keeping their current length k. Up to ``REFRESH_PASS_ROWS`` classes ride on one
+def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, k: int, *,
+                  step: int = 0, device: str | None = None,
+                  low_precision: bool | None = None) -> int:
+    """Recompute the exact k lists of just ``class_ids`` (int64 (m,), m << N) against all
+    rows, in place (k: the graph's, which a stored list may fall short of: IVF keeps what its
+    probed lists held). Up to ``REFRESH_PASS_ROWS`` classes ride on one
     pass over the rows; each pass's lists are written before the next starts. Returns the
     graph version now in force."""
     version = current_graph_version(client, table)
@@ -256,7 +262,6 @@ def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, *,
     if ids.numel() == 0:
         return version
     started = time.perf_counter()
-    k = client.neighbors(table, ids[:1]).shape[1]
     for chunk in ids.split(REFRESH_PASS_ROWS):
         neighbors, _ = refresh_neighbors(chunk, client.pull(table, chunk), client.scan(table),
                                          k, device=device, low_precision=low_precision)
@@ -307,7 +312,7 @@ class GraphUpdater:
             started = time.perf_counter()
             touched = self.client.take_touched(self.table)
             if touched.numel() < self._break_even():
-                version = refresh_graph(self.client, self.table, touched, step=step,
+                version = refresh_graph(self.client, self.table, touched, self.k, step=step,
                                         device=self.device)
                 self._refreshes += 1
                 return GraphBuildReport(version, GraphMethod.EXACT, False, touched.numel(),

@@ -70,7 +70,7 @@ def test_partial_refresh_after_rows_move(shard_cluster):
     target = client.pull("fc", torch.tensor([40])).float()
     rows = client.pull("fc", moved).float()
     client.push("fc", moved, (rows - target) / 0.9, lr=0.9)
-    refresh_graph(client, "fc", moved)
+    refresh_graph(client, "fc", moved, K)
     scores, kth = brute_force(client.pull("fc", torch.arange(N)), K)
     nb = client.neighbors("fc", moved)
     for i, c in enumerate(moved.tolist()):
