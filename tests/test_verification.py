@@ -19,9 +19,13 @@ from workers.verification import best_threshold, kfold_accuracy, pair_scores
 
 
 def brute_force(scores: np.ndarray, same: np.ndarray, folds: int) -> tuple[float, float]:
-    """Every candidate threshold tried on the other folds, highest first among the best."""
+    """Every candidate threshold tried on the other folds, highest first among the best; the
+    folds as scikit-learn's KFold documents them: the first n % folds of size n // folds + 1,
+    the others n // folds."""
     n = len(scores)
-    bounds = [n * f // folds for f in range(folds + 1)]
+    sizes = np.full(folds, n // folds)
+    sizes[:n % folds] += 1
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
     accuracies = []
     for start, stop in zip(bounds, bounds[1:], strict=False):
         held = np.zeros(n, dtype=bool)

@@ -37,14 +37,17 @@ def best_threshold(scores: torch.Tensor, same: torch.Tensor) -> float:
 def kfold_accuracy(scores: torch.Tensor, same: torch.Tensor, folds: int = FOLDS
                    ) -> tuple[float, float]:
     """(mean, standard deviation) over ``folds`` contiguous folds of the accuracy on each fold
-    at the best threshold of the others. scores: (n,) float; same: (n,) bool; n >= folds."""
+    at the best threshold of the others. scores: (n,) float; same: (n,) bool; n >= folds.
+    The folds are scikit-learn's ``KFold`` ones (insightface's): the first ``n % folds`` hold
+    one pair more."""
     n = scores.shape[0]
     if same.shape != (n,) or scores.dim() != 1:
         raise ValueError(f"scores {tuple(scores.shape)} and flags {tuple(same.shape)} must "
                          "both be (n,)")
     if n < folds:
         raise ValueError(f"{n} pairs cannot make {folds} folds")
-    bounds = [n * f // folds for f in range(folds + 1)]
+    small, larger = divmod(n, folds)
+    bounds = [f * small + min(f, larger) for f in range(folds + 1)]
     accuracies = []
     for start, stop in zip(bounds, bounds[1:], strict=False):
         held = torch.zeros(n, dtype=torch.bool)
