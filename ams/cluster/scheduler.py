@@ -32,7 +32,7 @@ from ams.cluster.lease import Lease, LeaseStatus, LeaseTable, Role, ShardMap
 from ams.cluster.metrics import record_expiry, watch_lease_table
 from ams.errors import AmsError, FailedPrecondition, InvalidArgument, Unavailable
 from ams.server.interceptors import RequestDecodingInterceptor, TokenAuthInterceptor
-from ams.server.service import start_serving
+from ams.server.service import EXCLUSIVE_PORT, start_serving
 from ams.wire.status import error_from_rpc, rpc_method
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
     watch_lease_table(table)
     interceptors = [TokenAuthInterceptor(token)] if token else []
     interceptors.append(RequestDecodingInterceptor())
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), EXCLUSIVE_PORT]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors, options=options)
     servicer = SchedulerServicer(table)

@@ -83,7 +83,7 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     interceptors.insert(0, RequestMetricsInterceptor())  # first: it sees every refusal
     interceptors.append(RequestDecodingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors, options=GRPC_OPTIONS)
+                         interceptors=interceptors, options=[*GRPC_OPTIONS, EXCLUSIVE_PORT])
     data_plane = DataPlaneServer(store, host=host, port=data_port, token=token,
                                  tls_cert=tls_cert, tls_key=tls_key, incarnation=incarnation,
                                  ready=gate.ready)
@@ -101,6 +101,12 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
              data_plane.port)
     return RunningServer(server, bound, servicer, health_servicer, incarnation, gate,
                          data_plane)
+
+
+# gRPC binds with SO_REUSEPORT unless told not to: a second shard or scheduler started on a
+# port in use then starts too, and the kernel deals the connections out between the two
+# processes (a table created through one is missing through the other).
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 
 
 def start_serving(server: grpc.Server, service_name: str, host: str, port: int,

@@ -441,6 +441,26 @@ def test_cli_port_in_use_is_one_line(tmp_path):
     assert f"error: cannot listen on 127.0.0.1:{port} for the data plane" in data.stderr
 
 
+def test_a_port_a_shard_or_scheduler_serves_on_is_in_use_for_the_next_one():
+    """gRPC binds with SO_REUSEPORT by default: a second server on a serving shard's or
+    scheduler's port started too, and took half the connections. Now it is refused."""
+    from ams.cluster.scheduler import create_scheduler_server
+
+    running = create_server(ShardStore(0, 1))
+    scheduler = create_scheduler_server(1)
+    try:
+        for role, port, args in (("shard", running.port, ["--shard-id", "0", "--num-shards",
+                                                          "1"]),
+                                 ("scheduler", scheduler.port, ["--num-shards", "1"])):
+            out = subprocess.run([sys.executable, "-m", "xcls", "serve", role, *args, "--port",
+                                  str(port)], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 2 and "Traceback" not in out.stderr, (role, out.stderr)
+            assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
+    finally:
+        running.stop(0)
+        scheduler.stop(0)
+
+
 def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_path):
     (proc,) = shard_cluster(1)
     client = ams.connect([proc.address])
