@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "frames beside the gRPC port (proto/ams/api/frames.md); 0 picks a free "
                         "one, which clients learn from the shard. Fix it where a firewall or "
                         "a published container port must name it")
-    p.add_argument("--data-dir", type=Path,
+    p.add_argument("--data-dir", type=_directory_arg,
                    help="snapshot directory, shared by all shards of the cluster")
     p.add_argument("--storage", default="memory", metavar="memory|mmap",
                    help="where the tables' rows, optimizer state and decay clocks live: "
@@ -80,6 +81,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_shard)
     _add_scheduler_parser(roles)
     serve.set_defaults(func=lambda args: serve.print_help() or 2)
+
+
+def _directory_arg(text: str) -> Path:
+    """--data-dir's type: a path, not the empty string (which would mean the current
+    directory, where a mistyped variable in a launch script would put the tables)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a directory, not ''")
+    return Path(text)
 
 
 def _add_listen_args(p: argparse.ArgumentParser, bind_rule: str) -> None:
@@ -166,6 +175,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     log.info("listening scheduler host=%s port=%d num_shards=%d lease_ttl_s=%g auth=%s",
              args.host, running.port, args.num_shards, args.lease_ttl, bool(token))
     stop.wait()
+    _remove_port_file(args.port_file)
     running.stop(args.grace)
     log.info("stopped")
     return 0
@@ -179,6 +189,8 @@ def _check_server_args(args: argparse.Namespace) -> None:
     if args.port_file is not None and not args.port_file.parent.is_dir():
         raise SystemExit(f"error: --port-file {args.port_file}: {args.port_file.parent} is not "
                          "a directory")
+    if args.port_file is not None and args.port_file.is_dir():
+        raise SystemExit(f"error: --port-file {args.port_file} is a directory; name a file")
     if not 0 <= args.grace < math.inf:
         raise SystemExit(f"error: --grace {args.grace} must be >= 0 and finite")
 
@@ -190,6 +202,13 @@ def _write_port_file(path: Path | None, port: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{port}\n")
     os.replace(tmp, path)
+
+
+def _remove_port_file(path: Path | None) -> None:
+    """Take the port file away as the server stops: a watcher must not dial a port that
+    nothing serves (or that another process took since)."""
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def _check_lease_args(args: argparse.Namespace) -> None:
@@ -218,24 +237,41 @@ def _advertised_address(args: argparse.Namespace, port: int) -> str:
 
 
 def _keep_shard_lease(args: argparse.Namespace, incarnation: str, port: int, token: str | None,
-                      stop: StopRequest) -> LeaseKeeper:
+                      stop: StopRequest) -> LeaseKeeper | None:
     """Register this serving shard with the scheduler and keep its lease; a lost lease sets
-    ``stop`` (the caller then exits with EXIT_LEASE_LOST). SystemExit when registering fails."""
+    ``stop`` (the caller then exits with EXIT_LEASE_LOST). SystemExit when registering fails;
+    None when a stop is asked for first (registering retries a scheduler it cannot reach for
+    a minute, which a SIGTERM must not wait out)."""
     from ams.cluster.lease import Role
     from ams.cluster.scheduler import SchedulerClient
     from ams.errors import AmsError
 
     scheduler = SchedulerClient(args.scheduler, token=token)
     address = _advertised_address(args, port)
-    try:
-        keeper = scheduler.keep_lease(Role.SHARD, args.shard_id, address, incarnation,
-                                      on_lost=lambda reason: stop.set())
-    except AmsError as e:
+    outcome: list[LeaseKeeper | BaseException] = []
+
+    def register() -> None:
+        try:
+            outcome.append(scheduler.keep_lease(Role.SHARD, args.shard_id, address, incarnation,
+                                                on_lost=lambda reason: stop.set()))
+        except BaseException as e:  # handed to the main thread
+            outcome.append(e)
+
+    registering = threading.Thread(target=register, name="lease-register", daemon=True)
+    registering.start()
+    while registering.is_alive():
+        if stop.wait(0.2):
+            log.info("registration_abandoned scheduler=%s reason=stop", args.scheduler)
+            return None
+    (result,) = outcome
+    if isinstance(result, AmsError):
         scheduler.close()
-        raise SystemExit(f"error: registering with the scheduler: {e}") from None
+        raise SystemExit(f"error: registering with the scheduler: {result}") from None
+    if isinstance(result, BaseException):
+        raise result
     log.info("registered scheduler=%s address=%s incarnation=%s", args.scheduler, address,
              incarnation)
-    return keeper
+    return result
 
 
 def _is_loopback(host: str) -> bool:
@@ -370,7 +406,6 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
             data_port=args.data_port)
     except OSError as e:
         raise SystemExit(f"error: {e}") from None
-    _write_port_file(args.port_file, running.port)
     log.info("listening shard=%d/%d host=%s port=%d data_port=%d tls=%s auth=%s", args.shard_id,
              args.num_shards, args.host, running.port, running.data_plane.port, tls, bool(token))
     try:
@@ -382,6 +417,7 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
     # the restore, which SIGTERM still ends at once (nothing is served yet).
     stop = StopRequest()
     running.mark_ready(restored)
+    _write_port_file(args.port_file, running.port)  # once serving, as its --help says
     log.info("serving shard=%d/%d restored_step=%d", args.shard_id, args.num_shards, restored)
 
     lease = None
@@ -389,9 +425,11 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
         try:
             lease = _keep_shard_lease(args, running.incarnation, running.port, token, stop)
         except SystemExit:
+            _remove_port_file(args.port_file)
             running.stop(0)
             raise
     stop.wait()
+    _remove_port_file(args.port_file)
     if lease is not None and lease.lost.is_set():
         # Fenced: the workers already roll back without this shard; refuse in-flight calls.
         log.error("fenced reason=%s exit_code=%d", lease.reason, EXIT_LEASE_LOST)

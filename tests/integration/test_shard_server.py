@@ -25,6 +25,7 @@ from ams.limits import PIECE_BYTES
 from ams.server.service import create_server
 from ams.shard.store import ShardStore
 from ams.wire import codec
+from tests.conftest import wait_until
 from xcls.config import load_config
 from xcls.run import connect_ams
 
@@ -410,6 +411,11 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
     (["--shard-id", "0", "--num-shards", "1", "--data-dir", sys.executable], "--data-dir"),
     (["--shard-id", "0", "--num-shards", "1", "--port-file", "/nonexistent/dir/port"],
      "/nonexistent/dir is not a directory"),
+    (["--shard-id", "0", "--num-shards", "1", "--port-file", "/tmp"],
+     "--port-file /tmp is a directory"),
+    # a launch script's unset variable: the tables would go in the current directory
+    (["--shard-id", "0", "--num-shards", "1", "--data-dir", ""],
+     "--data-dir: must name a directory, not ''"),
     (["--shard-id", "0", "--num-shards", "1", "--auth-token-file", "/dev/zero"],
      "not a secret"),
     (["--shard-id", "0", "--num-shards", "1", "--grace", "inf"], "--grace inf"),
@@ -459,6 +465,43 @@ def test_a_port_a_shard_or_scheduler_serves_on_is_in_use_for_the_next_one():
     finally:
         running.stop(0)
         scheduler.stop(0)
+
+
+def test_the_port_file_names_a_serving_shard_only(tmp_path):
+    """The port file appears once the shard serves and goes when it stops: not for a shard
+    that fails to start, and not after a SIGTERM, also one that comes while the shard still
+    tries to register with a scheduler it cannot reach (it waited out the minute of retries,
+    and its stale port file stayed)."""
+    port_file = tmp_path / "port"
+    failed = subprocess.run([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id", "0",
+                             "--num-shards", "1", "--data-dir", str(tmp_path / "data"),
+                             "--restore", "foo", "--port-file", str(port_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 2 and "--restore 'foo'" in failed.stderr
+    assert not port_file.exists()
+    with socket.socket() as nobody:  # a scheduler address where nothing listens
+        nobody.bind(("127.0.0.1", 0))
+        unreachable = f"127.0.0.1:{nobody.getsockname()[1]}"
+        shard = subprocess.Popen([sys.executable, "-m", "xcls", "serve", "shard", "--shard-id",
+                                  "0", "--num-shards", "1", "--port-file", str(port_file),
+                                  "--scheduler", unreachable],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            port = int(wait_until(lambda: port_file.exists() and port_file.read_text(),
+                                  "the port file", 60, alive=[shard]))
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="xcls.ams.Shard"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            time.sleep(1.0)  # registering, retrying the scheduler
+            signalled = time.monotonic()
+            shard.terminate()
+            assert shard.wait(timeout=30) == 0, shard.stdout.read()
+            assert time.monotonic() - signalled < 10
+        finally:
+            shard.kill()
+            shard.wait()
+    assert not port_file.exists()
 
 
 def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_path):
