@@ -142,6 +142,15 @@ if [[ -n $scheduler ]] && ! [[ $scheduler =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
     echo "error: --scheduler must be HOST:PORT, got '$scheduler'" >&2
     exit 2
 fi
+# Counts and ports are decimal: bash's arithmetic would read a leading zero as octal (08 is
+# no number there), so each is checked by pattern and then written in base 10.
+decimal() {  # FLAG NAME: refuse $NAME unless digits, then strip its leading zeros
+    if ! [[ ${!2} =~ ^[0-9]+$ ]]; then
+        echo "error: $1 must be a number, got '${!2}'" >&2
+        exit 2
+    fi
+    printf -v "$2" '%d' "$((10#${!2}))"
+}
 if [[ -n $rdzv_endpoint ]]; then
     if ((static_args)); then
         echo "error: --node-rank, --master-addr and --master-port are for the static" \
@@ -153,26 +162,29 @@ if [[ -n $rdzv_endpoint ]]; then
         exit 2
     fi
     if ! [[ $nnodes =~ ^[0-9]+(:[0-9]+)?$ ]] \
-            || ((${nnodes%%:*} < 1 || ${nnodes%%:*} > ${nnodes##*:})); then
+            || ((10#${nnodes%%:*} < 1 || 10#${nnodes%%:*} > 10#${nnodes##*:})); then
         echo "error: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '$nnodes'" >&2
         exit 2
     fi
-elif [[ $nnodes == *:* ]]; then
-    echo "error: --nnodes $nnodes: MIN:MAX needs the c10d rendezvous (--rdzv-endpoint)" >&2
-    exit 2
+    if [[ $nnodes == *:* ]]; then
+        nnodes="$((10#${nnodes%%:*})):$((10#${nnodes##*:}))"
+    else
+        nnodes=$((10#$nnodes))
+    fi
+else
+    if [[ $nnodes == *:* ]]; then
+        echo "error: --nnodes $nnodes: MIN:MAX needs the c10d rendezvous (--rdzv-endpoint)" >&2
+        exit 2
+    fi
+    decimal --nnodes nnodes
 fi
 if [[ -z $rdzv_id || $rdzv_id =~ [[:space:]] ]]; then
     echo "error: --rdzv-id must be a non-empty word, got '$rdzv_id'" >&2
     exit 2
 fi
-numbers=("--node-rank:$node_rank" "--master-port:$master_port")
-[[ -n $rdzv_endpoint ]] || numbers+=("--nnodes:$nnodes")  # MIN:MAX was checked above
-for pair in "${numbers[@]}" "--max-restarts:$max_restarts" \
-        ${metrics_port:+"--metrics-port:$metrics_port"}; do
-    if ! [[ ${pair#*:} =~ ^[0-9]+$ ]]; then
-        echo "error: ${pair%%:*} must be a number, got '${pair#*:}'" >&2
-        exit 2
-    fi
+for pair in --node-rank:node_rank --master-port:master_port --max-restarts:max_restarts \
+        ${metrics_port:+--metrics-port:metrics_port}; do
+    decimal "${pair%%:*}" "${pair#*:}"
 done
 if [[ -z $rdzv_endpoint ]] && ((node_rank >= nnodes)); then
     echo "error: --node-rank $node_rank must be below --nnodes $nnodes" >&2
@@ -182,6 +194,7 @@ if ! [[ $nproc =~ ^([0-9]+|gpu)$ ]]; then
     echo "error: --nproc-per-node must be a number or 'gpu', got '$nproc'" >&2
     exit 2
 fi
+[[ $nproc == gpu ]] || decimal --nproc-per-node nproc
 
 # torchrun as xcls runs it (python -m xcls.torchrun --help): a config refusal (exit 2) is not
 # restarted, SIGTERM stops the workers at a checkpoint (exit 143), a restarted group gets a

@@ -160,6 +160,20 @@ def test_worker_reads_the_environment():
     assert "ams.addresses=h:1" in launch.training_script_args
 
 
+def test_worker_numbers_with_leading_zeros_are_decimal():
+    """08 is no octal number to the script: it is 8, in the command too."""
+    argv = dry_run(WORKER, "--nnodes", "08:010", "--rdzv-endpoint", "r:1", "--ams", "h:1",
+                   "--nproc-per-node", "02", "e.toml")
+    launch = torchrun_parser().parse_args(argv[3:])
+    assert (launch.nnodes, launch.nproc_per_node) == ("8:10", "2")
+    argv = dry_run(WORKER, "--nnodes", "10", "--node-rank", "08", "--master-port", "029500",
+                   "--max-restarts", "09", "--metrics-port", "09200", "--ams", "h:1", "e.toml")
+    launch = torchrun_parser().parse_args(argv[3:])
+    assert (launch.nnodes, launch.node_rank, launch.master_port, launch.max_restarts) == (
+        "10", 8, 29500, 9)
+    assert xcls_args(launch.training_script_args).metrics_port == 9200
+
+
 def test_worker_with_a_scheduler_and_metrics():
     argv = dry_run(WORKER, "--scheduler", "sched:7000", "--metrics-port", "9200", "exp.toml",
                    "--set", "train.epochs=3")
@@ -224,10 +238,18 @@ def test_torchrun_on_one_host_keeps_torchruns_own_addresses(endpoint, monkeypatc
     (["--ams", "h:1", "--rdzv-id", "", "e.toml"], "--rdzv-id must be a non-empty word"),
     (["--ams", "h:1", "--torchrun"], "needs a value"),
     (["--collective", "--tls-ca", "ca.pem", "e.toml"], "with --collective there are none"),
+    # a leading zero is decimal, not a failed octal number that skips the check
+    (["--ams", "h:1", "--node-rank", "08", "e.toml"], "must be below"),
+    (["--ams", "h:1", "--nnodes", "08", "--node-rank", "09", "e.toml"], "must be below"),
+    (["--ams", "h:1", "--rdzv-endpoint", "r:1", "--nnodes", "09:08", "e.toml"], "MIN <= MAX"),
+    (["--ams", "h:1", "--rdzv-endpoint", "r:1", "--nnodes", "00", "e.toml"], "MIN <= MAX"),
+    (["--ams", "h:1", "--master-port", "08x", "e.toml"], "--master-port must be a number"),
+    (["--ams", "h:1", "--nnodes", "x", "e.toml"], "--nnodes must be a number"),
 ])
 def test_worker_bad_args(argv, message):
     out = run(WORKER, "--dry-run", *argv)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1, out.stderr  # one line, no command
 
 
 @pytest.mark.parametrize("env, expect_py, expect_venv", [
