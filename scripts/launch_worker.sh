@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Start this host's training workers (one per GPU) with torchrun, against running AMS shards
-# or, with --collective, holding the class rows themselves.
+# Start this host's training workers (one per GPU, or one without CUDA) with torchrun, against
+# running AMS shards or, with --collective, holding the class rows themselves.
 set -euo pipefail
 
 usage() {
@@ -8,9 +8,10 @@ usage() {
 Usage: scripts/launch_worker.sh [options] (--ams ADDR[,ADDR...] | --scheduler HOST:PORT |
                                           --collective) CONFIG [XCLS_TRAIN_ARGS...]
 
-Run 'xcls train CONFIG' under torchrun on this host: NPROC_PER_NODE workers here, NNODES hosts
-in all, data-parallel over NCCL (gloo without CUDA). The shards (scripts/launch_server.sh) must
-be serving first. Arguments after CONFIG go to 'xcls train', e.g. --set train.epochs=5.
+Run 'xcls train CONFIG' under torchrun on this host: NPROC_PER_NODE workers here (by default
+one per GPU, or one on a host without CUDA), NNODES hosts in all, data-parallel over NCCL (gloo
+without CUDA). The shards (scripts/launch_server.sh) must be serving first. Arguments after
+CONFIG go to 'xcls train', e.g. --set train.epochs=5.
 
 Two ways for the hosts to meet (torchrun's rendezvous):
   * c10d (--rdzv-endpoint HOST:PORT): every host runs the same command; torchrun assigns the
@@ -37,8 +38,9 @@ Options (each falls back to the environment variable named, then the default):
   --node-rank R           static: this host's index, 0..N-1            NODE_RANK (0)
   --master-addr HOST      address of node 0, reachable from all nodes  MASTER_ADDR (127.0.0.1)
   --master-port PORT      rendezvous port on node 0                    MASTER_PORT (29500)
-  --nproc-per-node G      workers on this host: a number, or 'gpu'     NPROC_PER_NODE (gpu)
-                          (one per visible GPU)
+  --nproc-per-node G      workers on this host: a number, or 'gpu'     NPROC_PER_NODE (one
+                          (one per GPU torch sees; refused on a host   per GPU with CUDA,
+                          without CUDA)                                else 1)
   --max-restarts N        times torchrun restarts the workers, e.g.    MAX_RESTARTS (3)
                           after a rollback (a lost shard: exit 75)
   --metrics-port PORT     Prometheus /metrics of local rank r on       METRICS_PORT (none)
@@ -72,7 +74,7 @@ nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
 master_addr=${MASTER_ADDR:-127.0.0.1}
 master_port=${MASTER_PORT:-29500}
-nproc=${NPROC_PER_NODE:-gpu}
+nproc=${NPROC_PER_NODE:-}  # none: one per GPU, or 1 without CUDA (below)
 rdzv_endpoint=${RDZV_ENDPOINT:-}
 rdzv_id=${RDZV_ID:-xcls}
 torchrun_args=()
@@ -190,16 +192,34 @@ if [[ -z $rdzv_endpoint ]] && ((node_rank >= nnodes)); then
     echo "error: --node-rank $node_rank must be below --nnodes $nnodes" >&2
     exit 2
 fi
-if ! [[ $nproc =~ ^([0-9]+|gpu)$ ]]; then
+if ! [[ $nproc =~ ^([0-9]+|gpu)?$ ]]; then
     echo "error: --nproc-per-node must be a number or 'gpu', got '$nproc'" >&2
     exit 2
 fi
-[[ $nproc == gpu ]] || decimal --nproc-per-node nproc
-
+[[ $nproc != [0-9]* ]] || decimal --nproc-per-node nproc
+python=${PYTHON:-python3}
+if [[ -z $nproc || $nproc == gpu ]]; then
+    # the GPUs torch sees here (CUDA_VISIBLE_DEVICES included), as the workers will
+    if ! gpus=$("$python" -c 'import torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)'); then
+        echo "error: $python cannot count this host's GPUs with torch (set PYTHON, or give" \
+            "--nproc-per-node N)" >&2
+        exit 2
+    fi
+    if ((gpus > 0)); then
+        nproc=$gpus
+    elif [[ -z $nproc ]]; then
+        nproc=1
+    else
+        echo "error: --nproc-per-node gpu: torch sees no CUDA GPU on this host; give a number" \
+            "(the workers use gloo on the CPU)" >&2
+        exit 2
+    fi
+fi
 # torchrun as xcls runs it (python -m xcls.torchrun --help): a config refusal (exit 2) is not
 # restarted, SIGTERM stops the workers at a checkpoint (exit 143), a restarted group gets a
 # rendezvous store of its own
-cmd=("${PYTHON:-python3}" -m xcls.torchrun --nnodes "$nnodes")
+cmd=("$python" -m xcls.torchrun --nnodes "$nnodes")
 if [[ -n $rdzv_endpoint ]]; then
     cmd+=(--rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
 else

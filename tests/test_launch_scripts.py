@@ -153,10 +153,10 @@ def test_worker_c10d_rendezvous_is_elastic_and_passes_torchrun_flags():
 
 def test_worker_reads_the_environment():
     argv = dry_run(WORKER, "exp.toml", AMS_ADDRESSES="h:1", NNODES="3", NODE_RANK="2",
-                   MASTER_ADDR="m", MASTER_PORT="1234", NPROC_PER_NODE="gpu")
+                   MASTER_ADDR="m", MASTER_PORT="1234", NPROC_PER_NODE="4")
     launch = torchrun_parser().parse_args(argv[3:])
     assert (launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port,
-            launch.nproc_per_node) == ("3", 2, "m", 1234, "gpu")
+            launch.nproc_per_node) == ("3", 2, "m", 1234, "4")
     assert "ams.addresses=h:1" in launch.training_script_args
 
 
@@ -172,6 +172,36 @@ def test_worker_numbers_with_leading_zeros_are_decimal():
     assert (launch.nnodes, launch.node_rank, launch.master_port, launch.max_restarts) == (
         "10", 8, 29500, 9)
     assert xcls_args(launch.training_script_args).metrics_port == 9200
+
+
+def fake_python(tmp_path: Path, gpus: int) -> str:
+    """A PYTHON whose torch sees ``gpus`` CUDA devices: the script asks it only that."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\necho {gpus}\n")
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_worker_runs_one_process_per_gpu_else_one(tmp_path):
+    """The default: a worker per GPU torch sees, one on a host without CUDA (gloo), where an
+    explicit 'gpu' is refused in one line rather than by torchrun's traceback."""
+    nproc = {}
+    for gpus in (4, 0):
+        python = fake_python(tmp_path, gpus)
+        for given in ([], ["--nproc-per-node", "gpu"]):
+            out = run(WORKER, "--dry-run", *given, "--collective", "e.toml", PYTHON=python)
+            nproc[gpus, bool(given)] = (out.returncode, out.stderr if out.returncode else
+                                        torchrun_parser().parse_args(
+                                            shlex.split(out.stdout)[3:]).nproc_per_node)
+    assert nproc[4, False] == nproc[4, True] == (0, "4")
+    assert nproc[0, False] == (0, "1")
+    code, stderr = nproc[0, True]
+    assert code == 2 and stderr.count("\n") == 1
+    assert "--nproc-per-node gpu: torch sees no CUDA GPU" in stderr
+    # the real torch, with every GPU hidden, as a CPU host's
+    argv = dry_run(WORKER, "--collective", "e.toml", CUDA_VISIBLE_DEVICES="")
+    assert torchrun_parser().parse_args(argv[3:]).nproc_per_node == "1"
+    assert "one per" in run(WORKER, "--help").stdout.split("--nproc-per-node", 1)[1][:200]
 
 
 def test_worker_with_a_scheduler_and_metrics():
