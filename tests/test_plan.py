@@ -19,8 +19,8 @@ from ams.cluster.plan import (
     step_traffic,
 )
 
-RATES = Rates(cpu_exact=1e6, cpu_ring=2e6, cpu_ivf=5e5, gpu_exact=1e7, gpu_ivf=1e8, cpu="cpu",
-              gpu="gpu", baseline=1000, buffers_per_stream=100, snapshot_overhead=0.5)
+RATES = Rates(cpu_exact=1e6, cpu_ring=2e6, cpu_ivf=5e5, gpu_exact=1e7, gpu_ivf=1e8,
+              baseline=1000, buffers_per_stream=100, snapshot_overhead=0.5, sources={})
 
 
 def small_job(**changes: object) -> Job:
@@ -179,7 +179,11 @@ def test_shipped_rates_say_where_they_come_from():
     assert raw["gpu_exact"]["measured"] is True  # timed on an H100
     assert raw["gpu_exact"]["command"].startswith("python benchmarks/bench_graph.py")
     assert raw["gpu_ivf"]["measured"] is False
-    assert "nominal" in raw["gpu_ivf"]["basis"] and "nominal" in raw["gpu_ivf"]["device"]
+    assert "nominal" in raw["gpu_ivf"]["basis"]
+    # each rate's source follows its own flag, not the kind of device
+    assert rates.sources["gpu_exact"] == f"measured on {raw['gpu_exact']['device']}"
+    assert rates.sources["gpu_ivf"] == f"nominal assumption for {raw['gpu_ivf']['device']}"
+    assert rates.sources["cpu_ring"] == f"measured on {raw['cpu_ring']['machine']}"
 
 
 def test_malformed_rates_are_one_line_errors(tmp_path):
@@ -190,3 +194,12 @@ def test_malformed_rates_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="malformed.*KeyError") as e:
         load_rates(bad)
     assert "\n" not in str(e.value)
+    shipped = json.loads(Path(plan.__file__).with_name(plan.RATES_FILE).read_text())
+    shipped["gpu_ivf"]["measured"] = "no"  # a rate must say whether it was measured
+    bad.write_text(json.dumps(shipped))
+    with pytest.raises(ValueError, match="malformed.*'measured' is 'no'"):
+        load_rates(bad)
+    del shipped["gpu_ivf"]["measured"]
+    bad.write_text(json.dumps(shipped))
+    with pytest.raises(ValueError, match="malformed.*KeyError: 'measured'"):
+        load_rates(bad)

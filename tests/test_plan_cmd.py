@@ -3,12 +3,14 @@ shards likewise, and the printed figures match arithmetic done here."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ams.cluster import plan
 from ams.cluster.plan import load_rates
 from xcls.cli import main
 from xcls.plan_cmd import fmt_bytes, parse_count, parse_size
@@ -121,11 +123,43 @@ def test_printed_figures_by_hand(capsys):
     assert "fits" in out.splitlines()[-1]
 
 
+def gpu_line(out: str) -> str:
+    [line] = [line for line in out.splitlines() if line.startswith("  GPU ")]
+    return line
+
+
+@pytest.mark.parametrize("method, rate", [("exact", "gpu_exact"), ("ivf", "gpu_ivf")])
+def test_each_gpu_rate_says_measured_or_nominal_as_the_rates_file_does(method, rate, tmp_path,
+                                                                      monkeypatch, capsys):
+    args = ["plan", "--classes", "1000000", "--set", "model.dim=128", "--set", "graph.k=32",
+            "--set", f"graph.method={method}"]
+    shipped = json.loads((ROOT / "ams" / "cluster" / plan.RATES_FILE).read_text())
+    device = shipped[rate]["device"]
+    assert main(args) == 0
+    line = gpu_line(capsys.readouterr().out)
+    if shipped[rate]["measured"]:  # as shipped: the exact rate measured, the IVF one nominal
+        assert line.endswith(f"measured on {device}") and "nominal" not in line, line
+    else:
+        assert line.endswith(f"nominal assumption for {device}") and "measured" not in line, line
+    # the flag flipped in a rates file of one's own flips the word
+    shipped[rate]["measured"] = not shipped[rate]["measured"]
+    mine = tmp_path / "rates.json"
+    mine.write_text(json.dumps(shipped))
+    monkeypatch.setattr(plan, "load_rates", lambda: load_rates(mine))
+    assert main(args) == 0
+    flipped = gpu_line(capsys.readouterr().out)
+    word = "measured on" if shipped[rate]["measured"] else "nominal assumption for"
+    assert flipped.endswith(f"{word} {device}"), flipped
+
+
 def test_help_shows_examples():
     done = xcls_plan("--help")
     assert done.returncode == 0
     for text in ("--host-mem", "--classes", "examples:", "docs/scale.md"):
         assert text in done.stdout
+    # the GPU's exact-build rate is measured, so the help does not call every GPU rate nominal
+    assert "GPU rates there are nominal" not in " ".join(done.stdout.split())
+    assert "exact-build rate is measured" in " ".join(done.stdout.split())
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -33,9 +33,10 @@ examples:
 
 Memory is the largest shard's (shard 0 owns the most classes) and the busiest host's (shards
 spread evenly over the hosts). The process baseline, the message buffers and the CPU rates were
-measured on the machine ams/cluster/plan_rates.json names (benchmarks/plan_rates.py measures yours);
-the GPU rates there are nominal assumptions, not measurements. docs/scale.md explains each
-line."""
+measured on the machine ams/cluster/plan_rates.json names (benchmarks/plan_rates.py measures yours).
+Each graph-build rate says what that file marks it: measured (on what) or a nominal assumption;
+as shipped, the GPU's exact-build rate is measured on an H100 and its IVF rate is nominal.
+docs/scale.md explains each line."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -321,20 +322,22 @@ def _build_lines(job: Job, build: GraphBuild, rates: Rates) -> str:
         head = f"graph build: exact, {fmt_flops(build.cpu_flops)} on the CPU ({how})"
         if build.gpu_flops != build.cpu_flops:
             head += f", {fmt_flops(build.gpu_flops)} on a GPU (ring)"
-        cpu_rate = rates.cpu_exact if build.in_memory else rates.cpu_ring
-        gpu_rate = rates.gpu_exact
+        cpu_name = "cpu_exact" if build.in_memory else "cpu_ring"
+        gpu_name = "gpu_exact"
     else:
         head = (f"graph build: ivf, nlist {build.nlist:,}, nprobe {build.nprobe}: "
                 f"{fmt_flops(build.cpu_flops)} + {fmt_flops(build.check_flops)} for the recall "
                 "check; "
                 f"index {fmt_bytes(build.index_bytes)} in the builder's memory")
-        cpu_rate, gpu_rate = rates.cpu_ivf, rates.gpu_ivf
+        cpu_name, gpu_name = "cpu_ivf", "gpu_ivf"
+    # each rate says what the rates file says of it: measured (where) or a nominal assumption
+    cpu_rate, gpu_rate = getattr(rates, cpu_name), getattr(rates, gpu_name)
     return "\n".join([
         head,
         f"  this CPU {fmt_seconds(build.cpu_seconds):>14}   at {cpu_rate / 1e9:,.1f} GFLOP/s, "
-        f"measured on {rates.cpu}",
+        f"{rates.sources[cpu_name]}",
         f"  GPU      {fmt_seconds(build.gpu_seconds):>14}   at {gpu_rate / 1e12:,.1f} TFLOP/s, "
-        f"{rates.gpu}",
+        f"{rates.sources[gpu_name]}",
     ])
 
 

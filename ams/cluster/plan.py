@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,11 +80,12 @@ MAX_COUNT = 1 << 24
 class Rates:
     """Compute rates (FLOP/s) and shard memory figures the plan's estimates scale.
 
-    cpu_exact, cpu_ring, cpu_ivf: this CPU's measured rates of the symmetric in-memory exact
-    build, the exact ring build and a faiss IVF build (counted with ``ivf_flops``);
-    gpu_exact, gpu_ivf: a GPU's rates (exact measured on an H100, ivf a nominal assumption);
-    cpu, gpu: what each was measured or assumed on. baseline: a shard process's resident
-    bytes with no table;
+    cpu_exact, cpu_ring, cpu_ivf: a CPU's rates of the symmetric in-memory exact build, the
+    exact ring build and a faiss IVF build (counted with ``ivf_flops``);
+    gpu_exact, gpu_ivf: a GPU's rates of the exact and the IVF build;
+    sources: for each of those five rates (by name), where it comes from, as the rates file's
+    own "measured" flag says: "measured on MACHINE" or "nominal assumption for DEVICE";
+    baseline: a shard process's resident bytes with no table;
     buffers_per_stream: message buffers a shard keeps per client stream;
     snapshot_overhead: a snapshot piece's bytes beyond its tensors, as a fraction of them.
     """
@@ -93,11 +95,22 @@ class Rates:
     cpu_ivf: float
     gpu_exact: float
     gpu_ivf: float
-    cpu: str
-    gpu: str
     baseline: int
     buffers_per_stream: int
     snapshot_overhead: float
+    sources: Mapping[str, str]
+
+
+RATE_NAMES = ("cpu_exact", "cpu_ring", "cpu_ivf", "gpu_exact", "gpu_ivf")
+
+
+def _source(entry: Mapping) -> str:
+    """Where one rate of the rates file comes from, by its own "measured" flag."""
+    measured = entry["measured"]
+    if not isinstance(measured, bool):
+        raise TypeError(f"'measured' is {measured!r}, not true or false")
+    where = entry.get("machine") or entry["device"]
+    return f"measured on {where}" if measured else f"nominal assumption for {where}"
 
 
 def load_rates(path: Path | None = None) -> Rates:
@@ -113,11 +126,10 @@ def load_rates(path: Path | None = None) -> Rates:
             cpu_ivf=float(data["cpu_ivf"]["flops_per_s"]),
             gpu_exact=float(data["gpu_exact"]["flops_per_s"]),
             gpu_ivf=float(data["gpu_ivf"]["flops_per_s"]),
-            cpu=str(data["cpu_exact"]["machine"]),
-            gpu=str(data["gpu_exact"]["device"]),
             baseline=int(shard["baseline_bytes"]),
             buffers_per_stream=int(shard["buffers_per_stream_bytes"]),
-            snapshot_overhead=float(shard["snapshot_overhead_fraction"]))
+            snapshot_overhead=float(shard["snapshot_overhead_fraction"]),
+            sources={name: _source(data[name]) for name in RATE_NAMES})
     except OSError as e:
         raise ValueError(f"planner rates {path}: cannot read it ({e.strerror})") from None
     except (ValueError, KeyError, TypeError) as e:
