@@ -130,10 +130,10 @@ if [ ! -f "$data/glyphs/summary.json" ]; then
             NanumGothicBold.ttf; do
         ln -sf "$(find /usr/share/fonts -name "$f" | head -n 1)" "$fonts/$f"
     done
-    xcls -q data glyphs --classes 120 --size 24 --variants 3 --font-dir "$fonts" \
+    "$XCLS_PY" -m xcls -q data glyphs --classes 120 --size 24 --variants 3 --font-dir "$fonts" \
         --cache-dir "$work/font-cache" --out "$data/glyphs" >/dev/null
 fi
-xcls config print configs/glyphs-2k-knn.toml --set data.train=$data/glyphs/train \
+"$XCLS_PY" -m xcls config print configs/glyphs-2k-knn.toml --set data.train=$data/glyphs/train \
     --set data.test=$data/glyphs/test --set data.batch_size=32 --set data.num_workers=0 \
     --set model.dim=64 --set head.k=8 --set head.budget=48 --set graph.k=16 \
     --set graph.rebuild_every=20 --set optim.warmup_steps=5 --set train.epochs=100 \

@@ -19,13 +19,13 @@ resumed=()
 [ -d runs/glyphs-2k-knn/checkpoints ] && resumed=(--resumed)
 dataset_s=()
 if [ ! -f "$data/summary.json" ]; then
-  xcls data glyphs --classes 2000 --out "$data"
+  "$XCLS_PY" -m xcls data glyphs --classes 2000 --out "$data"
   dataset_s=(--dataset-s "$(( $(date +%s) - start ))")
 fi
-xcls train configs/glyphs-2k-knn.toml "$@"
+"$XCLS_PY" -m xcls train configs/glyphs-2k-knn.toml "$@"
 means=$(mktemp)
 trap 'rm -f "$means"' EXIT
-xcls eval --rows class-means configs/glyphs-2k-knn.toml "$@" | tee "$means"
+"$XCLS_PY" -m xcls eval --rows class-means configs/glyphs-2k-knn.toml "$@" | tee "$means"
 if (($#)); then
   echo "demo: dataset + training took $(( $(date +%s) - start )) s (with changed settings)"
 else

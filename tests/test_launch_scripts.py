@@ -298,3 +298,29 @@ def test_setup_scripts_pick_the_python_environment(env, expect_py, expect_venv):
         env={**clean, **env}).stdout.splitlines()
     assert out[0] == expect_py and out[1] == expect_venv
     assert (out[2] == f"{expect_venv}/bin") == bool(expect_venv)
+
+
+@pytest.mark.parametrize("script, extra", [("demo.sh", ["--set", "train.epochs=1"]),
+                                           ("demo.sh", []), ("test.sh", ["-k", "nothing"])])
+def test_setup_scripts_run_xcls_with_the_chosen_python(script, extra, tmp_path):
+    """With PYTHON=... and no xcls on PATH, every command the scripts run goes through that
+    interpreter (here a stand-in that records its arguments), and the script succeeds."""
+    log = tmp_path / "calls"
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n')
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(python),
+           "XCLS_SKIP_APT": "1"}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / script), *extra], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    assert any(c.startswith("-m pip install") for c in calls), calls  # setup.sh's
+    if script == "demo.sh":
+        train = " ".join(["-m xcls train configs/glyphs-2k-knn.toml", *extra])
+        evaluate = " ".join(["-m xcls eval --rows class-means configs/glyphs-2k-knn.toml", *extra])
+        assert train in calls and evaluate in calls, calls
+        assert any(c.startswith("benchmarks/demo.py") for c in calls) == (not extra), calls
+    else:
+        assert "-m ruff check ." in calls and "-m pytest -q -n 2 -k nothing" in calls, calls
