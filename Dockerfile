@@ -43,7 +43,8 @@ COPY workers ./workers
 COPY bridge ./bridge
 COPY xcls ./xcls
 # A C compiler only while installing: it builds the shard's compiled row update
-# (ams/shard/_kernels.c); without one the install goes on and the shards update rows in torch.
+# (ams/shard/_kernels.c). A base without gcc gets it from apt, which needs Debian's mirrors:
+# offline, build FROM a base that has gcc and libc6-dev (docs/deploy.md, "With Docker").
 RUN if command -v apt-get >/dev/null && ! command -v gcc >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         && pip install --no-deps . \

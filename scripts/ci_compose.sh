@@ -13,8 +13,9 @@
 #   3. a small glyph dataset and config, run "ci-a": scheduler + 2 shards + 2 torchrun workers
 #      to a top-1, no faults
 #   4. run "ci-b", the same job: shard-0's process killed (SIGKILL) after a checkpoint, the
-#      workers roll back; then 'docker compose down' mid-run (the workers checkpoint, exit 143)
-#      and the same command again resumes and finishes; every loss it logged, the replayed
+#      workers roll back; then the worker's container stopped mid-run ('docker stop': the
+#      workers checkpoint, exit 143) and 'docker compose down', and the same command again
+#      resumes and finishes; every loss it logged, the replayed
 #      steps' too, equals run ci-a's bit for bit, and so does its top-1
 #
 # It ends with a closing line "compose: N passed, N failed". It skips (exit 0, saying why) only
@@ -157,7 +158,7 @@ wait_for() {  # wait_for PATTERN SECONDS: until the ci-b worker's log has PATTER
     docker logs "$worker" 2>&1 | tail -n 30
     fail "the ci-b worker never logged '$1'"
 }
-say "run ci-b: the same job, shard-0 killed after step 20, then 'docker compose down'"
+say "run ci-b: the same job, shard-0 killed after step 20, then the worker stopped"
 worker=$(XCLS_RUN=ci-b docker compose run -d worker)
 wait_for "checkpoint step=20 " 600
 shard=$(docker compose ps -q shard-0)
@@ -171,8 +172,8 @@ sleep 1
 # the rollback's own lines (a peer's gloo error included) come before the stop; what the stop
 # writes is checked from here on
 before_stop=$(docker logs "$worker" 2>&1 | wc -l)
-# what 'docker compose down' does to each container: SIGTERM, SIGKILL after the grace period
-# (a one-off 'run' container is not the project's service, so down leaves it to this)
+# SIGTERM, SIGKILL after the grace period, as 'docker compose down' stops the services'
+# containers; down does not stop a one-off 'run' container such as this worker
 docker stop -t 60 "$worker" >/dev/null
 XCLS_RUN=ci-b docker compose down >"$work/down.log" 2>&1
 code=$(docker inspect -f '{{.State.ExitCode}}' "$worker")
@@ -180,14 +181,14 @@ code=$(docker inspect -f '{{.State.ExitCode}}' "$worker")
 docker logs "$worker" >"$work/run-b1.log" 2>&1 || true
 docker rm "$worker" >/dev/null  # a one-off container outlives down; left, it is an orphan
 if tail -n "+$((before_stop + 1))" "$work/run-b1.log" | grep -q "Traceback"; then
-    fail "a traceback at 'docker compose down'"
+    fail "a traceback at the worker's stop"
 fi
-pass "'docker compose down' stopped the run (worker exit $code) without a traceback"
+pass "'docker stop' stopped the run (worker exit $code) without a traceback"
 XCLS_RUN=ci-b docker compose run --rm worker >"$work/run-b2.log" 2>&1 \
     || { code=$?; tail -n 30 "$work/run-b2.log"; fail "the resumed run ci-b exited $code"; }
 grep -q "resumed step=" "$work/run-b2.log" || fail "run ci-b started over instead of resuming"
 top1_b=$(grep -o 'test top-1 [0-9.]*%' "$work/run-b2.log") || fail "run ci-b printed no top-1"
-pass "run ci-b resumed after 'down' and trained to $top1_b"
+pass "run ci-b resumed after the stop and 'down' and trained to $top1_b"
 
 losses() {  # every (step, loss) row a run logged, replays included
     XCLS_RUN=$1 docker compose run --rm --no-deps -T --entrypoint cat worker \
