@@ -197,7 +197,8 @@ def test_bad_lease_ids_are_refused(lease_id):
     assert table.generation == 0
 
 
-@pytest.mark.parametrize("num_shards, ttl_ms", [(0, 10), (2, 0), (2, 1.5), (-1, 10)])
+@pytest.mark.parametrize("num_shards, ttl_ms", [(0, 10), (2, 0), (2, 1.5), (-1, 10),
+                                                (10**12, 10)])
 def test_bad_tables_are_refused(num_shards, ttl_ms):
     with pytest.raises(InvalidArgument):
         LeaseTable(num_shards, ttl_ms)

@@ -145,8 +145,7 @@ def _add_scheduler_parser(roles: argparse._SubParsersAction) -> None:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    if args.num_shards < 1:
-        raise SystemExit(f"error: --num-shards {args.num_shards} must be >= 1")
+    _check_num_shards(args)
     _check_server_args(args)
     from ams.cluster.scheduler import check_lease_ttl, create_scheduler_server
     from ams.errors import InvalidArgument
@@ -179,6 +178,15 @@ def run_scheduler(args: argparse.Namespace) -> int:
     running.stop(args.grace)
     log.info("stopped")
     return 0
+
+
+def _check_num_shards(args: argparse.Namespace) -> None:
+    """Refuse a --num-shards no scheduler lists (``ams.cluster.lease.MAX_SHARD_SLOTS``)."""
+    from ams.cluster.lease import MAX_SHARD_SLOTS
+
+    if not 1 <= args.num_shards <= MAX_SHARD_SLOTS:
+        raise SystemExit(f"error: --num-shards {args.num_shards} must be in "
+                         f"1..{MAX_SHARD_SLOTS}")
 
 
 def _check_server_args(args: argparse.Namespace) -> None:
@@ -284,7 +292,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    if args.num_shards < 1 or not 0 <= args.shard_id < args.num_shards:
+    _check_num_shards(args)
+    if not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"error: --shard-id {args.shard_id} must be in [0, --num-shards "
                          f"{args.num_shards})")
     _check_server_args(args)

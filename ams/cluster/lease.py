@@ -45,6 +45,8 @@ MAX_INCARNATION_CHARS = 64
 MAX_LEASE_ID_CHARS = 128
 # Worker slots are global ranks; the bound keeps a bad request from growing the table.
 MAX_WORKER_SLOTS = 1 << 20
+# Every shard map lists every slot: a mistyped count must not make each answer that long.
+MAX_SHARD_SLOTS = 1 << 20
 
 
 class Role(StrEnum):
@@ -126,8 +128,9 @@ class LeaseTable:
     after its last renewal. Not thread-safe: the scheduler serializes calls."""
 
     def __init__(self, num_shards: int, ttl_ms: int, instance: str | None = None) -> None:
-        if not isinstance(num_shards, int) or num_shards < 1:
-            raise InvalidArgument(f"num_shards={num_shards!r} must be an integer >= 1")
+        if not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARD_SLOTS:
+            raise InvalidArgument(f"num_shards={num_shards!r} must be an integer in "
+                                  f"1..{MAX_SHARD_SLOTS}")
         if not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise InvalidArgument(f"ttl_ms={ttl_ms!r} must be an integer >= 1")
         self.num_shards = num_shards

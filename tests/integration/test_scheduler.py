@@ -273,6 +273,8 @@ def test_wait_for_shards_names_the_missing_slots(idle_scheduler):
     (["--num-shards", "2", "--grace", "-1"], "--grace -1.0"),
     (["--num-shards", "2", "--port-file", "/nonexistent/dir/port"], "is not a directory"),
     (["--num-shards", "2", "--port-file", "/tmp"], "--port-file /tmp is a directory"),
+    # every shard map would list a trillion slots
+    (["--num-shards", "1000000000000"], "--num-shards 1000000000000 must be in 1..1048576"),
     (["--num-shards", "2", "--auth-token-file", "/dev/zero"], "not a secret"),
 ])
 def test_scheduler_refuses_bad_options(args, message):

@@ -413,6 +413,7 @@ def test_shards_listed_out_of_order_are_refused(shard_cluster):
      "/nonexistent/dir is not a directory"),
     (["--shard-id", "0", "--num-shards", "1", "--port-file", "/tmp"],
      "--port-file /tmp is a directory"),
+    (["--shard-id", "0", "--num-shards", "1000000000000"], "must be in 1..1048576"),
     # a launch script's unset variable: the tables would go in the current directory
     (["--shard-id", "0", "--num-shards", "1", "--data-dir", ""],
      "--data-dir: must name a directory, not ''"),
