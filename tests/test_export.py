@@ -95,7 +95,12 @@ DAMAGE = {
     "num_classes a float": (_meta(num_classes=10.0), "num_classes must be a positive integer"),
     "image_size 0": (_meta(image_size=0), "image_size must be a positive integer"),
     "5 channels": (_meta(channels=5), "channels must be 1 or 3"),
-    "dim of another backbone": (_meta(dim=32), "not the weights of a resnet_small of dim 32"),
+    "dim of another backbone": (lambda d: (_meta(dim=32)(d),
+                                           _rows(np.zeros((CLASSES, 32), np.float32))(d)),
+                                "not the weights of a resnet_small of dim 32"),
+    "dim of other rows": (_meta(dim=4096), r"rows.npy: <f4 \(10, 16\), the export holds rows "
+                                           r"of shape \(10, 4096\)"),
+    "dim wider than any table": (_meta(dim=10**9), "dim must be at most 65536, got 1000000000"),
     "weights truncated": (_truncate("backbone.safetensors", 100),
                           "backbone.safetensors: not the weights"),
     "weights garbage": (lambda d: (d / "backbone.safetensors").write_bytes(b"\xff" * 999),

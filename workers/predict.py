@@ -32,6 +32,7 @@ from torch import nn
 
 from ams.graph.topk import merge_top_lists, resolve_device
 from ams.jsontext import parse_json
+from ams.limits import MAX_DIM
 from ams.shard.optim import all_finite
 from workers.backbones import Backbone, build_backbone
 from workers.data.class_names import NumberedClasses, class_names_from_json, class_names_to_json
@@ -235,6 +236,8 @@ def read_export_meta(path: Path) -> dict:
                              f"{value!r}")
     if meta["channels"] not in (1, 3):
         raise ValueError(f"{where}: channels must be 1 or 3, got {meta['channels']}")
+    if meta["dim"] > MAX_DIM:  # no table has wider rows; the backbone is built at this width
+        raise ValueError(f"{where}: dim must be at most {MAX_DIM}, got {meta['dim']}")
     return meta
 
 
@@ -273,16 +276,9 @@ class Classifier:
         device = str(resolve_device(None if device == "auto" else device))
         path = Path(path)
         meta = read_export_meta(path)
-        backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],
-                                  meta["image_size"])
-        try:
-            backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
-        except (SafetensorError, RuntimeError) as e:  # torch lists every mismatch on a line
-            raise ValueError(f"{path / 'backbone.safetensors'}: not the weights of a "
-                             f"{meta['backbone']} of dim {meta['dim']} and {meta['channels']} "
-                             f"channels ({str(e).strip().splitlines()[-1].strip()})") from None
-        # copy-on-write mapping: a writable array for torch, nothing read until used
-        try:
+        # the rows first: a mapping reads nothing, and the width they have is the one the
+        # backbone is built at (export.json alone could ask for any)
+        try:  # copy-on-write mapping: a writable array for torch, nothing read until used
             rows = np.load(path / "rows.npy", mmap_mode="c")
         except ValueError as e:  # truncated, or not an array numpy can map
             raise ValueError(f"{path / 'rows.npy'}: not a row array ({e})") from None
@@ -291,6 +287,14 @@ class Classifier:
             raise ValueError(f"{path / 'rows.npy'}: {rows.dtype.str} {rows.shape}, the export "
                              f"holds rows of shape ({meta['num_classes']}, {meta['dim']}) in "
                              f"one of {ROW_DTYPES}, native byte order")
+        backbone = build_backbone(meta["backbone"], meta["dim"], meta["channels"],
+                                  meta["image_size"])
+        try:
+            backbone.load_state_dict(load_file(str(path / "backbone.safetensors")))
+        except (SafetensorError, RuntimeError) as e:  # torch lists every mismatch on a line
+            raise ValueError(f"{path / 'backbone.safetensors'}: not the weights of a "
+                             f"{meta['backbone']} of dim {meta['dim']} and {meta['channels']} "
+                             f"channels ({str(e).strip().splitlines()[-1].strip()})") from None
         try:
             names = class_names_from_json(
                 parse_json((path / "classes.json").read_text(encoding="utf-8")),
