@@ -62,6 +62,17 @@ log = logging.getLogger(__name__)
 
 # Samples with an open window the fallback holds during an outage (about dim * 4 bytes each).
 DEFAULT_FALLBACK_SAMPLES = 65_536
+# A sample not seen for a day loses its partial sum (refreshed on every add): it bounds the
+# memory of samples that left the data set, and an epoch of any job here is shorter.
+RECORD_TTL_S = 86_400
+# The stream's approximate cap (XADD MAXLEN ~), reached only when every slow worker is gone;
+# entries trimmed unread are lost.
+STREAM_MAXLEN = 1_000_000
+# Optimistic retries of an add whose samples another worker touched meanwhile.
+MAX_ATTEMPTS = 8
+# How long an applied mean's key is remembered so that a redelivered one is not applied twice:
+# far past the longest a claimed entry waits (min_idle_ms).
+APPLIED_TTL_S = 86_400
 
 
 def stream_key(prefix: str) -> bytes:
@@ -87,11 +98,6 @@ class RedisGradientAccumulator:
         dim: gradient width.
         m: gradients per mean.
         prefix: job name; all keys start with it.
-        record_ttl_s: a sample not seen for this long loses its partial sum (bounds memory for
-            samples that left the data set); refreshed on every add.
-        stream_maxlen: approximate cap on the stream (XADD MAXLEN ~) should every slow worker be
-            gone; entries trimmed unread are lost.
-        max_attempts: optimistic retries when another worker touched the same samples.
         fallback_samples: while Redis cannot be reached, gradients go to ``self.fallback``, an
             in-process :class:`~bridge.accumulator.MemoryGradientAccumulator` with the same
             ``m`` holding at most this many open windows and queued means together; an
@@ -106,9 +112,7 @@ class RedisGradientAccumulator:
     """
 
     def __init__(self, client: redis.Redis, dim: int, m: int, prefix: str,
-                 record_ttl_s: int = 86_400, stream_maxlen: int = 1_000_000,
-                 max_attempts: int = 8, retry_after_s: float = 1.0,
-                 fallback_samples: int = 0) -> None:
+                 retry_after_s: float = 1.0, fallback_samples: int = 0) -> None:
         if dim <= 0 or m <= 0:
             raise ValueError(f"dim and m must be positive, got dim={dim} m={m}")
         self.client = client
@@ -116,9 +120,6 @@ class RedisGradientAccumulator:
         self.m = m
         self.prefix = prefix
         self.stream = stream_key(prefix)
-        self.record_ttl_s = record_ttl_s
-        self.stream_maxlen = stream_maxlen
-        self.max_attempts = max_attempts
         self.metrics = AccumulatorMetrics()
         self.guard = RedisGuard(f"grad_accumulator:{prefix}", retry_after_s)
         self._warn = RateLimitedLog(log)
@@ -180,7 +181,7 @@ class RedisGradientAccumulator:
             self._failed("add", e)
             return self._to_fallback(ids, grads, version, n)
         if emitted is None:
-            self._warn.warn("grad_add_dropped", reason="contention", attempts=self.max_attempts,
+            self._warn.warn("grad_add_dropped", reason="contention", attempts=MAX_ATTEMPTS,
                             n=n)
             self.metrics.dropped += n
             return 0
@@ -191,9 +192,9 @@ class RedisGradientAccumulator:
     def _add_with_retries(self, uniq: np.ndarray, sums: np.ndarray, counts: np.ndarray,
                           versions: np.ndarray) -> int | None:
         """Fold per-sample sums into Redis; the means queued, or None when other workers kept
-        touching the same samples for ``max_attempts`` tries. Raises redis.RedisError."""
+        touching the same samples for ``MAX_ATTEMPTS`` tries. Raises redis.RedisError."""
         keys = [self.record_key(i) for i in uniq.tolist()]
-        for _ in range(self.max_attempts):
+        for _ in range(MAX_ATTEMPTS):
             try:
                 return self._try_add(keys, uniq, sums, counts, versions)
             except redis.WatchError:
@@ -284,13 +285,13 @@ class RedisGradientAccumulator:
                     mean = (total / count).astype(np.float32)
                     entry = GradEntry(i, newest, rec.seq, count, mean)
                     pipe.xadd(self.stream, encode_grad_entry(entry),
-                              maxlen=self.stream_maxlen, approximate=True)
+                              maxlen=STREAM_MAXLEN, approximate=True)
                     rec = AccumRecord(0, newest, rec.seq + 1, np.zeros(self.dim, np.float32))
                     emitted += 1
                     self.metrics.bytes += self.dim * 4
                 else:
                     rec = AccumRecord(count, newest, rec.seq, total.astype(np.float32))
-                pipe.set(key, encode_record(rec), ex=self.record_ttl_s)
+                pipe.set(key, encode_record(rec), ex=RECORD_TTL_S)
             pipe.execute()
         return emitted
 
@@ -318,19 +319,17 @@ class RedisGradientConsumer:
         consumer: this worker's name in the group (default host-pid).
         min_idle_ms: an entry delivered but not acked for this long is taken over (its consumer
             is presumed dead); must exceed the longest apply.
-        applied_ttl_s: how long an applied key is remembered for de-duplication.
     """
 
     def __init__(self, client: redis.Redis, dim: int, prefix: str, group: str = "slow_gear",
                  consumer: str | None = None, min_idle_ms: int = 60_000,
-                 applied_ttl_s: int = 86_400, retry_after_s: float = 1.0) -> None:
+                 retry_after_s: float = 1.0) -> None:
         self.client = client
         self.dim = dim
         self.prefix = prefix
         self.group = group
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.min_idle_ms = min_idle_ms
-        self.applied_ttl_s = applied_ttl_s
         self.stream = stream_key(prefix)
         self.dead = dead_letter_key(prefix)
         self.metrics = AccumulatorMetrics()
@@ -480,7 +479,7 @@ class RedisGradientConsumer:
         try:
             with self.client.pipeline(transaction=True) as pipe:
                 for h in batch.handles:
-                    pipe.set(self.applied_key(h.key), b"1", nx=True, ex=self.applied_ttl_s)
+                    pipe.set(self.applied_key(h.key), b"1", nx=True, ex=APPLIED_TTL_S)
                 eids = [h.entry_id for h in batch.handles]
                 pipe.xack(self.stream, self.group, *eids)
                 pipe.xdel(self.stream, *eids)
