@@ -82,7 +82,9 @@ for pair in "SHARD_ID:$shard_id" "NUM_SHARDS:$num_shards" "PORT:$port" \
         exit 2
     fi
 done
-if [[ -n $scheduler ]] && ! [[ $scheduler =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
+# HOST:PORT, the host a name, an IPv4 address or a bracketed IPv6 one ([::1]:7000)
+host_port='^(\[[0-9A-Fa-f:.]+\]|[^][:space:]:]+):[0-9]+$'
+if [[ -n $scheduler ]] && ! [[ $scheduler =~ $host_port ]]; then
     echo "error: --scheduler must be HOST:PORT, got '$scheduler'" >&2
     exit 2
 fi

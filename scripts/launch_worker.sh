@@ -140,7 +140,9 @@ if [[ -n $ams && -n $scheduler ]]; then
     echo "error: give --ams or --scheduler, not both (the scheduler knows the shards)" >&2
     exit 2
 fi
-if [[ -n $scheduler ]] && ! [[ $scheduler =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
+# HOST:PORT, the host a name, an IPv4 address or a bracketed IPv6 one ([::1]:7000)
+host_port='^(\[[0-9A-Fa-f:.]+\]|[^][:space:]:]+):[0-9]+$'
+if [[ -n $scheduler ]] && ! [[ $scheduler =~ $host_port ]]; then
     echo "error: --scheduler must be HOST:PORT, got '$scheduler'" >&2
     exit 2
 fi

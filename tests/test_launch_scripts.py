@@ -75,6 +75,17 @@ def test_server_with_a_scheduler_and_metrics():
     assert (args.port, args.data_port) == (7002, 7102)
 
 
+@pytest.mark.parametrize("script", ["server", "worker"])
+def test_a_scheduler_at_a_bracketed_ipv6_address_is_taken(script):
+    if script == "server":
+        argv = dry_run(SERVER, "--scheduler", "[::1]:7000", "1", "4", "7002", "/data/ams",
+                       AMS_TOKEN_FILE="/etc/xcls/token")
+        assert xcls_args(argv[3:]).scheduler == "[::1]:7000"
+    else:
+        argv = dry_run(WORKER, "--scheduler", "[::1]:7000", "exp.toml")
+        assert "ams.scheduler=[::1]:7000" in argv
+
+
 def test_server_with_tls_serves_tls_and_the_token():
     argv = dry_run(SERVER, "--tls-cert", "/etc/xcls/cert.pem", "--tls-key", "/etc/xcls/key.pem",
                    "--auth-token-file", "/etc/xcls/token", "0", "2", "7001", "/data/ams")
