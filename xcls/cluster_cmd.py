@@ -129,6 +129,13 @@ def _check_args(args: argparse.Namespace) -> ExperimentConfig | None:
     if args.metrics_port and not (0 < args.metrics_port and last_metrics_port <= 65535):
         raise SystemExit(f"error: --metrics-port {args.metrics_port}: ports "
                          f"{args.metrics_port}..{last_metrics_port} must lie in 1..65535")
+    if args.metrics_port and args.base_port is not None \
+            and args.metrics_port <= args.base_port + args.shards - 1 \
+            and args.base_port <= last_metrics_port:
+        raise SystemExit(f"error: --metrics-port {args.metrics_port}: its ports "
+                         f"{args.metrics_port}..{last_metrics_port} overlap the shards' "
+                         f"{args.base_port}..{args.base_port + args.shards - 1} "
+                         "(--base-port)")
     for flag, seconds in (("--start-timeout", args.start_timeout),
                           ("--stop-timeout", args.stop_timeout),
                           ("--hang-timeout", args.hang_timeout)):

@@ -234,6 +234,9 @@ def test_a_killed_shard_is_restarted_and_the_workers_roll_back(glyphs_small, no_
     (["--shards", "0"], "--shards 0 must be >= 1"),
     (["--slow-workers", "-1"], "--slow-workers -1 must be >= 0"),
     (["--base-port", "65535"], "--base-port 65535"),
+    # shard 1 would find its gRPC port taken by shard 0's metrics
+    (["--base-port", "17020", "--metrics-port", "17021"],
+     "--metrics-port 17021: its ports 17021..17023 overlap the shards' 17020..17021"),
     (["--stop-timeout", "0"], "--stop-timeout"),
     (["--max-restarts", "-1"], "--max-restarts -1 must be >= 0"),
     (["--hang-timeout", "0"], "--hang-timeout 0 must be > 0"),
