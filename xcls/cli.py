@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from xcls.config import ConfigError
 from xcls.logs import setup_logging
+from xcls.parent import exit_with_parent
 
 # Exit codes, the same in every command: 0 done; 2 refused before starting (bad arguments,
 # config, files or data, a port in use, a service unreachable), one line on stderr, as
@@ -89,6 +90,7 @@ def run() -> int:
     its final collection over every object torch and grpc made (most of a torch process's exit
     time, paid by every shard, worker and command as it ends). Library callers use ``main``,
     which leaves the collector alone."""
+    exit_with_parent()
     gc.set_threshold(COLLECT_EVERY)
     try:
         return main()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from xcls.parent import PARENT_PID_ENV
 from xcls.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,11 @@ def spawn(name: str, cmd: Sequence[str], *, prefix: str | None = None,
     output is appended to ``log_path``; else relayed to our stderr behind ``prefix``; else it
     writes to our stdout/stderr directly."""
     log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
-    environ = {**os.environ, **env} if env else None
+    # the child ends with us (xcls.parent), unless this thread may end before the process
+    # does: the kernel's parent-death signal follows the thread that started the child
+    ours = {PARENT_PID_ENV: str(os.getpid())} \
+        if threading.current_thread() is threading.main_thread() else {}
+    environ = {**os.environ, **ours, **(env or {})}
     if log_path is not None:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,

@@ -58,6 +58,7 @@ from torch.distributed.launcher import api as launcher_api
 from workers.distributed import address_toward
 from xcls.cli import EXIT_BAD_INPUT
 from xcls.logs import setup_logging
+from xcls.parent import exit_with_parent
 
 log = logging.getLogger("xcls.torchrun")
 
@@ -186,4 +187,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_with_parent()
     sys.exit(main())

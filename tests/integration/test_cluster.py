@@ -158,6 +158,30 @@ def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     assert our_processes(tmp) == []
 
 
+def test_a_cluster_killed_with_sigkill_takes_its_shards_and_workers_with_it(glyphs_small,
+                                                                           no_orphans):
+    """SIGKILL gives ``cluster up`` no time to stop its children, which run in sessions of
+    their own: each asked the kernel for a SIGTERM at its launcher's death (xcls.parent) and
+    stops on it, the workers through their torchrun launcher (they went on serving)."""
+    tmp = no_orphans
+    out = tmp / "run"
+    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=100_000)
+    log_path = tmp / "cluster.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until((out / "train.csv").exists, "training to log its first step", 240, [proc],
+                   log_path.read_text)
+        assert len(our_processes(tmp)) >= 4  # 2 shards, torchrun, its worker
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_until(lambda: not our_processes(tmp), "the shards and workers to stop", 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_cluster_with_a_data_parallel_slow_gear(glyphs_small, no_orphans, redis_server):
     tmp = no_orphans
     out = tmp / "run"
