@@ -133,8 +133,9 @@ def test_cluster_trains_then_resumes_with_fewer_workers(glyphs_small, no_orphans
     assert (out / CHECKPOINTS / f"step-{30:012d}" / "worker.pt").exists()
 
 
-def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
-    tmp = no_orphans
+def training_cluster(glyphs_small, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """``cluster up`` of 2 shards and 1 worker on a long run, once it logged its first step:
+    (its process, its log)."""
     out = tmp / "run"
     config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=100_000)
     log_path = tmp / "cluster.log"
@@ -143,6 +144,17 @@ def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
     try:
         wait_until((out / "train.csv").exists, "training to log its first step", 240, [proc],
                    log_path.read_text)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, log_path
+
+
+def test_sigterm_stops_workers_then_shards(glyphs_small, no_orphans):
+    tmp = no_orphans
+    proc, log_path = training_cluster(glyphs_small, tmp)
+    try:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=180)
     finally:
@@ -164,14 +176,8 @@ def test_a_cluster_killed_with_sigkill_takes_its_shards_and_workers_with_it(glyp
     their own: each asked the kernel for a SIGTERM at its launcher's death (xcls.parent) and
     stops on it, the workers through their torchrun launcher (they went on serving)."""
     tmp = no_orphans
-    out = tmp / "run"
-    config = write_config(glyphs_small, out, tmp / "exp.toml", max_steps=100_000)
-    log_path = tmp / "cluster.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cluster_cmd(config, 2), stdout=log, stderr=subprocess.STDOUT)
+    proc, _ = training_cluster(glyphs_small, tmp)
     try:
-        wait_until((out / "train.csv").exists, "training to log its first step", 240, [proc],
-                   log_path.read_text)
         assert len(our_processes(tmp)) >= 4  # 2 shards, torchrun, its worker
         proc.kill()
         proc.wait(timeout=30)
