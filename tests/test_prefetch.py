@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -154,3 +155,28 @@ def test_cuda_batches_are_staged_on_the_device_as_prepared():
             prefetcher.step_done()
     finally:
         prefetcher.close()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_at_a_step_boundary_pending_holds_every_batch_prepared_ahead(depth):
+    """A checkpoint keeps pending() with the head's sampler state: a batch whose classes were
+    selected but which pending() missed is selected again on resume from an advanced
+    generator, and the resumed run leaves the uninterrupted one. Thread switches every
+    microsecond make the trainer run into any gap between "prepared" and "in the queue"."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    steps = 10000
+    prefetcher = Prefetcher(labelled(steps + depth), Prepared(), depth=depth, start_step=0)
+    missing = []
+    try:
+        for step in range(steps):
+            next(prefetcher)
+            prefetcher.wait_prepared(step)
+            pending = [int(a.active_ids[0]) for a in prefetcher.pending()]
+            if pending != list(range(step + 1, step + 1 + depth)):
+                missing.append((step, pending))
+            prefetcher.step_done()
+    finally:
+        sys.setswitchinterval(previous)
+        prefetcher.close()
+    assert missing == []

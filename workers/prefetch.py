@@ -146,10 +146,13 @@ class Prefetcher:
                 prepared = PreparedBatch(batch, active, seconds)
                 if self._stream is not None:
                     prepared.staged, prepared.copied = stage(active, self._device, self._stream)
+                # queued before it counts as prepared: a checkpoint taken once wait_prepared
+                # returns finds it in pending() (its classes were drawn from the sampler whose
+                # state the checkpoint keeps)
+                self._put(prepared)
                 with self._cond:
                     self._prepared = u + 1
                     self._cond.notify_all()
-                self._put(prepared)
                 mark = time.perf_counter()
         except BaseException as e:  # handed to the trainer thread
             self._error = e
