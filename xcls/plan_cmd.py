@@ -34,9 +34,8 @@ examples:
 Memory is the largest shard's (shard 0 owns the most classes) and the busiest host's (shards
 spread evenly over the hosts). The process baseline, the message buffers and the CPU rates were
 measured on the machine ams/cluster/plan_rates.json names (benchmarks/plan_rates.py measures yours).
-Each graph-build rate says what that file marks it: measured (on what) or a nominal assumption;
-as shipped, the GPU's exact-build rate is measured on an H100 and its IVF rate is nominal.
-docs/scale.md explains each line."""
+Each graph-build line says what that file marks its rate: measured (on what) or a nominal
+assumption. docs/scale.md explains each line."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
