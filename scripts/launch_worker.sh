@@ -59,7 +59,7 @@ Example, two to four hosts with 8 GPUs each, shards on s0..s3; on every host:
   scripts/launch_worker.sh --nnodes 2 --rdzv-endpoint hostA:29400 --rdzv-id exp1 \
       --scheduler sched:7000 --auth-token-file /etc/xcls/token exp.toml
   Static, two hosts: --nnodes 2 --node-rank 0 --master-addr hostA on host A, --node-rank 1 on B.
-NCCL on several hosts: README.md, "NCCL".
+NCCL on several hosts: docs/deploy.md, "On several hosts".
 EOF
 }
 

@@ -292,9 +292,9 @@ class TrainConfig:
     """torch CPU threads, at most 1024 (0: torch's default)"""
     out_dir: Annotated[str, Rule(bool, "must name the run's directory (empty would write it "
                                       "all into the current one)")] = "runs/experiment"
-    """checkpoints, AMS snapshots, metrics.csv, TensorBoard events"""
+    """checkpoints, AMS snapshots, train.csv, eval.csv, graph.csv, TensorBoard events"""
     log_every: Annotated[int, POSITIVE] = 50
-    """steps between log lines (and rows of metrics.csv)"""
+    """steps between log lines (and rows of train.csv)"""
     eval_every: Annotated[int, NON_NEGATIVE] = 0
     """steps between evaluations (0: at each epoch end)"""
     checkpoint_every: Annotated[int, NON_NEGATIVE] = 0

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from workers.settings import GraphConfig
 from xcls.cli_help import DefaultsHelpFormatter
 from xcls.secret_files import read_secret, read_token
 
@@ -37,8 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="exact", help="exact | ivf")
     p.add_argument("--nlist", type=int, default=0,
                    help="ivf: lists of the index (0: about 4 sqrt(N))")
-    p.add_argument("--nprobe", type=int,
-                   help="ivf: lists each class scans (default: ams.graph.ivf.DEFAULT_NPROBE)")
+    p.add_argument("--nprobe", type=int, default=GraphConfig.nprobe,
+                   help="ivf: lists each class scans (default: %(default)s, as graph.nprobe)")
     p.add_argument("--builders", type=int, default=1,
                    help="split the shards between this many builder processes")
     p.add_argument("--builder-index", type=int,
@@ -70,7 +71,7 @@ def _check_build_args(args: argparse.Namespace) -> None:
                          f"[0, --builders {args.builders})")
     if args.nlist < 0:
         raise SystemExit(f"error: --nlist {args.nlist} must be >= 0")
-    if args.nprobe is not None and args.nprobe < 1:
+    if args.nprobe < 1:
         raise SystemExit(f"error: --nprobe {args.nprobe} must be >= 1")
     for flag, value in (("--version", args.version), ("--step", args.step)):
         if value is not None and value < 0:
@@ -90,7 +91,7 @@ def run_build(args: argparse.Namespace) -> int:
     from ams.errors import AmsError
     from ams.graph import resolve_device
     from ams.graph.build import GraphMethod, build_graph, current_graph_version
-    from ams.graph.ivf import DEFAULT_NPROBE, load_faiss
+    from ams.graph.ivf import load_faiss
 
     if args.method not in list(GraphMethod):
         print(f"error: --method {args.method!r} is not one of "
@@ -105,7 +106,6 @@ def run_build(args: argparse.Namespace) -> int:
             load_faiss()
         except ImportError as e:
             raise SystemExit(f"error: --method ivf: {e}") from None
-    nprobe = DEFAULT_NPROBE if args.nprobe is None else args.nprobe
     token = read_token(args.auth_token_file, "--auth-token-file") \
         if args.auth_token_file else None
     tls_ca = read_secret(args.tls_ca, "--tls-ca") if args.tls_ca else None
@@ -121,7 +121,7 @@ def run_build(args: argparse.Namespace) -> int:
             if args.builders > 1 and args.builder_index is None:
                 return _spawn_builders(args, version)
             report = build_graph(client, args.table, args.k, step=args.step,
-                                 method=args.method, nlist=args.nlist, nprobe=nprobe,
+                                 method=args.method, nlist=args.nlist, nprobe=args.nprobe,
                                  builders=args.builders, builder_index=args.builder_index,
                                  version=version, device=args.device,
                                  resume_dir=args.resume_dir,
@@ -139,9 +139,9 @@ def _spawn_builders(args: argparse.Namespace, version: int) -> int:
     """One builder process per index on this host, all writing the same version."""
     base = [sys.executable, "-m", "xcls", "graph", "build", "--ams", args.ams, "--table",
             args.table, "--k", str(args.k), "--method", args.method, "--nlist", str(args.nlist),
-            "--builders", str(args.builders), "--version",
+            "--nprobe", str(args.nprobe), "--builders", str(args.builders), "--version",
             str(version), "--step", str(args.step), "--no-progress"]
-    for flag, value in (("--nprobe", args.nprobe), ("--device", args.device),
+    for flag, value in (("--device", args.device),
                         ("--resume-dir", args.resume_dir),
                         ("--auth-token-file", args.auth_token_file),
                         ("--tls-ca", args.tls_ca)):
