@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from workers import predict
 from workers.backbones import build_backbone
 from workers.data.class_names import NumberedClasses
 from workers.predict import Classifier, write_export
@@ -47,6 +48,36 @@ def test_an_intact_export_classifies_as_the_float64_brute_force(export):
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(scores.double(), ref_scores, atol=1e-5, rtol=0)
     assert clf.names(ids[:1, :1]) == [[f"class{int(ref_ids[0, 0])}"]]
+
+
+def test_the_batch_size_is_the_backbones_forward_pass(export, tmp_path):
+    """xcls predict --batch-size was cut to 512 images per pass whatever it said."""
+    clf = Classifier.load(export, device="cpu")
+    passes: list[int] = []
+    clf.backbone.register_forward_hook(lambda module, args, out: passes.append(len(out)))
+    images = torch.randint(0, 256, (5, SIZE, SIZE), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(2))
+    ids, _ = clf.predict(images, topk=2, batch_size=2)
+    assert passes == [2, 2, 1]
+    assert torch.equal(ids, clf.predict(images, topk=2)[0])  # the same classes in one pass
+    assert passes[3:] == [5]
+    files = []
+    for i, image in enumerate(images.numpy()):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(image).save(files[-1])
+    # the command's own classifier: every backbone's forward pass, seen by torch's global hook
+    passes.clear()
+    kind = type(clf.backbone)
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: passes.append(len(out)) if type(module) is kind else None)
+    try:
+        assert main(["predict", str(export), *map(str, files), "--batch-size", "700",
+                     "--device", "cpu"]) == 0
+        assert main(["predict", str(export), *map(str, files), "--batch-size", "3",
+                     "--device", "cpu"]) == 0
+    finally:
+        hook.remove()
+    assert passes == [5, 3, 2]
 
 
 def test_numbered_classes_are_stored_as_null_and_named_by_their_ids(tmp_path):
@@ -135,7 +166,7 @@ def test_a_damaged_export_is_refused_naming_the_file(export, tmp_path, case):
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
-def test_a_non_finite_row_is_refused_at_prediction(export, tmp_path):
+def test_a_non_finite_row_is_refused_at_prediction(export, tmp_path, monkeypatch):
     """A NaN row would score NaN, which topk ranks first: every image would get its class."""
     model = tmp_path / "model"
     shutil.copytree(export, model)
@@ -144,7 +175,8 @@ def test_a_non_finite_row_is_refused_at_prediction(export, tmp_path):
     np.save(model / "rows.npy", rows)
     clf = Classifier.load(model, device="cpu")
     with pytest.raises(ValueError, match="class row 7 holds a non-finite value"):
-        clf.predict(torch.zeros(1, SIZE, SIZE, dtype=torch.uint8), block_rows=4)
+        monkeypatch.setattr(predict, "PREDICT_BLOCK_ROWS", 4)  # row 7 in the second block
+        clf.predict(torch.zeros(1, SIZE, SIZE, dtype=torch.uint8))
 
 
 def test_a_device_this_host_lacks_is_refused(export):

@@ -47,13 +47,20 @@ def images_to_input(images: torch.Tensor) -> torch.Tensor:
     return images.float().div_(127.5).sub_(1.0)
 
 
+# float32 scores one step of nearest_classes holds (64 MiB): a test set against a block of rows
+# in chunks of features, never n x N at once
+MAX_SCORES = 1 << 24
+# class rows Classifier.predict normalizes and scores at a time (32 MiB of float32 at d = 128)
+PREDICT_BLOCK_ROWS = 65536
+
+
 def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                    k: int, max_scores: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor]:
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k classes of each feature by cosine to the class rows, streaming the rows.
 
     features: (n, d) float; blocks: (class ids int64 (b,), rows (b, d)) covering the classes.
     Returns (ids int64 (n, k), cosines float32 (n, k)), best first (-1 / -inf pads k > N).
-    Memory is bounded by ``max_scores`` float32 scores (64 MiB) per step, never by n x N: the
+    Memory is bounded by ``MAX_SCORES`` float32 scores (64 MiB) per step, never by n x N: the
     features are taken in chunks against each block, and each chunk's block top-k is merged
     into the running lists (a whole test set against every row at once would take n x N).
     """
@@ -66,7 +73,7 @@ def nearest_classes(features: torch.Tensor, blocks: Iterable[tuple[torch.Tensor,
             continue
         keys = F.normalize(rows.to(q.device).float(), dim=1)
         width = min(k, keys.shape[0])
-        chunk = max(1, max_scores // keys.shape[0])
+        chunk = max(1, MAX_SCORES // keys.shape[0])
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             top_scores, cols = (q[start:stop] @ keys.t()).topk(width, dim=1)
@@ -324,14 +331,15 @@ class Classifier:
                for i in range(0, t.shape[0], batch_size)]
         return torch.cat(out) if out else torch.empty((0, self.rows.shape[1]))
 
-    def predict(self, images: torch.Tensor | np.ndarray, topk: int = 5,
-                block_rows: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k class ids int64 (N, topk) and cosine scores float32 (N, topk), best first."""
-        features = self.embed(images)
-        n = self.rows.shape[0]
-        blocks = ((torch.arange(s, min(s + block_rows, n)),
-                   _finite_rows(self.rows[s:s + block_rows], s))
-                  for s in range(0, n, block_rows))
+    def predict(self, images: torch.Tensor | np.ndarray, topk: int = 5, batch_size: int = 512
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k class ids int64 (N, topk) and cosine scores float32 (N, topk), best first;
+        the backbone takes ``batch_size`` images per forward pass (``xcls predict
+        --batch-size``)."""
+        features = self.embed(images, batch_size)
+        n, block = self.rows.shape[0], PREDICT_BLOCK_ROWS
+        blocks = ((torch.arange(s, min(s + block, n)), _finite_rows(self.rows[s:s + block], s))
+                  for s in range(0, n, block))
         return nearest_classes(features.to(self.device), blocks, min(topk, n))
 
     def names(self, ids: torch.Tensor) -> list[list[str]]:

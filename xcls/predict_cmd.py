@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topk", type=int, default=5, help="classes per image")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when there is one), cpu, cuda or cuda:N")
-    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="images read and passed through the backbone at a time")
     p.set_defaults(func=run_predict)
 
 
@@ -51,7 +52,7 @@ def run_predict(args: argparse.Namespace) -> int:
         if clf.channels == 3:
             images = images.transpose(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
         try:
-            ids, scores = clf.predict(images, topk=args.topk)
+            ids, scores = clf.predict(images, topk=args.topk, batch_size=args.batch_size)
         except ValueError as e:  # a damaged export's rows
             raise SystemExit(f"error: {args.model}: {e}") from None
         for path, names, row_ids, row_scores in zip(paths, clf.names(ids), ids.tolist(),
