@@ -34,18 +34,23 @@ class DamagedDataFile(ValueError):
 def check_data_file(path: Path) -> None:
     """DamagedDataFile naming ``path`` (an LMDB ``data.mdb``) when it is shorter than its meta
     pages say, or has no valid meta page: one line, instead of a SIGBUS when it is read."""
+    # The meta pages first, the size after: a writer in another process (the ranks of a host
+    # share a feature cache) writes a transaction's pages before the meta page that names them,
+    # and LMDB never shrinks its file, so the size read later covers every page named earlier.
+    # The other order judged a file that grew in between truncated.
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < _META.size:
-                raise DamagedDataFile(f"{path}: truncated: {size} bytes, not even an LMDB meta "
-                                      "page")
-            first = _meta(f.read(_META.size), 0)
+            head = f.read(_META.size)
+            if len(head) < _META.size:
+                raise DamagedDataFile(f"{path}: truncated: {len(head)} bytes, not even an LMDB "
+                                      "meta page")
+            first = _meta(head, 0)
             if first is None:
                 raise DamagedDataFile(f"{path}: not an LMDB data file (no meta page at its start)")
             page_size = first[0]
             f.seek(page_size)
             second = _meta(f.read(_META.size), 1)
+            size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise DamagedDataFile(f"{path}: cannot read it ({e.strerror})") from None
     if second is None:
