@@ -48,6 +48,9 @@ if ! command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; then
 fi
 if ! docker info >/dev/null 2>&1; then
     say "starting dockerd (log: $work/dockerd.log)"
+    # A pid file left by a dockerd that never shut down (a host restored from a snapshot) may
+    # name a pid another process holds now: dockerd then refuses to start ("pid file found").
+    pgrep -x dockerd >/dev/null || as_root rm -f /var/run/docker.pid
     for driver in overlay2 vfs; do
         as_root sh -c "nohup dockerd --iptables=false --bridge=none --storage-driver=$driver \
             >'$work/dockerd.log' 2>&1 &"
