@@ -27,6 +27,10 @@ FEATURE_HEADER = struct.Struct("<4sB3xIqd")
 DTYPE_CODES: dict[str, int] = {"float16": 1, "float32": 2}
 NP_DTYPES: dict[str, np.dtype] = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 
+# The dtype of a ready mean on the stream: the float32 the accumulator sums in, so a mean
+# loses nothing on its way to the slow gear (the entry names it; readers take either).
+GRAD_DTYPE = "float32"
+
 RECORD_MAGIC = b"XGA1"
 RECORD_HEADER = struct.Struct("<4sIIqq")
 
@@ -187,8 +191,9 @@ class GradEntry(NamedTuple):
     grad: np.ndarray
 
 
-def encode_grad_entry(entry: GradEntry, dtype: str = "float32") -> dict[bytes, bytes]:
-    """Stream fields of a ready mean gradient (raw little-endian ``dtype`` payload)."""
+def encode_grad_entry(entry: GradEntry) -> dict[bytes, bytes]:
+    """Stream fields of a ready mean gradient (raw little-endian ``GRAD_DTYPE`` payload)."""
+    dtype = GRAD_DTYPE
     raw = np.ascontiguousarray(entry.grad, dtype=check_dtype(dtype)).tobytes()
     return {
         b"id": str(entry.sample_id).encode(),

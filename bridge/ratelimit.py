@@ -10,14 +10,17 @@ import logging
 import threading
 import time
 
+# Seconds between two lines of one event: a dead Redis fails every step, and a line every
+# 10 s (with the count it swallowed) says it still does without burying the rest of the log.
+INTERVAL_S = 10.0
+
 
 class RateLimitedLog:
     """``warn(event, **fields)`` (or ``info``) logs ``event key=value ... suppressed=N`` at most
-    once per ``interval_s`` seconds per event name."""
+    once per ``INTERVAL_S`` seconds per event name."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+    def __init__(self, logger: logging.Logger) -> None:
         self._logger = logger
-        self._interval_s = interval_s
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -32,7 +35,7 @@ class RateLimitedLog:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(event)
-            if last is not None and now - last < self._interval_s:
+            if last is not None and now - last < INTERVAL_S:
                 self._suppressed[event] = self._suppressed.get(event, 0) + 1
                 return
             self._last[event] = now

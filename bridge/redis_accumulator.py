@@ -60,8 +60,13 @@ from bridge.redis_util import RedisGuard, glob_escape
 
 log = logging.getLogger(__name__)
 
-# Samples with an open window the fallback holds during an outage (about dim * 4 bytes each).
-DEFAULT_FALLBACK_SAMPLES = 65_536
+# Samples with an open window the fallback holds during an outage (about dim * 4 bytes each):
+# 65536 of d=512 are 128 MiB, which a trainer's host affords, and 256 steps of 256 samples.
+# 0: no fallback.
+FALLBACK_SAMPLES = 65_536
+# The consumer group of every slow worker of a job (each mean goes to one of them). The group
+# lives in Redis with the stream and `xcls gear slow --help` names it: its name never changes.
+GROUP = "slow_gear"
 # A sample not seen for a day loses its partial sum (refreshed on every add): it bounds the
 # memory of samples that left the data set, and an epoch of any job here is shorter.
 RECORD_TTL_S = 86_400
@@ -98,21 +103,21 @@ class RedisGradientAccumulator:
         dim: gradient width.
         m: gradients per mean.
         prefix: job name; all keys start with it.
-        fallback_samples: while Redis cannot be reached, gradients go to ``self.fallback``, an
-            in-process :class:`~bridge.accumulator.MemoryGradientAccumulator` with the same
-            ``m`` holding at most this many open windows and queued means together; an
-            in-process slow gear reads its ready means as they come. When Redis answers again,
-            the means still queued (an external slow gear's, which cannot reach them) and the
-            open windows move to Redis, so nothing the fallback took is lost. 0: no fallback,
-            gradients are dropped while Redis is down.
+
+    While Redis cannot be reached, gradients go to ``self.fallback``, an in-process
+    :class:`~bridge.accumulator.MemoryGradientAccumulator` with the same ``m`` holding at most
+    ``FALLBACK_SAMPLES`` open windows and queued means together (read when the accumulator is
+    made); an in-process slow gear reads its ready means as they come. When Redis answers
+    again, the means still queued (an external slow gear's, which cannot reach them) and the
+    open windows move to Redis, so nothing the fallback took is lost. ``FALLBACK_SAMPLES`` 0:
+    no fallback (``self.fallback`` None), gradients are dropped while Redis is down.
 
     The fallback is an accumulator of the kind the in-process slow gear already reads, so the
     backbone keeps training at the same ``m`` with no new code path in the gear; applying each
     gradient at once instead would change what a backbone step averages during an outage.
     """
 
-    def __init__(self, client: redis.Redis, dim: int, m: int, prefix: str,
-                 retry_after_s: float = 1.0, fallback_samples: int = 0) -> None:
+    def __init__(self, client: redis.Redis, dim: int, m: int, prefix: str) -> None:
         if dim <= 0 or m <= 0:
             raise ValueError(f"dim and m must be positive, got dim={dim} m={m}")
         self.client = client
@@ -121,8 +126,9 @@ class RedisGradientAccumulator:
         self.prefix = prefix
         self.stream = stream_key(prefix)
         self.metrics = AccumulatorMetrics()
-        self.guard = RedisGuard(f"grad_accumulator:{prefix}", retry_after_s)
+        self.guard = RedisGuard(f"grad_accumulator:{prefix}")
         self._warn = RateLimitedLog(log)
+        fallback_samples = FALLBACK_SAMPLES
         self.fallback = MemoryGradientAccumulator(dim, m, fallback_samples) \
             if fallback_samples else None
 
@@ -315,25 +321,23 @@ class RedisGradientConsumer:
         client: redis-py client (:func:`bridge.redis_util.make_client`).
         dim: gradient width; entries of another width are malformed.
         prefix: job name (as given to the accumulator).
-        group: consumer group; every slow worker of the job uses the same one.
-        consumer: this worker's name in the group (default host-pid).
+        consumer: this worker's name in the job's group, ``GROUP`` (default host-pid).
         min_idle_ms: an entry delivered but not acked for this long is taken over (its consumer
             is presumed dead); must exceed the longest apply.
     """
 
-    def __init__(self, client: redis.Redis, dim: int, prefix: str, group: str = "slow_gear",
-                 consumer: str | None = None, min_idle_ms: int = 60_000,
-                 retry_after_s: float = 1.0) -> None:
+    def __init__(self, client: redis.Redis, dim: int, prefix: str,
+                 consumer: str | None = None, min_idle_ms: int = 60_000) -> None:
         self.client = client
         self.dim = dim
         self.prefix = prefix
-        self.group = group
+        self.group = GROUP
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.min_idle_ms = min_idle_ms
         self.stream = stream_key(prefix)
         self.dead = dead_letter_key(prefix)
         self.metrics = AccumulatorMetrics()
-        self.guard = RedisGuard(f"grad_consumer:{prefix}", retry_after_s)
+        self.guard = RedisGuard(f"grad_consumer:{prefix}")
         self._warn = RateLimitedLog(log)
         self._claim_cursor = b"0-0"
         self._group_ready = False

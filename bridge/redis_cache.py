@@ -4,11 +4,11 @@ Keys are ``{prefix}:f:{sample id}`` so jobs sharing a server never see each othe
 Every write is ``SET key value EX ttl`` (pipelined, no transaction): Redis expiry keeps memory
 bounded even if nobody reads, and a rewrite gets a fresh TTL. EX is whole seconds, rounded up;
 the exact ``ttl_s`` is enforced on read from the entry's own timestamp. Reads are MGETs of
-``chunk`` keys, all in one pipeline (one round trip).
+``CHUNK`` keys, all in one pipeline (one round trip).
 
 Redis down: ``get`` answers all-miss, ``put`` is dropped, a rate-limited warning is logged, and
-for ``retry_after_s`` no call touches the network; after that the next call tries again and
-redis-py reconnects. Training never sees an exception from here.
+for ``bridge.redis_util.RETRY_AFTER_S`` seconds no call touches the network; after that the next
+call tries again and redis-py reconnects. Training never sees an exception from here.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ import redis
 from bridge.cache import FeatureCacheBase
 from bridge.redis_util import RedisGuard, glob_escape
 
+# Keys per MGET (and per SCAN step when dropping entries): Redis runs one command at a time, so
+# a large batch is read in commands of about 1 MiB of replies (1024 fp16 features of d=512)
+# that let other workers' commands in between.
+CHUNK = 1024
+
 
 class RedisFeatureCache(FeatureCacheBase):
     """Feature cache over ``client`` (make it with :func:`bridge.redis_util.make_client` for
@@ -31,7 +36,6 @@ class RedisFeatureCache(FeatureCacheBase):
     :class:`bridge.cache.FeatureCacheBase`."""
 
     def __init__(self, client: redis.Redis, dim: int, prefix: str, ttl_s: float,
-                 retry_after_s: float = 1.0, chunk: int = 1024,
                  clock: Callable[[], float] = time.time) -> None:
         if ttl_s is None:
             raise ValueError("RedisFeatureCache needs ttl_s: unexpiring keys would fill Redis")
@@ -40,9 +44,8 @@ class RedisFeatureCache(FeatureCacheBase):
             raise ValueError(f"prefix must be a non-empty name without ':', got {prefix!r}")
         self.client = client
         self.prefix = prefix
-        self.chunk = chunk
         self.ex_s = max(1, math.ceil(ttl_s))
-        self.guard = RedisGuard(f"feature_cache:{prefix}", retry_after_s)
+        self.guard = RedisGuard(f"feature_cache:{prefix}")
 
     def key(self, sample_id: int) -> bytes:
         """The Redis key of one sample's entry."""
@@ -54,8 +57,9 @@ class RedisFeatureCache(FeatureCacheBase):
         keys = [self.key(i) for i in ids.tolist()]
         try:
             pipe = self.client.pipeline(transaction=False)
-            for start in range(0, len(keys), self.chunk):
-                pipe.mget(keys[start:start + self.chunk])
+            chunk = CHUNK
+            for start in range(0, len(keys), chunk):
+                pipe.mget(keys[start:start + chunk])
             parts = pipe.execute()
         except redis.RedisError as e:
             self.guard.failed("get", e)
@@ -88,10 +92,11 @@ class RedisFeatureCache(FeatureCacheBase):
             return 0
         deleted = 0
         try:
+            chunk = CHUNK
             keys = list(self.client.scan_iter(match=glob_escape(self.prefix) + b":f:*",
-                                              count=self.chunk))
-            for start in range(0, len(keys), self.chunk):
-                part = keys[start:start + self.chunk]
+                                              count=chunk))
+            for start in range(0, len(keys), chunk):
+                part = keys[start:start + chunk]
                 gone = [key for key, blob in zip(part, self.client.mget(part), strict=True)
                         if blob is not None and doomed(blob)]
                 if gone:

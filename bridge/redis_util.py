@@ -2,7 +2,7 @@
 
 Training must not wait on a dead Redis: sockets time out fast, redis-py retries a failed command
 once at once (that reconnects a pooled connection that died with a restarted server), and after
-a failure :class:`RedisGuard` answers "down" without touching the network for ``retry_after_s``
+a failure :class:`RedisGuard` answers "down" without touching the network for ``RETRY_AFTER_S``
 seconds, then lets the next call try again. redis-py reconnects by itself when that call runs.
 """
 
@@ -20,31 +20,36 @@ from bridge.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
+# Seconds a socket waits for Redis to connect or answer: a healthy Redis on the job's network
+# answers in milliseconds, and a training step must not stall longer on a dead one.
+SOCKET_TIMEOUT_S = 0.5
+# Seconds a guard answers "down" after a failure before a call tries Redis again: a dead Redis
+# then costs one failed call a second (a socket timeout at most), not one per training step.
+RETRY_AFTER_S = 1.0
+
 
 def make_client(host: str = "127.0.0.1", port: int = 6379, db: int = 0,
-                password: str | None = None, socket_timeout_s: float = 0.5,
-                username: str | None = None) -> redis.Redis:
-    """A bytes-in/bytes-out client with short timeouts and a single immediate retry
-    (``username``: a Redis ACL user; None is the default user)."""
+                password: str | None = None, username: str | None = None) -> redis.Redis:
+    """A bytes-in/bytes-out client with short timeouts (``SOCKET_TIMEOUT_S``) and a single
+    immediate retry (``username``: a Redis ACL user; None is the default user)."""
     return redis.Redis(
         host=host, port=port, db=db, username=username, password=password,
-        socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+        socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
         retry=Retry(NoBackoff(), 1), decode_responses=False,
     )
 
 
 class RedisGuard:
-    """Circuit breaker around one client: ``usable()`` is False for ``retry_after_s`` after
-    ``failed()``; ``ok()`` closes it again.
+    """Circuit breaker around one client: ``usable()`` is False for ``RETRY_AFTER_S`` seconds
+    after ``failed()``; ``ok()`` closes it again.
 
     An outage runs from the first failed call to the next successful one: :meth:`failed` says
     whether it began one, :meth:`ok` how long the one it ended lasted; both are logged
     (rate-limited), the end with its length.
     """
 
-    def __init__(self, name: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self._down_since: float | None = None
         self._log = RateLimitedLog(log)
@@ -58,9 +63,10 @@ class RedisGuard:
         began = self._down_since is None
         if began:
             self._down_since = now
-        self._down_until = now + self.retry_after_s
+        retry_after_s = RETRY_AFTER_S
+        self._down_until = now + retry_after_s
         self._log.warn("redis_unavailable", who=self.name, op=op,
-                       error=type(err).__name__, retry_after_s=self.retry_after_s)
+                       error=type(err).__name__, retry_after_s=retry_after_s)
         return began
 
     def ok(self) -> float | None:

@@ -50,13 +50,13 @@ def weights_digest(module: nn.Module) -> str:
 class WeightStore:
     """Backbone weights of job ``prefix`` in Redis over ``client``
     (:func:`bridge.redis_util.make_client`); after a failure no call touches the network for
-    ``retry_after_s``."""
+    ``bridge.redis_util.RETRY_AFTER_S``."""
 
-    def __init__(self, client: redis.Redis, prefix: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
         self.client = client
         self.key = f"{prefix}:weights".encode()
         self.version_key = f"{prefix}:weights:version".encode()
-        self.guard = RedisGuard(f"weights:{prefix}", retry_after_s)
+        self.guard = RedisGuard(f"weights:{prefix}")
         self._warn = RateLimitedLog(log)
 
     def publish(self, model: nn.Module, version: int, replaces: int | None = None) -> bool:

@@ -252,11 +252,12 @@ class RedisServer:
         if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()
 
-    def client(self, socket_timeout_s: float = 0.5):
-        """A bridge client (short timeouts) for this server."""
+    def client(self):
+        """A bridge client (short timeouts: ``bridge.redis_util.SOCKET_TIMEOUT_S``) for this
+        server."""
         from bridge.redis_util import make_client
 
-        return make_client(self.host, self.port, socket_timeout_s=socket_timeout_s)
+        return make_client(self.host, self.port)
 
 
 def _redis_binary() -> str:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bridge import redis_accumulator, redis_util
 from bridge.accumulator import MemoryGradientAccumulator, apply_key
 from bridge.codec import GradEntry, decode_record, encode_grad_entry
 from bridge.errors import BridgeError
@@ -204,10 +205,13 @@ def test_redis_corrupt_record_starts_sample_over(redis_server):
     assert acc.metrics.corrupt == 1
 
 
-def test_redis_down_drops_and_recovers(own_redis):
-    client = own_redis.client(socket_timeout_s=0.3)
-    acc = RedisGradientAccumulator(client, DIM, 1, "acc_down", retry_after_s=0.2)
-    consumer = RedisGradientConsumer(client, DIM, "acc_down", consumer="c", retry_after_s=0.2)
+def test_redis_down_drops_and_recovers(own_redis, monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.2)
+    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 0)
+    client = own_redis.client()
+    acc = RedisGradientAccumulator(client, DIM, 1, "acc_down")
+    consumer = RedisGradientConsumer(client, DIM, "acc_down", consumer="c")
     assert acc.add(np.array([1]), np.ones((1, DIM)), 0) == 1
     own_redis.kill()
     assert acc.add(np.array([2]), np.ones((1, DIM)), 0) == 0
@@ -222,12 +226,15 @@ def test_redis_down_drops_and_recovers(own_redis):
     assert len(consumer.read(block_ms=700)) == 0 and consumer.guard.usable()
 
 
-def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redis):
-    client = own_redis.client(socket_timeout_s=0.3)
+def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redis,
+                                                                        monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
     # retry at once: every add tries Redis, so where each gradient goes does not hang on time
-    acc = RedisGradientAccumulator(client, DIM, 2, "acc_fb", retry_after_s=0.0,
-                                   fallback_samples=3)
-    consumer = RedisGradientConsumer(client, DIM, "acc_fb", consumer="c", retry_after_s=0.0)
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 3)
+    client = own_redis.client()
+    acc = RedisGradientAccumulator(client, DIM, 2, "acc_fb")
+    consumer = RedisGradientConsumer(client, DIM, "acc_fb", consumer="c")
     rng = np.random.default_rng(7)
     g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
          for name in ("5a", "5b", "6a", "6b", "7a", "7b", "8a", "9a")}
@@ -263,12 +270,15 @@ def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redi
     assert acc.metrics.fallback == 5  # nothing more went to the fallback once Redis was back
 
 
-def test_redis_down_keeps_an_external_slow_gears_means_until_redis_is_back(own_redis):
-    client = own_redis.client(socket_timeout_s=0.3)
+def test_redis_down_keeps_an_external_slow_gears_means_until_redis_is_back(own_redis,
+                                                                           monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.0)
     # no slow gear reads the fallback here: its means wait, within a bound of 4 held samples
-    acc = RedisGradientAccumulator(client, DIM, 2, "acc_ext", retry_after_s=0.0,
-                                   fallback_samples=4)
-    consumer = RedisGradientConsumer(client, DIM, "acc_ext", consumer="c", retry_after_s=0.0)
+    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 4)
+    client = own_redis.client()
+    acc = RedisGradientAccumulator(client, DIM, 2, "acc_ext")
+    consumer = RedisGradientConsumer(client, DIM, "acc_ext", consumer="c")
     rng = np.random.default_rng(11)
     g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
          for name in ("5a", "5b", "5c", "5d", "6a", "6b", "7a", "8a")}
@@ -298,8 +308,10 @@ def test_redis_down_keeps_an_external_slow_gears_means_until_redis_is_back(own_r
     assert len(acc.fallback.read()) == 0 and acc.fallback.pending() == 0
 
 
-def test_consumer_joins_the_new_stream_after_the_gradient_state_is_discarded(own_redis):
-    client = own_redis.client(socket_timeout_s=0.3)
+def test_consumer_joins_the_new_stream_after_the_gradient_state_is_discarded(own_redis,
+                                                                             monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
+    client = own_redis.client()
     acc = RedisGradientAccumulator(client, DIM, 1, "acc_gone")
     consumer = RedisGradientConsumer(client, DIM, "acc_gone", consumer="c")
     acc.add(np.array([1]), np.ones((1, DIM)), 0)
@@ -387,8 +399,9 @@ def test_redis_restore_forgets_the_job_only(redis_server):
     check_against(ref, applied)
 
 
-def test_redis_restore_refuses_to_start_without_redis(own_redis):
-    acc = RedisGradientAccumulator(own_redis.client(socket_timeout_s=0.3), DIM, 2, "norestore")
+def test_redis_restore_refuses_to_start_without_redis(own_redis, monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
+    acc = RedisGradientAccumulator(own_redis.client(), DIM, 2, "norestore")
     own_redis.kill()
     with pytest.raises(BridgeError, match="gradient state"):
         acc.restore_checkpoint_state(None, -1)

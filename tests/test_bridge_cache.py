@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from bridge import redis_util
 from bridge.codec import (
     FEATURE_HEADER,
     FEATURE_MAGIC,
@@ -254,9 +255,10 @@ def test_redis_maxmemory_allkeys_lru_evicts_quietly(own_redis):
                                   as_fp16(feats(newest, 39, dim))[hits])
 
 
-def test_redis_killed_mid_run_misses_then_recovers(own_redis, caplog):
-    cache = RedisFeatureCache(own_redis.client(socket_timeout_s=0.3), DIM, "crash", ttl_s=60,
-                              retry_after_s=0.2)
+def test_redis_killed_mid_run_misses_then_recovers(own_redis, caplog, monkeypatch):
+    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.2)
+    cache = RedisFeatureCache(own_redis.client(), DIM, "crash", ttl_s=60)
     ids = np.arange(32)
     cache.put(ids, feats(ids, 0), 0)
     assert cache.get(ids)[1].all()

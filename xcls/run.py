@@ -435,7 +435,6 @@ def create_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.
         RedisGradientConsumer,
         WeightStore,
     )
-    from bridge.redis_accumulator import DEFAULT_FALLBACK_SAMPLES
     from workers.gear import Gear, SlowGear, SlowGearMode
 
     g = cfg.gear
@@ -448,8 +447,7 @@ def create_gear(cfg: ExperimentConfig, model: nn.Module, optimizer: torch.optim.
     if client is not None:
         # While Redis is down an in-process slow gear trains from the accumulator's fallback;
         # an external one cannot reach it, so its means wait there until Redis is back.
-        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix,
-                                               fallback_samples=DEFAULT_FALLBACK_SAMPLES)
+        accumulator = RedisGradientAccumulator(client, dim, g.m, g.prefix)
     else:
         accumulator = MemoryGradientAccumulator(dim, g.m)
     if g.slow == SlowGearMode.EXTERNAL:
