@@ -23,6 +23,10 @@ SHARED_PIECE_BYTES = 8 << 20
 # The widest class row a table holds (ams.shard.spec); the config's model.dim is refused past it
 # when it loads, before any table is asked for.
 MAX_DIM = 1 << 16
+# A shard's gRPC handler threads unless `xcls serve shard --rpc-threads` sets others (the planner,
+# ams.cluster.plan, counts on this many): calls to one shard run in parallel up to it, and an
+# idle thread costs only its stack.
+RPC_THREADS = 16
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -22,7 +22,7 @@ A0, A1 = "10.0.0.1:7001", "10.0.0.2:7002"
 
 def two_shards(now: int = 0) -> tuple[LeaseTable, str, str]:
     """A table of 2 shards, both registered at ``now``; their lease ids."""
-    table = LeaseTable(2, TTL, instance="sched")
+    table = LeaseTable(2, TTL)
     g0 = table.register(Role.SHARD, 0, A0, "inc-0", now)
     g1 = table.register("shard", 1, A1, "inc-1", now)
     return table, g0.lease_id, g1.lease_id
@@ -73,11 +73,11 @@ def test_after_a_scheduler_restart_a_replaced_shard_cannot_take_its_slot_back():
     """A shard cut off long enough to be replaced, whose link comes back only after the
     scheduler restarted (which forgot whom it fenced), rejoins and is refused; its
     replacement keeps the slot."""
-    before = LeaseTable(1, TTL, instance="before")
+    before = LeaseTable(1, TTL)
     zombie = before.register(Role.SHARD, 0, A0, "inc-x", 0).lease_id
     before.expire_due(TTL)  # cut off: its lease expires
     replacement = before.register(Role.SHARD, 0, A1, "inc-y", TTL + 100).lease_id
-    after = LeaseTable(1, TTL, instance="after")  # the scheduler restarted
+    after = LeaseTable(1, TTL)  # the scheduler restarted: another instance
     assert after.renew(replacement, 5000).status is LeaseStatus.UNKNOWN
     after.register(Role.SHARD, 0, A1, "inc-y", 5000, rejoin=True)
     assert after.renew(zombie, 5100).status is LeaseStatus.UNKNOWN
@@ -92,7 +92,7 @@ def test_after_a_scheduler_restart_a_replaced_shard_cannot_take_its_slot_back():
 
 
 def test_a_rejoin_fills_an_empty_slot_without_moving_the_generation():
-    table = LeaseTable(2, TTL, instance="after")
+    table = LeaseTable(2, TTL)
     table.register(Role.SHARD, 1, A1, "inc-1", 0, rejoin=True)
     table.register(Role.WORKER, 0, "host-a", "w-0", 0, rejoin=True)
     assert table.shard_map() == ShardMap(2, ("", A1), ("", "inc-1"), 0)
@@ -150,10 +150,11 @@ def test_a_shard_that_releases_its_lease_counts_as_lost():
 
 def test_a_lease_of_another_scheduler_is_unknown():
     table, _, _ = two_shards()
-    other = LeaseTable(2, TTL, instance="earlier")
+    other = LeaseTable(2, TTL)  # another instance
     foreign = other.register(Role.SHARD, 0, A0, "inc-0", 0).lease_id
     assert table.renew(foreign, 10) == Renewal(LeaseStatus.UNKNOWN, 0)
-    assert table.renew("sched-999", 10).status is LeaseStatus.UNKNOWN  # never issued here
+    never_issued = f"{table.instance}-999"  # this table's id, a number it did not reach
+    assert table.renew(never_issued, 10).status is LeaseStatus.UNKNOWN
     assert table.release(foreign, 10) is None
 
 

@@ -18,6 +18,7 @@ from ams.cluster.plan import (
     shard_memory,
     step_traffic,
 )
+from ams.limits import RPC_THREADS
 
 RATES = Rates(cpu_exact=1e6, cpu_ring=2e6, cpu_ivf=5e5, gpu_exact=1e7, gpu_ivf=1e8,
               baseline=1000, buffers_per_stream=100, snapshot_overhead=0.5, sources={})
@@ -73,7 +74,7 @@ def test_ids_are_int64_from_2_to_the_31_classes():
 
 def test_message_buffers_stop_at_the_handler_threads():
     assert shard_memory(small_job(workers=5), RATES).buffers == 6 * 100
-    assert shard_memory(small_job(workers=100, handler_threads=16), RATES).buffers == 16 * 100
+    assert shard_memory(small_job(workers=100), RATES).buffers == RPC_THREADS * 100
 
 
 def test_busiest_host_takes_the_rounded_up_share():
@@ -186,20 +187,22 @@ def test_shipped_rates_say_where_they_come_from():
     assert rates.sources["cpu_ring"] == f"measured on {raw['cpu_ring']['machine']}"
 
 
-def test_malformed_rates_are_one_line_errors(tmp_path):
+def test_malformed_rates_are_one_line_errors(tmp_path, monkeypatch):
+    shipped = json.loads(Path(plan.__file__).with_name(plan.RATES_FILE).read_text())
+    monkeypatch.setattr(plan, "RATES_FILE", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="cannot read"):
-        load_rates(tmp_path / "missing.json")
+        load_rates()
     bad = tmp_path / "rates.json"
+    monkeypatch.setattr(plan, "RATES_FILE", str(bad))
     bad.write_text(json.dumps({"cpu_exact": {"flops_per_s": 1}}))
     with pytest.raises(ValueError, match="malformed.*KeyError") as e:
-        load_rates(bad)
+        load_rates()
     assert "\n" not in str(e.value)
-    shipped = json.loads(Path(plan.__file__).with_name(plan.RATES_FILE).read_text())
     shipped["gpu_ivf"]["measured"] = "no"  # a rate must say whether it was measured
     bad.write_text(json.dumps(shipped))
     with pytest.raises(ValueError, match="malformed.*'measured' is 'no'"):
-        load_rates(bad)
+        load_rates()
     del shipped["gpu_ivf"]["measured"]
     bad.write_text(json.dumps(shipped))
     with pytest.raises(ValueError, match="malformed.*KeyError: 'measured'"):
-        load_rates(bad)
+        load_rates()

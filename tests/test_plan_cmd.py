@@ -145,7 +145,7 @@ def test_each_gpu_rate_says_measured_or_nominal_as_the_rates_file_does(method, r
     shipped[rate]["measured"] = not shipped[rate]["measured"]
     mine = tmp_path / "rates.json"
     mine.write_text(json.dumps(shipped))
-    monkeypatch.setattr(plan, "load_rates", lambda: load_rates(mine))
+    monkeypatch.setattr(plan, "RATES_FILE", str(mine))
     assert main(args) == 0
     flipped = gpu_line(capsys.readouterr().out)
     word = "measured on" if shipped[rate]["measured"] else "nominal assumption for"

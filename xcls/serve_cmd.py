@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ams.limits import RPC_THREADS
 from workers.settings import MAX_THREADS
 from xcls.cli_help import DefaultsHelpFormatter
 from xcls.metrics_http import add_metrics_args, serve_metrics_from_args
@@ -72,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "pieces and remove older ones; 0 keeps all")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to let in-flight calls finish on shutdown")
-    p.add_argument("--rpc-threads", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--rpc-threads", type=int, default=RPC_THREADS, help="gRPC handler threads")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads per request; requests already run in parallel "
                         "handler threads, and parallel kernels stall each other on busy cores")
@@ -446,7 +447,7 @@ def _serve(args: argparse.Namespace, store: ShardStore, token: str | None, tls: 
         return EXIT_LEASE_LOST
     log.info("stopping grace_s=%.0f", args.grace)
     if lease is not None:
-        lease.stop(release=True)  # leaving: the workers learn it now, not a TTL later
+        lease.stop()  # leaving, it releases: the workers learn it now, not a TTL later
     running.stop(args.grace)
     log.info("stopped")
     return 0

@@ -125,9 +125,10 @@ def _check_text(value: object, what: str, limit: int) -> str:
 
 class LeaseTable:
     """Leases of the members of one job with ``num_shards`` shards, each valid ``ttl_ms``
-    after its last renewal. Not thread-safe: the scheduler serializes calls."""
+    after its last renewal. Not thread-safe: the scheduler serializes calls. ``instance``:
+    this table's random id, which leads every lease id it issues."""
 
-    def __init__(self, num_shards: int, ttl_ms: int, instance: str | None = None) -> None:
+    def __init__(self, num_shards: int, ttl_ms: int) -> None:
         if not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARD_SLOTS:
             raise InvalidArgument(f"num_shards={num_shards!r} must be an integer in "
                                   f"1..{MAX_SHARD_SLOTS}")
@@ -135,7 +136,7 @@ class LeaseTable:
             raise InvalidArgument(f"ttl_ms={ttl_ms!r} must be an integer >= 1")
         self.num_shards = num_shards
         self.ttl_ms = ttl_ms
-        self.instance = instance or uuid.uuid4().hex[:16]
+        self.instance = uuid.uuid4().hex[:16]
         self.generation = 0
         self._issued = 0
         self._leases: dict[str, Lease] = {}

@@ -26,7 +26,8 @@ process, the slot map, the touched marks and the message buffers.
 Message buffers. A serving shard keeps the buffers of finished requests for the next ones
 (``ams.alloc.keep_large_buffers``): about one set per request served at a time, i.e. per
 client stream (each worker's prefetch pulls and pushes), at most one per gRPC handler
-thread. The set's size is measured (``benchmarks/plan_rates.py``).
+thread (``ams.limits.RPC_THREADS``, the default of ``xcls serve shard --rpc-threads``). The
+set's size is measured (``benchmarks/plan_rates.py``).
 
 Snapshots (``ams.shard.snapshot``). Writing copies each table at one instant (memory: a copy in RAM
 of rows, state and clocks; mmap: into scratch files, disk not RAM) and writes the piece in LMDB
@@ -57,12 +58,16 @@ from pathlib import Path
 from ams.dtypes import ROW_DTYPES
 from ams.graph.ivf import TRAIN_ROWS_PER_LIST, resolve_nlist
 from ams.graph.methods import GraphMethod
+from ams.limits import RPC_THREADS
 from ams.shard.neighbor_lists import id_dtype
 from ams.shard.slots import slot_capacity, slot_dtype
 from ams.shard.snapshot import COMMIT_BYTES
 from ams.shard.storage import StorageKind
 from ams.sharding import MAX_ROWS, owned_count
 
+# The measured rates: a file beside this module, so it ships with the package (rewritten by
+# benchmarks/plan_rates.py --write). Joined to this module's directory, so an absolute path
+# (a test's own file) is read as it is.
 RATES_FILE = "plan_rates.json"
 CLOCK_BYTES = 8  # float64 decay clock per row
 TOUCHED_BYTES = 1  # bool touched mark per row
@@ -113,10 +118,10 @@ def _source(entry: Mapping) -> str:
     return f"measured on {where}" if measured else f"nominal assumption for {where}"
 
 
-def load_rates(path: Path | None = None) -> Rates:
-    """The rates recorded in ``path`` (default: ``plan_rates.json`` beside this module).
-    ValueError, in one line, when the file is missing or lacks an entry."""
-    path = Path(__file__).with_name(RATES_FILE) if path is None else Path(path)
+def load_rates() -> Rates:
+    """The rates recorded in ``RATES_FILE``. ValueError, in one line, when the file is missing
+    or lacks an entry."""
+    path = Path(__file__).parent / RATES_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         shard = data["shard"]
@@ -147,8 +152,9 @@ class Job:
     batch_size: samples per step per worker; head: full | partial | knn; sample_rate, budget:
     the head's (budget 0: sample_rate * N; knn only); graph_k: neighbors per class kept in
     the graph (0: no graph); storage: ``ams.shard.storage.StorageKind``; graph_method: exact | ivf,
-    nlist (0: auto), nprobe; snapshots_kept: complete snapshots kept on disk;
-    handler_threads: a shard's gRPC handler threads (``xcls serve shard --workers``).
+    nlist (0: auto), nprobe; snapshots_kept: complete snapshots kept on disk.
+    A shard is taken to run ``ams.limits.RPC_THREADS`` gRPC handler threads (the default of
+    ``xcls serve shard --rpc-threads``).
     """
 
     num_classes: int
@@ -169,13 +175,12 @@ class Job:
     nlist: int = 0
     nprobe: int = 8
     snapshots_kept: int = 1
-    handler_threads: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_classes, int) or not 0 < self.num_classes < MAX_ROWS:
             raise ValueError(f"num_classes={self.num_classes} must be an integer in "
                              "[1, 2**62)")
-        for name in ("shards", "hosts", "workers", "batch_size", "handler_threads"):
+        for name in ("shards", "hosts", "workers", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 < value <= MAX_COUNT:
                 raise ValueError(f"{name}={value} must be an integer in [1, {MAX_COUNT}]")
@@ -300,7 +305,7 @@ def shard_memory(job: Job, rates: Rates) -> ShardMemory:
     rows, state, clocks = owned * job.row_bytes, owned * job.state_bytes, owned * CLOCK_BYTES
     graph = owned * job.graph_k * job.id_bytes
     tensors = rows + state + clocks + graph
-    streams = min(job.workers + 1, job.handler_threads)
+    streams = min(job.workers + 1, RPC_THREADS)
     in_ram = job.storage == StorageKind.MEMORY
     slots = owned if in_ram else slot_capacity(owned)
     return ShardMemory(

@@ -45,6 +45,15 @@ POLL_S = 0.2
 # long: under a third of a second, a busy host or a garbage collection pause delays a
 # renewal past it, and every member is declared dead at once.
 MIN_LEASE_TTL_S = 1.0
+# gRPC handler threads of a scheduler: each call is a few short strings answered under one lock
+# in well under a millisecond, so a few threads serve any cluster; more would wait on the lock.
+RPC_THREADS = 8
+# Seconds a scheduler call may take: it answers in milliseconds when it runs, and a member
+# should learn soon that it is unreachable.
+CALL_TIMEOUT_S = 10.0
+# Seconds a member retries its first registration while the scheduler cannot be reached: the
+# members of a cluster may start before their scheduler does.
+REGISTER_TIMEOUT_S = 60.0
 
 _ROLES = {pb.ROLE_SHARD: Role.SHARD, pb.ROLE_WORKER: Role.WORKER}
 _WIRE_ROLES = {role: wire for wire, role in _ROLES.items()}
@@ -170,8 +179,8 @@ def check_lease_ttl(seconds: float) -> None:
 
 
 def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
-                            host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                            max_workers: int = 8) -> RunningScheduler:
+                            host: str = "127.0.0.1", port: int = 0, token: str | None = None
+                            ) -> RunningScheduler:
     """Start a scheduler for a job of ``num_shards`` shards whose leases last ``lease_ttl``
     seconds (``check_lease_ttl``); ``port=0`` picks a free port (``RunningScheduler.port``);
     ``token``: the shared secret every call but a health check must carry (None: anyone who
@@ -182,7 +191,7 @@ def create_scheduler_server(num_shards: int, *, lease_ttl: float = 10.0,
     interceptors = [TokenAuthInterceptor(token)] if token else []
     interceptors.append(RequestDecodingInterceptor())
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), EXCLUSIVE_PORT]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS),
                          interceptors=interceptors, options=options)
     servicer = SchedulerServicer(table)
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -206,18 +215,18 @@ def _shard_map(reply: pb.ShardsReply) -> ShardMap:
 
 class SchedulerClient:
     """The scheduler at ``address`` (host:port). Calls raise the typed ``ams.errors``; a
-    scheduler that cannot be reached raises ``Unavailable``."""
+    scheduler that cannot be reached raises ``Unavailable`` (a call's default timeout:
+    ``CALL_TIMEOUT_S``)."""
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, *, token: str | None = None) -> None:
         self.address = address
-        self.timeout = timeout
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.SchedulerStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def _call(self, name: str, request: object, timeout: float | None = None) -> object:
         try:
-            return getattr(self.stub, name)(request, timeout=timeout or self.timeout,
+            return getattr(self.stub, name)(request, timeout=timeout or CALL_TIMEOUT_S,
                                             metadata=self.metadata)
         except grpc.RpcError as e:
             err = error_from_rpc(e, f"scheduler {self.address} {name}")
@@ -254,11 +263,9 @@ class SchedulerClient:
         """The shard map now, complete or not."""
         return _shard_map(self._call("Shards", pb.ShardsRequest()))
 
-    def wait_for_shards(self, num_shards: int | None = None, timeout: float = 300.0
-                        ) -> ShardMap:
+    def wait_for_shards(self, timeout: float = 300.0) -> ShardMap:
         """The shard map once every slot is held (``.addresses`` is then a client's shard
-        list); InvalidArgument when the scheduler runs a job of another ``num_shards`` (None:
-        whatever it runs), Unavailable after ``timeout`` seconds."""
+        list); Unavailable after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         missing = "all (scheduler unreachable)"
         while True:
@@ -267,9 +274,6 @@ class SchedulerClient:
             except Unavailable:
                 shard_map = None
             if shard_map is not None:
-                if num_shards is not None and shard_map.num_shards != num_shards:
-                    raise InvalidArgument(f"scheduler {self.address} runs {shard_map.num_shards} "
-                                          f"shards, {num_shards} expected")
                 if shard_map.complete:
                     return shard_map
                 missing = str(shard_map.missing())
@@ -279,12 +283,12 @@ class SchedulerClient:
             time.sleep(POLL_S)
 
     def keep_lease(self, role: Role, slot: int, address: str, incarnation: str,
-                   on_lost: Callable[[str], None], *, expect: ShardMap | None = None,
-                   register_timeout: float = 60.0) -> LeaseKeeper:
+                   on_lost: Callable[[str], None], *, expect: ShardMap | None = None
+                   ) -> LeaseKeeper:
         """Register and keep the lease on a thread (see ``LeaseKeeper``); raises what
         ``register`` raises. ``expect``: for a worker, the shard map it connected to."""
         keeper = LeaseKeeper(self, Role(role), slot, address, incarnation, on_lost, expect)
-        keeper.start(register_timeout)
+        keeper.start()
         return keeper
 
     def close(self) -> None:
@@ -331,17 +335,19 @@ class LeaseKeeper:
         self._unreachable = False
         self._gone = False  # the scheduler gave the lease up: nothing left to renew or release
 
-    def start(self, register_timeout: float = 60.0) -> None:
-        self._register(register_timeout)
+    def start(self) -> None:
+        """Register (retrying an unreachable scheduler for ``REGISTER_TIMEOUT_S``), then renew
+        on the thread."""
+        self._register(REGISTER_TIMEOUT_S)
         self._thread.start()
 
-    def stop(self, release: bool = True) -> None:
-        """Stop renewing; ``release``: give the lease up now (a member leaving cleanly) rather
-        than let it expire."""
+    def stop(self) -> None:
+        """Stop renewing and give the lease up now (a member leaving cleanly) rather than let
+        it expire."""
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        if release and self.lease_id and not self._gone:
+        if self.lease_id and not self._gone:
             try:  # briefly: a member leaving must not hang on a scheduler that is gone
                 self.client.release(self.lease_id, timeout=2.0)
             except AmsError as e:

@@ -36,7 +36,7 @@ def test_resident_at_rest_matches_a_real_shard(shard_cluster):
     assert abs(planned - measured) <= 0.1 * measured, (planned, measured, table)
 
 
-def test_rates_script_measures_what_the_planner_reads(tmp_path):
+def test_rates_script_measures_what_the_planner_reads(tmp_path, monkeypatch):
     """benchmarks/plan_rates.py at toy sizes: its entries, with the shipped GPU ones, load."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "plan_rates.py"), "--rows", "600",
@@ -48,7 +48,8 @@ def test_rates_script_measures_what_the_planner_reads(tmp_path):
     shipped = json.loads((ROOT / "ams" / "cluster" / plan.RATES_FILE).read_text())
     rates_file = tmp_path / "rates.json"
     rates_file.write_text(json.dumps({**shipped, **measured}))
-    rates = load_rates(rates_file)
+    monkeypatch.setattr(plan, "RATES_FILE", str(rates_file))
+    rates = load_rates()
     assert rates.cpu_exact == measured["cpu_exact"]["flops_per_s"] > 0
     assert rates.baseline == measured["shard"]["baseline_bytes"] > 0
     for entry in measured.values():
