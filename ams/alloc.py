@@ -30,6 +30,12 @@ _done = False
 _trim_threshold = 128 << 10
 # A free of at least this size makes glibc check its arena's top against the trim threshold.
 _PROBE_BYTES = 128 << 10
+# Blocks below this come from the heap, where a freed one is reused: 32 MiB is the most glibc's
+# mallopt takes on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX; it refuses more).
+MMAP_THRESHOLD = 32 << 20
+# Free memory at the heap's top is returned to the OS only past this: 1 GiB keeps the buffers of
+# the requests a process serves or sends at once for the next ones.
+TRIM_THRESHOLD = 1 << 30
 
 
 @functools.cache
@@ -50,14 +56,16 @@ def libc_function(name: str) -> Callable[..., int] | None:
     return getattr(_libc(), name, None)
 
 
-def keep_large_buffers(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """Tune glibc malloc once per process; returns False where there is no glibc (a no-op)."""
+def keep_large_buffers() -> bool:
+    """Tune glibc malloc (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``) once per process; returns
+    False where there is no glibc (a no-op)."""
     global _done, _trim_threshold
     if _done:
         return True
     mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
+    mmap_threshold, trim_threshold = MMAP_THRESHOLD, TRIM_THRESHOLD
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     log.debug("malloc_tuned ok=%s mmap_threshold=%d trim_threshold=%d", ok, mmap_threshold,

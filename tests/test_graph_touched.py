@@ -10,14 +10,15 @@ import torch
 import ams
 from ams.errors import AmsError, InvalidArgument, RequestTooLarge
 from ams.graph.build import GraphMethod, GraphUpdater, build_graph
+from ams.shard import store as store_module
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
 
 D = 4
 
 
-def shard(shard_id: int = 1, num_shards: int = 3, **kwargs) -> ShardStore:
-    store = ShardStore(shard_id, num_shards, **kwargs)
+def shard(shard_id: int = 1, num_shards: int = 3) -> ShardStore:
+    store = ShardStore(shard_id, num_shards)
     store.create_table(TableSpec("fc", num_rows=30, dim=D, momentum=0.0, weight_decay=1e-3))
     return store
 
@@ -34,12 +35,13 @@ def test_push_marks_exactly_the_pushed_ids_and_take_clears_them():
     assert store.take_touched("fc").tolist() == [1]
 
 
-def test_take_at_most_max_ids_smallest_first():
+def test_take_at_most_max_ids_smallest_first(monkeypatch):
     store = shard(0, 2)
     store.push("fc", torch.tensor([0, 2, 8, 10, 28]), torch.ones(5, D), lr=0.1)
     assert store.take_touched("fc", 3).tolist() == [0, 2, 8]
     assert store.take_touched("fc", 3).tolist() == [10, 28]
-    small = shard(0, 2, max_reply_bytes=80)  # ten int64 ids per reply
+    monkeypatch.setattr(store_module, "MAX_REPLY_PAYLOAD_BYTES", 80)  # ten int64 ids a reply
+    small = shard(0, 2)
     small.push("fc", torch.arange(0, 30, 2), torch.ones(15, D), lr=0.1)
     with pytest.raises(RequestTooLarge, match="11 touched ids"):
         small.take_touched("fc", 11)

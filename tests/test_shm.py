@@ -13,6 +13,7 @@ import struct
 import pytest
 import torch
 
+from ams.dataplane import shm
 from ams.dataplane.shm import (
     ALIGN,
     MAX_SHARED_BYTES,
@@ -195,8 +196,9 @@ def test_a_descriptor_swapped_after_its_name_was_read_is_never_opened_for_writin
 
 
 @pytest.fixture
-def arena():
-    made = SharedArena.create(CAPACITY)
+def arena(monkeypatch):
+    monkeypatch.setattr(shm, "ARENA_BYTES", CAPACITY)
+    made = SharedArena.create()
     assert made is not None
     yield made
     made.close()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ams import errors
+from ams.shard import store as store_module
 from ams.shard.optim import step_decay
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
@@ -238,9 +239,9 @@ def test_foreign_id_is_out_of_range_and_names_the_owner():
         store.pull("fc", torch.tensor([1, 2]))
 
 
-def test_request_size_limit():
+def test_request_size_limit(monkeypatch):
     store = make_store()
-    store.max_rows_per_request = 4
+    monkeypatch.setattr(store_module, "MAX_IDS_PER_REQUEST", 4)
     with pytest.raises(errors.RequestTooLarge, match="limit is 4"):
         store.pull("fc", torch.arange(5))
 
@@ -425,7 +426,11 @@ def test_pull_over_the_message_limit_is_refused_before_the_reply_is_built(monkey
 
 def test_scan_blocks_and_neighbor_lists_fit_the_reply_limit(monkeypatch):
     store = make_store()
-    store.max_reply_bytes = 5 * (D * 4 + 8)  # five rows and their ids
+
+    def reply_limit(nbytes: int) -> None:
+        monkeypatch.setattr(store_module, "MAX_REPLY_PAYLOAD_BYTES", nbytes)
+
+    reply_limit(5 * (D * 4 + 8))  # five rows and their ids
     with pytest.raises(errors.RequestTooLarge, match="block_rows"):
         next(store.scan("fc", block_rows=6))
     blocks = list(store.scan("fc"))  # the default block size fits
@@ -434,14 +439,14 @@ def test_scan_blocks_and_neighbor_lists_fit_the_reply_limit(monkeypatch):
     lists = torch.stack([torch.arange(N), (torch.arange(N) + 1) % N], dim=1)
     store.set_neighbors("fc", torch.arange(N), torch.arange(0, 2 * N + 1, 2),
                         lists.reshape(-1), version=1, step=0, replace_all=True)
-    store.max_reply_bytes = 3 * 2 * 4  # three fixed-width lists of two int32 ids
+    reply_limit(3 * 2 * 4)  # three fixed-width lists of two int32 ids
     assert store.neighbors("fc", torch.arange(3))[1].numel() == 6
     with pytest.raises(errors.RequestTooLarge, match="24-byte message limit"):
         store.neighbors("fc", torch.arange(4))
     # a short list makes the table CSR: offsets (8 bytes a row, plus one) travel too
     store.set_neighbors("fc", torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([1]),
                         version=1, step=0, replace_all=False)
-    store.max_reply_bytes = 8 * 4 + 4 * (2 + 1 + 2)  # rows 0, 1, 2: offsets and 5 ids
+    reply_limit(8 * 4 + 4 * (2 + 1 + 2))  # rows 0, 1, 2: offsets and 5 ids
     offsets, got = store.neighbors("fc", torch.arange(3))
     assert offsets.tolist() == [0, 2, 3, 5] and got.tolist() == [0, 1, 1, 2, 3]
     with pytest.raises(errors.RequestTooLarge, match="makes a 68-byte reply"):

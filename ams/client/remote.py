@@ -47,6 +47,13 @@ log = logging.getLogger(__name__)
 # on a busy host, so that only a shard that is stopped or stuck runs into the deadline, which
 # stays under an hour for a shard of up to about 50 GiB.
 BULK_BYTES_PER_S = 16 << 20
+# Retries of a call after its first attempt, all within its one deadline: their pauses
+# (ams.client.retry) add up to about a second, which rides out a dropped connection or a busy
+# shard; a shard that stays away longer fails the call (the trainer then rolls back).
+RETRIES = 4
+# Seconds ``connect`` waits for each shard's first data connection (it only sizes the first
+# call's pieces): a shard that is slow to answer is left to that call, not waited for.
+DATA_CONNECT_TIMEOUT_S = 5.0
 
 
 class RemoteShard:
@@ -59,12 +66,11 @@ class RemoteShard:
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 timeout: float = 60.0, retries: int = 4,
-                 arena: SharedArena | None = None) -> None:
+                 timeout: float = 60.0, arena: SharedArena | None = None) -> None:
         self.address = address
         self.arena = arena  # the client's shared buffer, offered on each data connection
         self.timeout = timeout
-        self.retry = Retry(timeout, retries)
+        self.retry = Retry(timeout, RETRIES)
         self.incarnation: str | None = None  # the process this client expects; None: any
         if tls_ca is not None:
             self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
@@ -320,12 +326,13 @@ class RemoteShard:
         self.piece_bytes = SHARED_PIECE_BYTES if conn.shared is not None else PIECE_BYTES
         return conn
 
-    def open_data_connection(self, timeout: float = 5.0) -> None:
+    def open_data_connection(self) -> None:
         """Open a data connection and pool it, so that whether it maps the client's shared
-        buffer sizes the pieces of the first call too. Where it cannot be opened now, the
-        first call's retries and typed errors deal with it."""
+        buffer sizes the pieces of the first call too. Where it cannot be opened now (within
+        ``DATA_CONNECT_TIMEOUT_S``), the first call's retries and typed errors deal with it."""
         try:
-            conn = self._new_connection(time.monotonic() + min(timeout, self.timeout))
+            timeout = min(DATA_CONNECT_TIMEOUT_S, self.timeout)
+            conn = self._new_connection(time.monotonic() + timeout)
         except (AmsError, OSError) as e:
             log.debug("data_connection_deferred shard=%s error=%s", self.address, e)
             return

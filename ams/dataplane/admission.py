@@ -78,10 +78,10 @@ class Admission(Generic[Key]):
 
 
 class BodyBudget:
-    """Bytes of requests and answers held at once, up to ``limit``. Thread-safe."""
+    """Bytes of requests and answers held at once, up to ``MAX_BODY_BYTES_HELD``.
+    Thread-safe."""
 
-    def __init__(self, limit: int = MAX_BODY_BYTES_HELD) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self._held = 0
         self._lock = threading.Lock()
 
@@ -89,12 +89,13 @@ class BodyBudget:
         """Hold ``nbytes`` more, until ``give_back``; returns them. ``Unavailable``, holding
         nothing, when they would pass the limit: the shard is busy now, and a client retries
         after a pause (its pieces are far below the limit, so only load fills it)."""
+        limit = MAX_BODY_BYTES_HELD
         with self._lock:
-            if self._held + nbytes > self.limit:
+            if self._held + nbytes > limit:
                 raise Unavailable(
                     f"data plane: {self._held} bytes of request bodies and answers are "
                     f"being received, applied or sent, and {nbytes} more would pass the "
-                    f"shard's {self.limit}-byte limit; retry, or send smaller requests or "
+                    f"shard's {limit}-byte limit; retry, or send smaller requests or "
                     "fewer at once")
             self._held += nbytes
         return nbytes

@@ -46,6 +46,7 @@ from ams.errors import (
     Unavailable,
     error_from_code,
 )
+from ams.limits import MAX_IDS_PER_REQUEST
 from ams.shard.metrics import record_call
 from ams.shard.store import ShardStore
 from ams.wire import frames
@@ -251,7 +252,7 @@ class DataPlaneServer:
                 header = recv_header(reader)
                 if header is None:
                     return  # the peer closed between requests
-                frames.check_request(header, self.store.max_rows_per_request)
+                frames.check_request(header, MAX_IDS_PER_REQUEST)
                 if not greeted and header.kind != Kind.HELLO:
                     raise Unauthenticated("data plane: the first frame must be a HELLO")
                 if greeted:

@@ -222,9 +222,10 @@ class SharedArena:
         self._dead: list[int] = []
 
     @staticmethod
-    def create(capacity: int = ARENA_BYTES) -> SharedArena | None:
-        """A new arena, or None where this system has no sealable memory files."""
-        made = SharedBuffer.create(capacity)
+    def create() -> SharedArena | None:
+        """A new arena of ``ARENA_BYTES``, or None where this system has no sealable memory
+        files."""
+        made = SharedBuffer.create(ARENA_BYTES)
         return None if made is None else SharedArena(*made)
 
     def allocate(self, nbytes: int) -> int | None:

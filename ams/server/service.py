@@ -62,15 +62,14 @@ class RunningServer:
 def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                   data_dir: Path | None = None, token: str | None = None,
                   tls_cert: bytes | None = None, tls_key: bytes | None = None,
-                  max_workers: int = 16, keep_snapshots: int = 0,
-                  restored_step: int = -1, ready: bool = True, data_port: int = 0
-                  ) -> RunningServer:
+                  max_workers: int = 16, keep_snapshots: int = 0, ready: bool = True,
+                  data_port: int = 0) -> RunningServer:
     """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``).
     Pulls and pushes are served on ``data_port`` (0: a free one; ``ams.dataplane.server``), with the
     same token and TLS.
-    ``keep_snapshots``, ``restored_step``: see ``ShardServicer``. ``ready=False``: bound and
-    answering health checks (NOT_SERVING), the shard's calls refused with UNAVAILABLE, until
-    ``RunningServer.mark_ready`` (after a restore).
+    ``keep_snapshots``: see ``ShardServicer``. ``ready=False``: bound and answering health
+    checks (NOT_SERVING), the shard's calls refused with UNAVAILABLE, until
+    ``RunningServer.mark_ready`` (after a restore, with the step restored).
     Every start is a new incarnation (``RunningServer.incarnation``)."""
     keep_large_buffers()
     incarnation = uuid.uuid4().hex
@@ -87,7 +86,7 @@ def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
     data_plane = DataPlaneServer(store, host=host, port=data_port, token=token,
                                  tls_cert=tls_cert, tls_key=tls_key, incarnation=incarnation,
                                  ready=gate.ready)
-    servicer = ShardServicer(store, data_dir, keep_snapshots, restored_step, data_plane.port)
+    servicer = ShardServicer(store, data_dir, keep_snapshots, data_plane.port)
     pb_grpc.add_ShardServicer_to_server(servicer, server)
     credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)]) \
         if tls_cert is not None else None

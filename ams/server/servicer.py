@@ -21,17 +21,18 @@ from ams.wire.status import rpc_method
 class ShardServicer(pb_grpc.ShardServicer):
     """Serves one ``ShardStore``. ``data_dir``: where snapshots go (None: snapshots refused);
     ``keep_snapshots``: newest complete steps kept after each snapshot (0: all);
-    ``restored_step``: the snapshot step the store was restored from before serving (-1:
-    none), what Stats reports until the next snapshot or restore; ``data_port``: the port of
-    the shard's data plane (``ams.dataplane.server``), which Stats tells clients."""
+    ``data_port``: the port of the shard's data plane (``ams.dataplane.server``), which Stats
+    tells clients. ``last_snapshot_step``, what Stats reports: the step of the newest snapshot
+    or restore, or the one the store was restored from before serving
+    (``RunningServer.mark_ready``); -1 until then."""
 
     def __init__(self, store: ShardStore, data_dir: Path | None = None,
-                 keep_snapshots: int = 0, restored_step: int = -1, data_port: int = 0) -> None:
+                 keep_snapshots: int = 0, data_port: int = 0) -> None:
         self.store = store
         self.data_port = data_port
         self.data_dir = data_dir
         self.keep_snapshots = keep_snapshots
-        self.last_snapshot_step = restored_step
+        self.last_snapshot_step = -1
 
     @rpc_method
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext

@@ -56,13 +56,12 @@ class ShardStore:
     """
 
     def __init__(self, shard_id: int = 0, num_shards: int = 1,
-                 max_rows_per_request: int = MAX_IDS_PER_REQUEST,
-                 max_reply_bytes: int = MAX_REPLY_PAYLOAD_BYTES,
                  storage: str = StorageKind.MEMORY,
                  storage_dir: str | Path | None = None) -> None:
-        """``max_rows_per_request``: ids one request may name; ``max_reply_bytes``: tensor
-        bytes one reply (pull, scan block, neighbor lists) may carry, checked before the reply
-        is built, so local shards refuse what a remote one would.
+        """A request may name at most ``ams.limits.MAX_IDS_PER_REQUEST`` ids, and a reply
+        (pull, scan block, neighbor lists) carry at most ``ams.limits.MAX_REPLY_PAYLOAD_BYTES``
+        of tensors, checked before the reply is built, so local shards refuse what a remote one
+        would.
 
         ``storage``: where the tables' rows, state and decay clocks live (``ams.shard.storage``):
         "memory" (``storage_dir`` unused), or "mmap", in files under ``storage_dir`` (which the
@@ -76,8 +75,6 @@ class ShardStore:
             raise InvalidArgument(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
         self.shard_id = shard_id
         self.num_shards = num_shards
-        self.max_rows_per_request = max_rows_per_request
-        self.max_reply_bytes = max_reply_bytes
         self.storage = open_storage(storage, storage_dir, shard_id, num_shards)
         self.tables: dict[str, ShardTable] = {}
         self._tables_lock = threading.Lock()
@@ -193,7 +190,7 @@ class ShardStore:
     def _owned_positions(self, table: ShardTable, ids: torch.Tensor) -> torch.Tensor:
         """``checks.owned_positions`` of ``ids`` in ``table`` on this shard."""
         return owned_positions(ids, table.spec, self.shard_id, self.num_shards,
-                               self.max_rows_per_request)
+                               MAX_IDS_PER_REQUEST)
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -208,7 +205,7 @@ class ShardStore:
         table = self.table(name)
         positions = self._owned_positions(table, ids)
         row_bytes = table.spec.dim * table.spec.dtype.itemsize
-        check_reply(positions.numel() * row_bytes, self.max_reply_bytes,
+        check_reply(positions.numel() * row_bytes, MAX_REPLY_PAYLOAD_BYTES,
                     f"a pull of {positions.numel()} rows", row_bytes, "rows per pull")
         prefetch_rows(table.tensors, positions)
         with table.lock:
@@ -357,10 +354,10 @@ class ShardStore:
         those are forgotten in the same step under the table's lock, so a push is either in
         this answer or in a later one. A graph build takes them before it reads the rows."""
         table = self.table(name)
-        limit = self.max_reply_bytes // 8 if max_ids is None else max_ids
+        limit = MAX_REPLY_PAYLOAD_BYTES // 8 if max_ids is None else max_ids
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidArgument(f"max_ids={shorten(max_ids)} must be an integer >= 1")
-        check_reply(8 * limit, self.max_reply_bytes, f"up to {limit} touched ids", 8, "ids")
+        check_reply(8 * limit, MAX_REPLY_PAYLOAD_BYTES, f"up to {limit} touched ids", 8, "ids")
         with table.lock:
             if table.touched is None:
                 return torch.empty(0, dtype=torch.int64)
@@ -393,12 +390,12 @@ class ShardStore:
         table = self.table(name)
         block_bytes = table.spec.dim * table.spec.dtype.itemsize + 8  # rows with their ids
         if block_rows is None:
-            block_rows = min(65536, max(1, self.max_reply_bytes // block_bytes))
+            block_rows = min(65536, max(1, MAX_REPLY_PAYLOAD_BYTES // block_bytes))
         for field_name, value, low in (("block_rows", block_rows, 1), ("start", start, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"{field_name}={shorten(value)} must be an integer >= {low}")
         n = table.owned
-        check_reply(min(block_rows, n) * block_bytes, self.max_reply_bytes,
+        check_reply(min(block_rows, n) * block_bytes, MAX_REPLY_PAYLOAD_BYTES,
                     f"a scan block of {min(block_rows, n)} rows", block_bytes, "block_rows")
         start = min(start, n)
         stop = min(start + block_rows, n)
@@ -435,7 +432,7 @@ class ShardStore:
                     f"table {shorten(name)} has no neighbor graph yet: build it first "
                     "(ams.graph.build.build_graph or 'xcls graph build')")
             row_bytes = graph.k * graph.neighbors.element_size() + (0 if graph.fixed else 8)
-            check_reply(graph.lookup_nbytes(positions), self.max_reply_bytes,
+            check_reply(graph.lookup_nbytes(positions), MAX_REPLY_PAYLOAD_BYTES,
                         f"the neighbor lists of {positions.numel()} rows", row_bytes,
                         "rows per call")
             return graph.lookup(positions)

@@ -1310,10 +1310,12 @@ def test_gradients_rewritten_while_the_shard_applies_them_are_refused_not_intern
     assert_no_traceback(tmp_path)
 
 
-def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path):
+def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster, tmp_path,
+                                                                   monkeypatch):
     """A client whose HELLO is refused, or whose shard is gone, keeps no memory file or
     mapping beyond its shared buffer's own, and once that is closed, none: this process's
     descriptors and mappings are as before."""
+    from ams.dataplane import shm
     from ams.dataplane.connection import DataConnection
     from ams.dataplane.shm import SharedArena
 
@@ -1344,7 +1346,8 @@ def test_refused_connections_leave_no_descriptor_or_mapping_behind(shard_cluster
         probe.bind(("127.0.0.1", 0))
         gone = probe.getsockname()[1]
     before = memfds()
-    arena = SharedArena.create(1 << 20)
+    monkeypatch.setattr(shm, "ARENA_BYTES", 1 << 20)
+    arena = SharedArena.create()
     # the offered descriptor, mmap's own, and the mapping
     ours = new_since(before)
     assert list(ours.values()) == [(2, 1)]
@@ -1382,16 +1385,18 @@ def test_the_trainers_client_follows_ams_shared_memory(cluster, tmp_path, settin
     trainer_client.close()
 
 
-def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big):
+def test_a_lost_connection_never_gives_back_the_regions_it_may_still_write(big, monkeypatch):
     """A pull into a result's region whose connection is closed before its answer came: the
     shard may write the region after the client dropped the result, so the region is never
     handed out again; a region whose answer came is."""
+    from ams.dataplane import shm
     from ams.dataplane.connection import DataConnection
     from ams.dataplane.shm import SharedArena
     from ams.wire.frames import Kind
 
     address, _, table, reference = big
-    arena = SharedArena.create(8 << 20)
+    monkeypatch.setattr(shm, "ARENA_BYTES", 8 << 20)
+    arena = SharedArena.create()
     conn = DataConnection("127.0.0.1", data_port(address), token=None, tls_ca=None,
                           expect_incarnation=None, timeout=10, arena=arena)
     assert conn.shared is arena
@@ -1481,15 +1486,17 @@ def test_a_pull_whose_result_does_not_fit_the_buffer(big, shared_views, free_byt
 
 
 def test_a_data_connection_that_cannot_be_opened_at_first_contact_waits_for_the_first_call(
-        cluster):
+        cluster, monkeypatch):
     """``ams.connect`` opens each shard's first data connection (which sizes the pieces);
     where the data port refuses it, nothing is raised then, and the first call asks the
     shard for its port again and is answered."""
     from ams.client.remote import RemoteShard
+    from ams.dataplane import shm
     from ams.dataplane.shm import SharedArena
 
     address, client = cluster
-    arena = SharedArena.create(8 << 20)
+    monkeypatch.setattr(shm, "ARENA_BYTES", 8 << 20)
+    arena = SharedArena.create()
     shard = RemoteShard(address, arena=arena)
     shard.learn_incarnation()
     with socket.socket() as probe:  # a port nobody listens on once closed
