@@ -6,7 +6,9 @@ Fast gear (any number of workers): :class:`RedisGradientAccumulator.add` keeps p
 them, then in one MULTI write the new records and XADD every mean that reached ``m`` gradients to
 the stream ``{prefix}:grads``. The reset of a record and the XADD of its mean commit together, so a
 fast worker dying mid-add loses or duplicates nothing; a concurrent add to the same sample makes
-EXEC fail and the add retries.
+EXEC fail and the add retries. The MULTI also writes the add's own token ``{prefix}:added:{uuid}``,
+which each try watches and reads first: a try that Redis applied but whose answer was lost (which
+redis-py reports as a failed EXEC) is found by the retry, which then adds nothing.
 
 Slow gear (any number of workers, one consumer group): :class:`RedisGradientConsumer.read` first
 takes over entries that another consumer was given but did not ack for ``min_idle_ms`` (XAUTOCLAIM:
@@ -32,6 +34,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 import numpy as np
 import redis
@@ -75,6 +78,9 @@ RECORD_TTL_S = 86_400
 STREAM_MAXLEN = 1_000_000
 # Optimistic retries of an add whose samples another worker touched meanwhile.
 MAX_ATTEMPTS = 8
+# How long an add's token outlives it: its retries follow it within seconds, and a job that
+# adds every step keeps only a minute of tokens (one small key per add).
+ADD_TOKEN_TTL_S = 60
 # How long an applied mean's key is remembered so that a redelivered one is not applied twice:
 # far past the longest a claimed entry waits (min_idle_ms).
 APPLIED_TTL_S = 86_400
@@ -141,7 +147,8 @@ class RedisGradientAccumulator:
         Returns how many keys went. Raises redis.RedisError if Redis cannot be reached."""
         deleted = 0
         for pattern in (glob_escape(self.prefix) + b":acc:*",
-                        glob_escape(self.prefix) + b":applied:*"):
+                        glob_escape(self.prefix) + b":applied:*",
+                        glob_escape(self.prefix) + b":added:*"):
             keys = list(self.client.scan_iter(match=pattern, count=1000))
             for start in range(0, len(keys), 1000):
                 deleted += self.client.delete(*keys[start:start + 1000])
@@ -200,11 +207,14 @@ class RedisGradientAccumulator:
         """Fold per-sample sums into Redis; the means queued, or None when other workers kept
         touching the same samples for ``MAX_ATTEMPTS`` tries. Raises redis.RedisError."""
         keys = [self.record_key(i) for i in uniq.tolist()]
+        token = f"{self.prefix}:added:{uuid.uuid4().hex}".encode()
         for _ in range(MAX_ATTEMPTS):
             try:
-                return self._try_add(keys, uniq, sums, counts, versions)
+                emitted = self._try_add(keys, token, uniq, sums, counts, versions)
             except redis.WatchError:
                 continue
+            self.metrics.bytes += emitted * self.dim * 4
+            return emitted
         return None
 
     def _failed(self, op: str, err: Exception) -> None:
@@ -273,10 +283,18 @@ class RedisGradientAccumulator:
         self.metrics.emitted += emitted
         return emitted
 
-    def _try_add(self, keys: list[bytes], uniq: np.ndarray, sums: np.ndarray,
+    def _try_add(self, keys: list[bytes], token: bytes, uniq: np.ndarray, sums: np.ndarray,
                  counts: np.ndarray, versions: np.ndarray) -> int:
+        """One attempt; the means it queued. WatchError when it was not applied, or when its
+        answer was lost: redis-py reports a connection lost or timed out during a watched
+        transaction as WatchError, though Redis may have applied it. So the transaction also
+        writes ``token`` (the add's own key, holding what it queued), which every attempt
+        watches and reads first: a retry of an add that was applied finds it and adds nothing."""
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.watch(*keys)
+            pipe.watch(token, *keys)
+            applied = pipe.get(token)
+            if applied is not None:
+                return int(applied)
             olds = pipe.mget(keys)
             pipe.multi()
             emitted = 0
@@ -294,10 +312,10 @@ class RedisGradientAccumulator:
                               maxlen=STREAM_MAXLEN, approximate=True)
                     rec = AccumRecord(0, newest, rec.seq + 1, np.zeros(self.dim, np.float32))
                     emitted += 1
-                    self.metrics.bytes += self.dim * 4
                 else:
                     rec = AccumRecord(count, newest, rec.seq, total.astype(np.float32))
                 pipe.set(key, encode_record(rec), ex=RECORD_TTL_S)
+            pipe.set(token, str(emitted).encode(), ex=ADD_TOKEN_TTL_S)
             pipe.execute()
         return emitted
 

@@ -77,12 +77,25 @@ class WeightStore:
                 pipe.set(self.version_key, str(version).encode())
                 pipe.execute()
         except redis.WatchError:
-            return False
+            # The version moved, or the answer was lost (redis-py reports a connection lost
+            # or timed out in a watched transaction so): the blob's header, which names this
+            # version and payload digest, says whether it landed.
+            return self._holds(blob)
         except redis.RedisError as e:
             self.guard.failed("publish", e)
             return False
         self.guard.ok()
         return True
+
+    def _holds(self, blob: bytes) -> bool:
+        """Whether the published blob is ``blob`` (by its header)."""
+        try:
+            head = self.client.getrange(self.key, 0, _WEIGHTS_HEADER.size - 1)
+        except redis.RedisError as e:
+            self.guard.failed("publish", e)
+            return False
+        self.guard.ok()
+        return head == blob[:_WEIGHTS_HEADER.size]
 
     def reset(self, model: nn.Module, version: int) -> int:
         """Publish ``model`` as the start of a new timeline of the job (a fresh start or a
