@@ -9,12 +9,14 @@ import numpy as np
 import torch
 
 import ams
+from ams.graph import topk
 from ams.graph.build import build_graph
 
 N, D, K = 700, 10, 6
 
 
-def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog):
+def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 96)  # several blocks of 700 rows on 3 shards
     client = ams.connect(local_shards=3, data_dir=tmp_path / "ams")
     client.create_table("fc", num_rows=N, dim=D, seed=5)
     x = client.pull("fc", torch.arange(N)).double().numpy()
@@ -24,16 +26,14 @@ def test_in_memory_and_ring_builds_equal_brute_force(tmp_path, caplog):
     expected = np.argsort(-scores, axis=1, kind="stable")[:, :K]
 
     with caplog.at_level(logging.INFO, logger="ams.graph.build"):
-        assert build_graph(client, "fc", k=K, query_block_rows=128,
-                           key_block_rows=96).version == 1
+        assert build_graph(client, "fc", k=K).version == 1
     assert "in_memory=1" in caplog.text
     np.testing.assert_array_equal(client.neighbors("fc", torch.arange(N)).numpy(), expected)
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ams.graph.build"):
         # a resume directory needs the ring (per-block resume); so do several builders
-        assert build_graph(client, "fc", k=K, resume_dir=tmp_path / "resume",
-                           query_block_rows=128, key_block_rows=96).version == 2
+        assert build_graph(client, "fc", k=K, resume_dir=tmp_path / "resume").version == 2
     assert "in_memory" not in caplog.text
     np.testing.assert_array_equal(client.neighbors("fc", torch.arange(N)).numpy(), expected)
     client.close()

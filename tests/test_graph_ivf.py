@@ -14,6 +14,7 @@ import torch
 import ams
 from ams.errors import InvalidArgument
 from ams.graph import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
+from ams.graph import build as graph_build
 from ams.graph.build import GraphMethod, build_graph, current_graph_version, refresh_graph
 from ams.graph.ivf import load_faiss
 from workers.heads import NeighborClasses
@@ -172,13 +173,14 @@ def table_with_rows(rows: torch.Tensor, shards: int = 3) -> ams.ShardedClient:
     return client
 
 
-def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog):
+def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog, monkeypatch):
     n = 1500
     client = table_with_rows(rows[:n])
     stored = client.pull("fc", torch.arange(n))
     exact = exact_lists(exact_scores(stored), K)
+    monkeypatch.setattr(graph_build, "RECALL_QUERIES", n)
     with caplog.at_level(logging.INFO, logger="ams.graph.build"):
-        report = build_graph(client, "fc", K, method="ivf", nprobe=2, recall_queries=n, seed=4)
+        report = build_graph(client, "fc", K, method="ivf", nprobe=2, seed=4)
     lists = client.neighbors("fc", torch.arange(n))
     assert torch.equal(lists[:, 0], torch.arange(n))
     assert report.version == 1 and report.method is GraphMethod.IVF and report.full
@@ -190,14 +192,15 @@ def test_build_graph_ivf_logs_a_recall_equal_to_brute_force(rows, caplog):
     assert f"recall_at_k={report.recall:.4f}" in caplog.text
 
     caplog.clear()
+    monkeypatch.setattr(graph_build, "RECALL_QUERIES", 200)
     with caplog.at_level(logging.INFO, logger="ams.graph.build"):
-        again = build_graph(client, "fc", K, method="ivf", recall_queries=200)
+        again = build_graph(client, "fc", K, method="ivf")
     assert again.version == 2 and again.sampled == 200 and 0 <= again.recall <= 1
     assert "sampled=200" in caplog.text
     client.close()
 
 
-def test_short_ivf_lists_stay_short_and_k_stays_the_graphs(rows):
+def test_short_ivf_lists_stay_short_and_k_stays_the_graphs(rows, monkeypatch):
     """One probed list of a few rows per class leaves every IVF list short of k: the
     recall is still reported at k (against brute force), a knn head takes the short lists
     -1 padded (it refused them as a graph of a smaller k), and a refresh gives the classes
@@ -206,7 +209,8 @@ def test_short_ivf_lists_stay_short_and_k_stays_the_graphs(rows):
     client = table_with_rows(rows[:n])
     stored = client.pull("fc", torch.arange(n))
     scores = exact_scores(stored)
-    report = build_graph(client, "fc", k, method="ivf", nlist=300, nprobe=1, recall_queries=n)
+    monkeypatch.setattr(graph_build, "RECALL_QUERIES", n)
+    report = build_graph(client, "fc", k, method="ivf", nlist=300, nprobe=1)
     lists = client.neighbors("fc", torch.arange(n))
     assert lists.shape[1] < k
     padded = torch.full((n, k), -1, dtype=torch.int64)
@@ -238,7 +242,6 @@ def test_bad_build_arguments_change_nothing(rows):
     for kwargs, needle in (({"method": "annoy"}, "method='annoy' is not one of 'exact', 'ivf'"),
                            ({"method": "ivf", "nlist": 301}, "nlist=301"),
                            ({"method": "ivf", "nprobe": 0}, "nprobe=0"),
-                           ({"method": "ivf", "recall_queries": 0}, "recall_queries=0"),
                            ({"method": "ivf", "resume_dir": "x"}, "exact method only")):
         with pytest.raises(InvalidArgument, match=needle):
             build_graph(client, "fc", K, **kwargs)

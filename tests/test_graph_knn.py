@@ -14,7 +14,9 @@ from ams.graph import (
     fused_filter,
     knn,
     refresh_neighbors,
+    ring,
     ring_order,
+    topk,
 )
 from tests.conftest import DEVICES
 
@@ -89,11 +91,20 @@ def test_knn_puts_row_first_among_duplicates():
     assert {frozenset(r.tolist()) for r in ids} == expect
 
 
+def low_precision_on(monkeypatch, device: str, low: bool) -> None:
+    """Make searches on ``device`` score in fp16 (``low``) or fp32, whatever the device."""
+    types = {torch.device(device).type}
+    monkeypatch.setattr(topk, "LOW_PRECISION_DEVICE_TYPES",
+                        frozenset(types if low else set()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_low_precision_rerank_equals_fp32(device):
+def test_low_precision_rerank_equals_fp32(device, monkeypatch):
     rows = clustered_rows(600, 32, seed=4, spread=0.02)  # many near-ties: hard for fp16
-    ids16, scores16 = knn(rows, 12, block_size=128, device=device, low_precision=True)
-    ids32, scores32 = knn(rows, 12, block_size=128, device=device, low_precision=False)
+    low_precision_on(monkeypatch, device, True)
+    ids16, scores16 = knn(rows, 12, block_size=128, device=device)
+    low_precision_on(monkeypatch, device, False)
+    ids32, scores32 = knn(rows, 12, block_size=128, device=device)
     assert_exact(ids16, scores16, rows, 12)
     assert torch.allclose(scores16, scores32, atol=1e-6, rtol=0)
 
@@ -122,7 +133,8 @@ def test_rows_in_other_dtypes_are_cast(dtype):
 def test_accumulator_streams_blocks_in_any_order_and_size():
     rows = clustered_rows(400, 12, seed=8)
     all_ids = torch.arange(400, dtype=torch.int64) + BIG
-    acc = TopKAccumulator(all_ids[100:230], rows[100:230], 7, device="cpu", key_block_rows=33)
+    acc = TopKAccumulator(all_ids[100:230], rows[100:230], 7, device="cpu", low_precision=False,
+                          key_block_rows=33)
     order = torch.randperm(400, generator=torch.Generator().manual_seed(0))
     for chunk in torch.split(order, 57):
         acc.update(all_ids[chunk], rows[chunk])
@@ -209,30 +221,35 @@ def ring_build(shards: FakeShards, k: int, **kw) -> tuple[torch.Tensor, torch.Te
     return neigh, scores
 
 
-def test_ring_over_three_shards_equals_single_build():
+def test_ring_over_three_shards_equals_single_build(monkeypatch):
     rows = clustered_rows(500, 16, seed=9)
     shards = FakeShards(rows, num_shards=3, block=40, dtype=torch.float16)
-    neigh, scores = ring_build(shards, 9, query_block_rows=50, key_block_rows=64,
-                               device="cpu", progress=True)
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 50)  # several query blocks; 40-row scans
+    neigh, scores = ring_build(shards, 9, device="cpu", progress=True)
     half = rows.half().float()
     ref_ids, ref_scores = knn(half, 9, device="cpu")
     assert torch.allclose(scores, ref_scores, atol=TOL)
     assert_exact(neigh - BIG, scores, half, 9)
 
 
-def test_ring_low_precision_equals_fp32():
+def test_ring_low_precision_equals_fp32(monkeypatch):
     rows = clustered_rows(300, 16, seed=10, spread=0.02)
     shards = FakeShards(rows, num_shards=3, block=32)
-    _, scores16 = ring_build(shards, 6, query_block_rows=40, device="cpu", low_precision=True)
-    neigh, scores32 = ring_build(shards, 6, query_block_rows=40, device="cpu")
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 40)
+    low_precision_on(monkeypatch, "cpu", True)
+    _, scores16 = ring_build(shards, 6, device="cpu")
+    low_precision_on(monkeypatch, "cpu", False)
+    neigh, scores32 = ring_build(shards, 6, device="cpu")
     assert torch.allclose(scores16, scores32, atol=1e-6, rtol=0)
     assert_exact(neigh - BIG, scores32, rows, 6)
 
 
-def test_resume_after_interrupted_build(tmp_path):
+def test_resume_after_interrupted_build(tmp_path, monkeypatch):
     rows = clustered_rows(400, 16, seed=11)
     # One 32-row query block per pass: a pass scans the 3 other shards (home stays in memory).
-    kw = dict(query_block_rows=32, pass_memory_bytes=1, device="cpu")
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 32)
+    monkeypatch.setattr(ring, "PASS_MEMORY_BYTES", 1)
+    kw = dict(device="cpu")
     shards = FakeShards(rows, num_shards=4, block=25)
     whole = build_shard_neighbors(1, 4, shards.scan, 8, **kw)
     num_blocks = -(-100 // 32)
@@ -250,25 +267,25 @@ def test_resume_after_interrupted_build(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_resume_ignores_blocks_of_another_k(tmp_path):
+def test_resume_ignores_blocks_of_another_k(tmp_path, monkeypatch):
     rows = random_rows(90, 8, seed=12)
     shards = FakeShards(rows, num_shards=2, block=16)
-    build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16, resume_dir=tmp_path,
-                          device="cpu")
-    ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 6, query_block_rows=16,
-                                               resume_dir=tmp_path, device="cpu")
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 16)
+    build_shard_neighbors(0, 2, shards.scan, 4, resume_dir=tmp_path, device="cpu")
+    ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 6, resume_dir=tmp_path,
+                                               device="cpu")
     assert neigh.shape == (45, 6)
     ref_ids, ref_scores = knn(rows, 6, device="cpu")
     assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
 
 
-def test_resume_computes_damaged_blocks_again(tmp_path, caplog):
+def test_resume_computes_damaged_blocks_again(tmp_path, caplog, monkeypatch):
     """A block file that cannot be read, or holds lists of another shape for the same ids and
     k, is computed again: the build equals the brute force, with no block taken on trust."""
     rows = random_rows(90, 8, seed=14)
     shards = FakeShards(rows, num_shards=2, block=16)
-    build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16, resume_dir=tmp_path,
-                          device="cpu")
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 16)
+    build_shard_neighbors(0, 2, shards.scan, 4, resume_dir=tmp_path, device="cpu")
     blocks = sorted(tmp_path.glob("*.pt"))
     assert len(blocks) == 3
     blocks[0].write_bytes(blocks[0].read_bytes()[:100])  # truncated
@@ -276,21 +293,22 @@ def test_resume_computes_damaged_blocks_again(tmp_path, caplog):
     saved = torch.load(blocks[2], weights_only=True)
     torch.save({**saved, "neighbors": saved["neighbors"][:, :2]}, blocks[2])  # narrower lists
     with caplog.at_level("WARNING", logger="ams.graph.ring"):
-        ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 4, query_block_rows=16,
-                                                   resume_dir=tmp_path, device="cpu")
+        ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 4, resume_dir=tmp_path,
+                                                   device="cpu")
     assert caplog.text.count("graph_block_unreadable") == 2
     ref_ids, ref_scores = knn(rows, 4, device="cpu")
     assert neigh.shape == (45, 4)
     assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
 
 
-def test_partial_refresh_equals_rows_of_full_build():
+def test_partial_refresh_equals_rows_of_full_build(monkeypatch):
     rows = clustered_rows(450, 16, seed=13)
     shards = FakeShards(rows, num_shards=3, block=50)
     full_ids, full_scores = knn(rows, 7, device="cpu", ids=torch.arange(450) + BIG)
     pick = torch.randperm(450, generator=torch.Generator().manual_seed(1))[:70]
+    monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 32)  # 3 query blocks; the 50-row scans split
     neigh, scores = refresh_neighbors(pick + BIG, rows[pick], shards.scan_all(), 7,
-                                      query_block_rows=32, key_block_rows=40, device="cpu")
+                                      device="cpu")
     assert torch.equal(neigh[:, 0], pick + BIG)
     assert torch.allclose(scores, full_scores[pick], atol=TOL)
     # Neighbor sets agree wherever the float64 scores leave no tie at the cut.

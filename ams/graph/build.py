@@ -89,19 +89,19 @@ def graph_on_every_shard(client: ShardedClient, table: str) -> bool:
 
 def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
                 method: GraphMethod | str = GraphMethod.EXACT, nlist: int = 0,
-                nprobe: int = DEFAULT_NPROBE, recall_queries: int = RECALL_QUERIES,
-                seed: int = 0, builders: int = 1, builder_index: int | None = None,
-                version: int | None = None, device: str | None = None,
-                low_precision: bool | None = None, resume_dir: Path | None = None,
-                query_block_rows: int | None = None, key_block_rows: int | None = None,
+                nprobe: int = DEFAULT_NPROBE, seed: int = 0, builders: int = 1,
+                builder_index: int | None = None, version: int | None = None,
+                device: str | None = None, resume_dir: Path | None = None,
                 progress: bool = False) -> GraphBuildReport:
     """Top-k lists of every class of ``table`` (the class itself first), stored with the
     owning shards.
 
     ``method``: ``GraphMethod``; ``nlist``, ``nprobe``: the IVF index's lists (0: auto,
-    ``ams.graph.resolve_nlist``) and the lists each query scans; ``recall_queries``: classes
-    whose IVF lists are checked against an exact search; ``seed``: seeds the IVF training
-    sample and those classes. ``low_precision``, ``resume_dir``, ``query_block_rows``: exact
+    ``ams.graph.resolve_nlist``) and the lists each query scans (after an IVF build the lists
+    of ``RECALL_QUERIES`` classes are checked against an exact search); ``seed``: seeds the IVF
+    training sample and those classes. ``device``: where to search (None: CUDA when
+    available), which also sets the block rows and precision of the exact search
+    (``ams.graph.resolve_block_rows``, ``resolve_low_precision``). ``resume_dir``: exact
     only. ``builders`` split the shards (``assign_shards``); this call runs builder
     ``builder_index`` only, or all of them one after the other when None. ``version``: the
     graph version to write (default: one above the current); builders running in separate
@@ -122,15 +122,14 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
     if builders < 1 or (builder_index is not None and not 0 <= builder_index < builders):
         raise InvalidArgument(f"builder_index={builder_index} must be in [0, builders={builders})")
     if method is GraphMethod.IVF:
-        if resume_dir is not None or low_precision is not None:
-            raise InvalidArgument("resume_dir and low_precision apply to the exact method only")
+        if resume_dir is not None:
+            raise InvalidArgument("resume_dir applies to the exact method only")
         try:
             nlist = resolve_nlist(nlist, spec.num_rows)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        if nprobe < 1 or recall_queries < 1:
-            raise InvalidArgument(f"nprobe={nprobe} and recall_queries={recall_queries} must "
-                                  "be >= 1")
+        if nprobe < 1:
+            raise InvalidArgument(f"nprobe={nprobe} must be >= 1")
     version = current_graph_version(client, table) + 1 if version is None else version
     plan = assign_shards(client.num_shards, builders)
     mine = plan if builder_index is None else [plan[builder_index]]
@@ -139,21 +138,20 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
     client.take_touched(table, homes)
     if method is GraphMethod.IVF:
         return _build_ivf(client, table, k, homes, version=version, step=step, nlist=nlist,
-                          nprobe=nprobe, recall_queries=recall_queries, seed=seed,
-                          device=device, progress=progress, started=started)
+                          nprobe=nprobe, seed=seed, device=device, progress=progress,
+                          started=started)
     dev = resolve_device(device)
-    query_block_rows = resolve_block_rows(query_block_rows, dev)
-    key_block_rows = resolve_block_rows(key_block_rows, dev)
-    if (builders == 1 and resume_dir is None and not resolve_low_precision(low_precision, dev)
+    block_rows = resolve_block_rows(None, dev)
+    if (builders == 1 and resume_dir is None and not resolve_low_precision(dev)
             and spec.num_rows * spec.dim * 4 <= IN_MEMORY_BUILD_BYTES):
         # One process builds everything in fp32 and the rows fit: hold them all and score each
         # pair of row blocks once for both blocks (ams.graph.symmetric_search), half the matmul
         # work of the ring, which streams every shard past every home shard. Same lists.
-        blocks = list(client.scan(table, key_block_rows))
+        blocks = list(client.scan(table, block_rows))
         ids = torch.cat([b[0] for b in blocks])
         rows = torch.cat([b[1] for b in blocks])
         del blocks
-        neighbors, _ = knn(rows, k, block_size=query_block_rows, device=dev, ids=ids,
+        neighbors, _ = knn(rows, k, block_size=block_rows, device=dev, ids=ids,
                            progress=progress)
         client.set_neighbors(table, ids, neighbors, version=version, step=step,
                              replace_all=True)
@@ -165,10 +163,8 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
     for home in homes:
         shard_resume = resume_dir / f"v{version}" if resume_dir is not None else None
         ids, neighbors, _ = build_shard_neighbors(
-            home, client.num_shards, lambda s: client.scan_shard(table, s, key_block_rows),
-            k, query_block_rows=query_block_rows, key_block_rows=key_block_rows,
-            device=device, low_precision=low_precision, resume_dir=shard_resume,
-            progress=progress)
+            home, client.num_shards, lambda s: client.scan_shard(table, s, block_rows), k,
+            device=device, resume_dir=shard_resume, progress=progress)
         client.set_neighbors(table, ids, neighbors, version=version, step=step,
                              replace_all=True)
         classes += ids.numel()
@@ -179,8 +175,8 @@ def build_graph(client: ShardedClient, table: str, k: int, *, step: int = 0,
 
 
 def _build_ivf(client: ShardedClient, table: str, k: int, homes: Sequence[int], *,
-               version: int, step: int, nlist: int, nprobe: int, recall_queries: int,
-               seed: int, device: str | None, progress: bool, started: float
+               version: int, step: int, nlist: int, nprobe: int, seed: int,
+               device: str | None, progress: bool, started: float
                ) -> GraphBuildReport:
     """``build_graph`` with method ivf (``nlist`` resolved): train on a seeded sample of rows,
     add every shard's rows block by block, search each home shard's rows and write their
@@ -209,7 +205,7 @@ def _build_ivf(client: ShardedClient, table: str, k: int, homes: Sequence[int], 
     bar.close()
     where, index_nprobe = index.device, index.nprobe
     del index  # the exact check below streams the rows again; the index is not needed
-    recall, sampled = _sampled_recall(client, table, k, homes, recall_queries, seed + 1,
+    recall, sampled = _sampled_recall(client, table, k, homes, RECALL_QUERIES, seed + 1,
                                      device=device)
     seconds = time.perf_counter() - started
     log.info("graph_built table=%s k=%d version=%d step=%d rows=%d method=ivf nlist=%d "
@@ -248,8 +244,7 @@ def _sampled_recall(client: ShardedClient, table: str, k: int, shards: Sequence[
 
 
 def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, k: int, *,
-                  step: int = 0, device: str | None = None,
-                  low_precision: bool | None = None) -> int:
+                  step: int = 0, device: str | None = None) -> int:
     """Recompute the exact k lists of just ``class_ids`` (int64 (m,), m << N) against all
     rows, in place (k: the graph's, which a stored list may fall short of: IVF keeps what its
     probed lists held). Up to ``REFRESH_PASS_ROWS`` classes ride on one
@@ -264,7 +259,7 @@ def refresh_graph(client: ShardedClient, table: str, class_ids: torch.Tensor, k:
     started = time.perf_counter()
     for chunk in ids.split(REFRESH_PASS_ROWS):
         neighbors, _ = refresh_neighbors(chunk, client.pull(table, chunk), client.scan(table),
-                                         k, device=device, low_precision=low_precision)
+                                         k, device=device)
         client.set_neighbors(table, chunk, neighbors, version=version, step=step,
                              replace_all=False)
     log.info("graph_refreshed table=%s k=%d version=%d step=%d rows=%d seconds=%.2f", table, k,

@@ -44,7 +44,8 @@ MAX_NLIST = 1 << 16
 # subsamples above 256, and its time grows with sample x nlist. The auto nlist also keeps
 # lists at least this long, so that nprobe lists hold many more rows than k.
 TRAIN_ROWS_PER_LIST = 40
-# Rows handed to faiss at a time when the caller's blocks are larger (bounds the float32 copy).
+# Rows handed to faiss at a time (by IvfIndex when the caller's blocks are larger, and by
+# ivf_knn): bounds the float32 copy.
 _FAISS_BLOCK_ROWS = 1 << 16
 
 
@@ -203,8 +204,7 @@ class IvfIndex:
 
 
 def ivf_knn(rows: Tensor, k: int, *, nlist: int = 0, nprobe: int = DEFAULT_NPROBE,
-            ids: Tensor | None = None, seed: int = 0, block_size: int = 65536,
-            device: str | torch.device | None = None) -> tuple[Tensor, Tensor]:
+            ids: Tensor | None = None, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Approximate k nearest neighbors of every row among all rows, held in memory (the
     counterpart of ``ams.graph.knn``; ``ams.graph.build`` streams shards instead).
 
@@ -214,20 +214,23 @@ def ivf_knn(rows: Tensor, k: int, *, nlist: int = 0, nprobe: int = DEFAULT_NPROB
         nlist, nprobe: see ``IvfIndex`` (nlist 0: ``resolve_nlist``).
         ids: (N,) int64 global ids (default 0..N-1).
         seed: seeds the training sample and the clustering.
-        block_size: rows added and searched at a time.
+
+    Rows are added and searched ``_FAISS_BLOCK_ROWS`` at a time, on the device ``IvfIndex``
+    picks when given none.
 
     Returns (ids (N, k) int64, scores (N, k) float32), as ``IvfIndex.search``.
     """
     n = rows.shape[0]
     ids = torch.arange(n, dtype=torch.int64) if ids is None else ids
     lists = resolve_nlist(nlist, n)
-    index = IvfIndex(rows.shape[1], lists, nprobe, device=device)
+    index = IvfIndex(rows.shape[1], lists, nprobe)
     index.train(rows[sample_ids(n, TRAIN_ROWS_PER_LIST * lists, seed)], seed)
-    for start in range(0, n, block_size):
-        index.add(ids[start:start + block_size], rows[start:start + block_size])
+    block = _FAISS_BLOCK_ROWS
+    for start in range(0, n, block):
+        index.add(ids[start:start + block], rows[start:start + block])
     out_ids, out_scores = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
-    for start in range(0, n, block_size):
-        stop = start + block_size
+    for start in range(0, n, block):
+        stop = start + block
         out_ids[start:stop], out_scores[start:stop] = index.search(ids[start:stop],
                                                                    rows[start:stop], k)
     return out_ids, out_scores

@@ -9,7 +9,7 @@ result is exact. Ids are int64 end to end.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -37,10 +37,9 @@ def search_pass(
     key_stream: Iterable[tuple[Tensor, Tensor]],
     k: int,
     *,
-    device: str | torch.device | None = None,
-    low_precision: bool | None = None,
-    key_block_rows: int | None = None,
-    on_key_block: Callable[[], None] | None = None,
+    device: torch.device,
+    low_precision: bool,
+    key_block_rows: int,
 ) -> list[tuple[Tensor, Tensor]]:
     """One pass of a key stream past several query blocks: each key block is prepared once
     and scored against every query block, so the stream is read once per pass however many
@@ -49,27 +48,23 @@ def search_pass(
     Args:
         query_blocks: [(ids (q,) int64, rows (q, d) float)] query blocks.
         key_stream: (ids (b,) int64, rows (b, d) float) key blocks; ids unique over the stream.
-        on_key_block: called after each key block (progress reporting).
+        device, low_precision, key_block_rows: see ``TopKAccumulator`` (the callers resolve
+            them: ``resolve_device``, ``resolve_low_precision``, ``resolve_block_rows``).
 
     Returns [(ids (q, k) int64, scores (q, k) float32)] per query block, on CPU.
     """
-    dev = resolve_device(device)
-    low = resolve_low_precision(low_precision, dev)
-    key_block_rows = resolve_block_rows(key_block_rows, dev)
     buffer = ScoreBuffer()
     accumulators = [
         TopKAccumulator(
-            ids, rows, k, device=dev, low_precision=low,
+            ids, rows, k, device=device, low_precision=low_precision,
             key_block_rows=key_block_rows, score_buffer=buffer,
         )
         for ids, rows in query_blocks
     ]
     for key_ids, key_rows in key_stream:
-        keys = KeyBlock.prepare(key_ids, key_rows, dev, low)
+        keys = KeyBlock.prepare(key_ids, key_rows, device, low_precision)
         for acc in accumulators:
             acc.update_block(keys)
-        if on_key_block is not None:
-            on_key_block()
     return [tuple(t.cpu() for t in acc.result()) for acc in accumulators]
 
 
@@ -120,7 +115,6 @@ def knn(
     *,
     block_size: int | None = None,
     device: str | torch.device | None = None,
-    low_precision: bool | None = None,
     ids: Tensor | None = None,
     progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
@@ -131,9 +125,9 @@ def knn(
         k: neighbors per row, the row itself first (k >= 1).
         block_size: query and key block rows (None: ``resolve_block_rows``); work memory is
             O(block_size**2) scores plus the running lists, never O(N**2).
-        device: where to search; None picks CUDA when available.
-        low_precision: fp16 scoring + exact fp32 re-score (same result as fp32); None = on for
-            CUDA, off for CPU.
+        device: where to search; None picks CUDA when available. The search scores in fp16
+            and re-scores in fp32 (same result as fp32) where ``resolve_low_precision`` says
+            so (CUDA), else in fp32, each pair of row blocks once (``symmetric_search``).
         ids: (N,) int64 global ids of the rows (default 0..N-1); returned ids are these.
         progress: show a tqdm bar (fp32 search only).
 
@@ -146,7 +140,7 @@ def knn(
     check_rows(ids, rows)
     dev = resolve_device(device)
     block_size = resolve_block_rows(block_size, dev)
-    if not resolve_low_precision(low_precision, dev):
+    if not resolve_low_precision(dev):
         return concat_results(symmetric_search(ids, rows, k, block_size, dev, progress), k)
     # All rows go in as one key block: it is normalized (and moved to the device) once, then
     # scored block_size columns at a time.
@@ -154,8 +148,8 @@ def knn(
         list(split_blocks(ids, rows, block_size)),
         [(ids, rows)],
         k,
-        device=device,
-        low_precision=low_precision,
+        device=dev,
+        low_precision=True,
         key_block_rows=block_size,
     )
     return concat_results(results, k)

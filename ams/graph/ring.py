@@ -7,9 +7,10 @@ any moment and W is never gathered in one place (KNN softmax's ring schedule, do
 
 Every query row needs every key, so the cost of a build is dominated by how often the shards
 are streamed: one full pass over all shards per pass. A pass therefore carries as many query
-blocks as fit in ``pass_memory_bytes`` (each key block is read and normalized once, then
-scored against all of them); with the default 1 GiB budget at d=128 that is ~1.5M query rows
-per pass. The score block memory (query_block_rows x key_block_rows) is shared by the pass.
+blocks as fit in ``PASS_MEMORY_BYTES`` (each key block is read and normalized once, then
+scored against all of them); with its 1 GiB at d=128 that is ~1.5M query rows per pass. Query
+and key blocks are the device's block rows (``ams.graph.resolve_block_rows``); the score block
+memory (block rows x block rows) is shared by the pass.
 
 Resume: when a pass ends, each of its query blocks' lists is written atomically (tmp file +
 os.replace) under ``resume_dir``; a rerun loads finished blocks and computes only the rest.
@@ -33,6 +34,11 @@ from ams.graph.knn import concat_results, search_pass, split_blocks
 from ams.graph.topk import resolve_block_rows, resolve_device, resolve_low_precision
 
 log = logging.getLogger(__name__)
+
+# Memory for the query blocks that ride on one pass over the shards: every pass streams every
+# shard once, so fuller passes read less; 1 GiB holds ~1.5M query rows at d=128, so a home
+# shard of up to that many rows takes a single pass.
+PASS_MEMORY_BYTES = 1 << 30
 
 Scan = Callable[[int], Iterable[tuple[Tensor, Tensor]]]
 
@@ -60,11 +66,7 @@ def build_shard_neighbors(
     scan: Scan,
     k: int,
     *,
-    query_block_rows: int | None = None,
-    key_block_rows: int | None = None,
-    pass_memory_bytes: int = 1 << 30,
     device: str | torch.device | None = None,
-    low_precision: bool | None = None,
     resume_dir: Path | None = None,
     progress: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,12 +80,8 @@ def build_shard_neighbors(
             arrival). Called once for the home shard (its rows then stay in memory) and once
             per pass for every other shard.
         k: list length, the class itself first.
-        query_block_rows: rows per query block, the unit of resume (None: the device's
-            default, ``ams.graph.resolve_block_rows``).
-        key_block_rows: key rows scored at a time (score memory query_block_rows x this;
-            None: the device's default).
-        pass_memory_bytes: budget for the query blocks that ride on one pass over the shards.
-        device, low_precision: see ``knn``.
+        device: see ``knn``; it sets the block rows (a query block is the unit of resume, a
+            key block the width of a score block) and the precision of the search.
         resume_dir: where finished query blocks are kept (None: no resume).
         progress: show a tqdm bar over query blocks.
 
@@ -92,30 +90,29 @@ def build_shard_neighbors(
         scores (n, k) float32 (padding -1 / -inf when fewer than k rows exist).
     """
     dev = resolve_device(device)
-    low = resolve_low_precision(low_precision, dev)
-    query_block_rows = resolve_block_rows(query_block_rows, dev)
-    key_block_rows = resolve_block_rows(key_block_rows, dev)
+    low = resolve_low_precision(dev)
+    block_rows = resolve_block_rows(None, dev)
     home_ids, home_rows = _collect(scan(home_shard))
     n, dim = home_rows.shape
-    starts = list(range(0, n, query_block_rows))
+    starts = list(range(0, n, block_rows))
     store = _BlockStore(resume_dir, home_shard, k) if resume_dir is not None else None
     results: dict[int, tuple[Tensor, Tensor]] = {}
     if store is not None:
         for i, start in enumerate(starts):
-            found = store.load(i, home_ids[start : start + query_block_rows])
+            found = store.load(i, home_ids[start : start + block_rows])
             if found is not None:
                 results[i] = found
     pending = [i for i in range(len(starts)) if i not in results]
 
-    per_block = query_block_rows * _query_row_bytes(dim, k, low)
-    blocks_per_pass = max(1, pass_memory_bytes // per_block)
+    per_block = block_rows * _query_row_bytes(dim, k, low)
+    blocks_per_pass = max(1, PASS_MEMORY_BYTES // per_block)
     bar = tqdm(total=len(starts), initial=len(results), unit="block", disable=not progress,
                desc=f"graph shard {home_shard}")
     for p in range(0, len(pending), blocks_per_pass):
         group = pending[p : p + blocks_per_pass]
         query_blocks = [
-            (home_ids[starts[i] : starts[i] + query_block_rows],
-             home_rows[starts[i] : starts[i] + query_block_rows])
+            (home_ids[starts[i] : starts[i] + block_rows],
+             home_rows[starts[i] : starts[i] + block_rows])
             for i in group
         ]
 
@@ -123,12 +120,12 @@ def build_shard_neighbors(
             for shard in ring_order(home_shard, num_shards):
                 bar.set_postfix(shard=shard)
                 if shard == home_shard:
-                    yield from split_blocks(home_ids, home_rows, key_block_rows)
+                    yield from split_blocks(home_ids, home_rows, block_rows)
                 else:
                     yield from scan(shard)
 
         found = search_pass(query_blocks, key_stream(), k, device=dev, low_precision=low,
-                            key_block_rows=key_block_rows)
+                            key_block_rows=block_rows)
         for i, (ids, _), block in zip(group, query_blocks, found, strict=True):
             if store is not None:
                 store.save(i, ids, *block)
@@ -145,10 +142,7 @@ def refresh_neighbors(
     scan_all: Iterable[tuple[Tensor, Tensor]],
     k: int,
     *,
-    query_block_rows: int | None = None,
-    key_block_rows: int | None = None,
     device: str | torch.device | None = None,
-    low_precision: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fresh lists for some classes only (partial refresh), in one pass over all rows.
 
@@ -157,17 +151,16 @@ def refresh_neighbors(
         query_rows: (m, d) float their current rows.
         scan_all: (ids (b,) int64, rows (b, d)) blocks of all rows, read once; all m query
             blocks ride on this one pass, so memory grows with m (meant for m << N).
-        k, query_block_rows, key_block_rows, device, low_precision: see
-            ``build_shard_neighbors``.
+        k, device: see ``build_shard_neighbors``.
 
     Returns neighbors (m, k) int64 and scores (m, k) float32, equal to those rows of a full
     build.
     """
     dev = resolve_device(device)
-    query_blocks = list(split_blocks(query_ids, query_rows,
-                                     resolve_block_rows(query_block_rows, dev)))
-    found = search_pass(query_blocks, scan_all, k, device=dev, low_precision=low_precision,
-                        key_block_rows=key_block_rows)
+    block_rows = resolve_block_rows(None, dev)
+    found = search_pass(list(split_blocks(query_ids, query_rows, block_rows)), scan_all, k,
+                        device=dev, low_precision=resolve_low_precision(dev),
+                        key_block_rows=block_rows)
     return concat_results(found, k)
 
 

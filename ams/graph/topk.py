@@ -69,15 +69,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+# Rows per query block and per key block on each device (resolve_block_rows says why these
+# sizes); read at each call, so a test can make them small to run the many-block paths.
 CPU_BLOCK_ROWS = 4096
 CUDA_BLOCK_ROWS = 32768
+# Device types whose searches score in fp16 and re-score candidates in fp32 (the same lists as
+# fp32): CUDA has fast TensorCore fp16 matmul; on CPU fp16/bf16 matmul is far slower than fp32.
+LOW_PRECISION_DEVICE_TYPES = frozenset({"cuda"})
 
 
 def resolve_block_rows(block_rows: int | None, device: torch.device) -> int:
-    """Rows per query or key block; ``None`` picks the device's default. On CPU 4096 keeps a
-    score block near the caches. On CUDA every block pair costs a few kernel launches and host
-    syncs, so the blocks must be large for the matmul to dominate: a 32768 x 32768 fp16 score
-    block (2 GiB) scores about ten times faster per pair than 4096 rows do."""
+    """Rows per query or key block; ``None`` picks the device's default (``CPU_BLOCK_ROWS``,
+    ``CUDA_BLOCK_ROWS``). On CPU 4096 keeps a score block near the caches. On CUDA every block
+    pair costs a few kernel launches and host syncs, so the blocks must be large for the
+    matmul to dominate: a 32768 x 32768 fp16 score block (2 GiB) scores about ten times faster
+    per pair than 4096 rows do."""
     if block_rows is None:
         return CUDA_BLOCK_ROWS if device.type == "cuda" else CPU_BLOCK_ROWS
     if block_rows < 1:
@@ -85,12 +91,10 @@ def resolve_block_rows(block_rows: int | None, device: torch.device) -> int:
     return block_rows
 
 
-def resolve_low_precision(low_precision: bool | None, device: torch.device) -> bool:
-    """``None`` means auto: fp16 scoring on CUDA (fast TensorCore matmul), fp32 elsewhere
-    (fp16/bf16 matmul on CPU is far slower than fp32)."""
-    if low_precision is None:
-        return device.type == "cuda"
-    return low_precision
+def resolve_low_precision(device: torch.device) -> bool:
+    """Whether a search on ``device`` scores in fp16 (``LOW_PRECISION_DEVICE_TYPES``): on CUDA
+    (fast TensorCore matmul), not elsewhere."""
+    return device.type in LOW_PRECISION_DEVICE_TYPES
 
 
 def normalize_rows(rows: Tensor, device: torch.device) -> Tensor:
@@ -176,7 +180,7 @@ class TopKAccumulator:
         query_rows: (q, d) float rows (any float dtype; normalized here).
         k: list length, the query itself included (k >= 1).
         device: where to search; None picks CUDA when available.
-        low_precision: fp16 scoring + exact fp32 re-score; None = on for CUDA, off for CPU.
+        low_precision: fp16 scoring + exact fp32 re-score (``resolve_low_precision``).
         key_block_rows: key blocks are scored at most this many rows at a time, which bounds
             the score block to (q, key_block_rows) whatever size the source delivers.
         score_buffer: scratch shared with other accumulators of the same pass.
@@ -192,8 +196,8 @@ class TopKAccumulator:
         k: int,
         *,
         device: str | torch.device | None = None,
-        low_precision: bool | None = None,
-        key_block_rows: int = 4096,
+        low_precision: bool,
+        key_block_rows: int,
         score_buffer: ScoreBuffer | None = None,
     ) -> None:
         if k < 1:
@@ -201,7 +205,7 @@ class TopKAccumulator:
         if key_block_rows < 1:
             raise ValueError(f"key_block_rows must be >= 1, got {key_block_rows}")
         self.device = resolve_device(device)
-        self.low_precision = resolve_low_precision(low_precision, self.device)
+        self.low_precision = low_precision
         self.k = k
         self.key_block_rows = key_block_rows
         queries = KeyBlock.prepare(query_ids, query_rows, self.device, self.low_precision)
