@@ -67,10 +67,10 @@ def run_one(args: argparse.Namespace, out_dir: Path, gear: dict[str, object]) ->
         if not evaluating[0]:
             counts["grad" if torch.is_grad_enabled() else "nograd"] += inputs[0].shape[0]
 
-    def evaluate(max_samples: int | None = None) -> dict:
+    def evaluate() -> dict:
         evaluating[0] = True
         t = time.perf_counter()
-        result = plain_evaluate(max_samples)
+        result = plain_evaluate()
         eval_seconds[0] += time.perf_counter() - t
         evaluating[0] = False
         curve.append((round(time.perf_counter() - started - eval_seconds[0], 1),

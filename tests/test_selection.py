@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ams.cluster.plan import budget_for_sample_rate
-from workers.selection import select_active, select_partial, select_weighted
+from workers.selection import select_weighted
 
 BIG = 5_000_000_000
 
@@ -43,19 +43,20 @@ def batches(draw):
     return num_classes, labels, neighbors, budget, seed
 
 
-def run(select, labels, neighbors, budget, seed, num_classes):
+def run(labels, neighbors, budget, seed, num_classes, random_share=0.0):
     g = torch.Generator().manual_seed(seed)
     lab = torch.tensor(labels, dtype=torch.int64)
     nb = None if neighbors is None else torch.tensor(neighbors, dtype=torch.int64).reshape(
         len(labels), -1)
-    return select(lab, nb, budget, g, num_classes)
+    return select_weighted(lab, nb, budget, g, num_classes, random_share)
 
 
 @settings(max_examples=150, deadline=None)
 @given(batch=batches())
-def test_select_active_properties(batch):
+def test_selection_properties(batch):
     num_classes, labels, neighbors, budget, seed = batch
-    active, remapped = run(select_active, labels, neighbors, budget, seed, num_classes)
+    selection = run(labels, neighbors, budget, seed, num_classes)
+    active, remapped = selection.active, selection.target
     assert active.dtype == remapped.dtype == torch.int64
     a = active.tolist()
     assert a == sorted(set(a)) and all(0 <= x < num_classes for x in a)
@@ -68,16 +69,17 @@ def test_select_active_properties(batch):
         assert a == sorted(order[:keep])  # cut by rank, never dropping a label
     else:
         assert set(order) <= set(a)  # the rest is random fill
-    again = run(select_active, labels, neighbors, budget, seed, num_classes)
-    assert torch.equal(again[0], active) and torch.equal(again[1], remapped)
+    again = run(labels, neighbors, budget, seed, num_classes)
+    assert torch.equal(again.active, active) and torch.equal(again.target, remapped)
+    assert torch.equal(again.log_weight, selection.log_weight)
 
 
 @settings(max_examples=150, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
-def test_select_active_random_share_keeps_random_slots(batch, share):
+def test_random_share_keeps_random_slots(batch, share):
     num_classes, labels, neighbors, budget, seed = batch
-    active, remapped = run(lambda *args: select_active(*args, share), labels, neighbors,
-                           budget, seed, num_classes)
+    selection = run(labels, neighbors, budget, seed, num_classes, share)
+    active, remapped = selection.active, selection.target
     a = active.tolist()
     assert a == sorted(set(a)) and [a[i] for i in remapped.tolist()] == labels
     distinct_labels = len(set(labels))
@@ -88,7 +90,7 @@ def test_select_active_random_share_keeps_random_slots(batch, share):
     assert set(ranked) <= set(a)
 
 
-def test_select_active_random_share_draws_uniform_classes():
+def test_random_share_draws_uniform_classes():
     # one label whose 40 neighbors would fill a budget of 41; with half the 40 negative slots
     # random, the 20 nearest stay and over many draws every other class shows up about equally
     # often among the rest
@@ -97,7 +99,7 @@ def test_select_active_random_share_draws_uniform_classes():
     g = torch.Generator().manual_seed(0)
     counts = collections.Counter()
     for _ in range(2000):
-        active, _ = select_active(labels, neighbors, 41, g, num_classes, random_share=0.5)
+        active = select_weighted(labels, neighbors, 41, g, num_classes, random_share=0.5).active
         a = set(active.tolist())
         assert len(a) == 41 and set(range(21)) <= a  # label + its 20 nearest
         counts.update(a - set(range(21)))
@@ -106,18 +108,14 @@ def test_select_active_random_share_draws_uniform_classes():
     assert set(counts) <= set(range(21, num_classes))
     assert max(counts.values()) < 1.5 * expected and min(counts.values()) > 0.5 * expected
     with pytest.raises(ValueError, match="random_share"):
-        select_active(labels, neighbors, 41, g, num_classes, random_share=1.5)
+        select_weighted(labels, neighbors, 41, g, num_classes, random_share=1.5)
 
 
 @settings(max_examples=100, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
-def test_select_weighted_draws_as_select_active_and_weights_only_random_classes(batch, share):
+def test_only_random_classes_carry_a_log_weight(batch, share):
     num_classes, labels, neighbors, budget, seed = batch
-    plain = run(lambda *args: select_active(*args, share), labels, neighbors, budget, seed,
-                num_classes)
-    weighted = run(lambda *args: select_weighted(*args, share), labels, neighbors, budget,
-                   seed, num_classes)
-    assert torch.equal(weighted.active, plain[0]) and torch.equal(weighted.target, plain[1])
+    weighted = run(labels, neighbors, budget, seed, num_classes, share)
     assert weighted.log_weight.dtype == torch.float32
     assert weighted.log_weight.shape == weighted.active.shape
     assert bool((weighted.log_weight[weighted.target] == 0).all())  # labels are never drawn
@@ -149,11 +147,11 @@ def test_log_weights_make_the_partition_estimate_unbiased():
 
 @settings(max_examples=100, deadline=None)
 @given(batch=batches())
-def test_select_partial_properties(batch):
-    num_classes, labels, neighbors, budget, seed = batch
-    active, remapped = run(select_partial, labels, neighbors, budget, seed, num_classes)
-    ignoring = run(select_partial, labels, None, budget, seed, num_classes)
-    assert torch.equal(active, ignoring[0]) and torch.equal(remapped, ignoring[1])
+def test_without_neighbors_labels_and_random_classes_fill_the_budget(batch):
+    # PartialFC's sampling (workers.heads.SampledClasses)
+    num_classes, labels, _, budget, seed = batch
+    selection = run(labels, None, budget, seed, num_classes)
+    active, remapped = selection.active, selection.target
     a = active.tolist()
     assert a == sorted(set(a)) and set(labels) <= set(a)
     assert [a[i] for i in remapped.tolist()] == labels
@@ -164,17 +162,19 @@ def test_neighbors_fill_before_random_and_by_rank():
     labels = torch.tensor([10, 20])
     neighbors = torch.tensor([[10, 11, 12, 13], [20, 21, 22, -1]])
     g = torch.Generator().manual_seed(0)
-    active, remapped = select_active(labels, neighbors, 5, g, 100)
+    selection = select_weighted(labels, neighbors, 5, g, 100)
+    active, remapped = selection.active, selection.target
     assert active.tolist() == [10, 11, 12, 20, 21]  # rank 1 of both, then rank 2 of the first
     assert active[remapped].tolist() == [10, 20]
-    active, _ = select_active(labels, neighbors, 9, g, 100)
+    active = select_weighted(labels, neighbors, 9, g, 100).active
     assert {10, 11, 12, 13, 20, 21, 22} <= set(active.tolist()) and active.numel() == 9
 
 
 def test_labels_over_budget_are_all_kept():
     labels = torch.tensor([5, 3, 9, 3, 1])
     neighbors = torch.tensor([[5, 6], [3, 4], [9, 8], [3, 4], [1, 2]])
-    active, remapped = select_active(labels, neighbors, 2, torch.Generator(), 10)
+    selection = select_weighted(labels, neighbors, 2, torch.Generator(), 10)
+    active, remapped = selection.active, selection.target
     assert active.tolist() == [1, 3, 5, 9]
     assert active[remapped].tolist() == labels.tolist()
 
@@ -183,7 +183,7 @@ def test_random_fill_is_uniform_and_excludes_active():
     counts: collections.Counter[int] = collections.Counter()
     g = torch.Generator().manual_seed(1)
     for _ in range(3000):
-        active, _ = select_partial(torch.tensor([0]), None, 3, g, 21)
+        active = select_weighted(torch.tensor([0]), None, 3, g, 21).active
         assert active[0] == 0
         counts.update(active[1:].tolist())
     assert set(counts) == set(range(1, 21))
@@ -197,7 +197,7 @@ def test_random_fill_draws_every_subset_equally_often():
     pairs: collections.Counter[tuple[int, ...]] = collections.Counter()
     draws = 6000
     for _ in range(draws):
-        active, _ = select_partial(torch.tensor([0]), None, 3, g, 21)
+        active = select_weighted(torch.tensor([0]), None, 3, g, 21).active
         pairs[tuple(active[1:].tolist())] += 1
     assert len(pairs) == 190  # every pair of the 20 other classes
     expected = draws / 190
@@ -210,9 +210,11 @@ def test_large_ids_and_big_batches():
     g = torch.Generator().manual_seed(2)
     labels = torch.randint(n, (256,), generator=g)
     neighbors = torch.cat([labels[:, None], torch.randint(n, (256, 1199), generator=g)], 1)
-    active, remapped = select_active(labels, neighbors, 100_000, g, n)
+    selection = select_weighted(labels, neighbors, 100_000, g, n)
+    active, remapped = selection.active, selection.target
     assert active.numel() == 100_000 and torch.equal(active[remapped], labels)
-    active, remapped = select_active(labels, neighbors, 400_000, g, n)
+    selection = select_weighted(labels, neighbors, 400_000, g, n)
+    active, remapped = selection.active, selection.target
     assert active.numel() == 400_000 and torch.equal(active[remapped], labels)
     assert bool((active[1:] > active[:-1]).all()) and int(active.max()) < n
 
@@ -226,6 +228,6 @@ def test_budget_for_sample_rate():
 
 def test_rejects_ids_out_of_range():
     with pytest.raises(ValueError):
-        select_active(torch.tensor([10]), None, 3, torch.Generator(), 10)
+        select_weighted(torch.tensor([10]), None, 3, torch.Generator(), 10)
     with pytest.raises(ValueError):
-        select_active(torch.tensor([1]), torch.tensor([[1, -2]]), 3, torch.Generator(), 10)
+        select_weighted(torch.tensor([1]), torch.tensor([[1, -2]]), 3, torch.Generator(), 10)

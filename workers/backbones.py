@@ -145,15 +145,16 @@ class IBasicBlock(nn.Module):
 
 class IResNet(Backbone):
     """insightface IResNet for 112x112 inputs: conv3x3-BN-PReLU stem, four stride-2 stages of
-    IBasicBlocks (64, 128, 256, 512 ch), then BN -> dropout -> flatten (512*7*7) -> Linear ->
+    IBasicBlocks (64, 128, 256, 512 ch), then BN -> flatten (512*7*7) -> Linear ->
     BatchNorm1d whose scale is frozen at 1 (as in insightface: the embedding is normalized
-    downstream, so a learned per-dimension scale only reweights the cosine)."""
+    downstream, so a learned per-dimension scale only reweights the cosine). insightface's
+    dropout before the Linear is p=0 by default, so there is none here."""
 
     widths = (64, 128, 256, 512)
     input_size = 112
 
     def __init__(self, layers: tuple[int, int, int, int], dim: int, in_channels: int,
-                 image_size: int, dropout: float = 0.0) -> None:
+                 image_size: int) -> None:
         super().__init__(dim, in_channels, image_size)
         if image_size != self.input_size:
             raise ValueError(f"iresnet expects {self.input_size}x{self.input_size} aligned faces "
@@ -172,7 +173,6 @@ class IResNet(Backbone):
             in_width = width
         self.stages = nn.Sequential(*stages)
         self.bn = nn.BatchNorm2d(in_width, eps=1e-5)
-        self.dropout = nn.Dropout(p=dropout)
         final_map = self.input_size // 2 ** len(self.widths)
         self.fc = nn.Linear(in_width * final_map * final_map, dim)
         self.features = nn.BatchNorm1d(dim, eps=1e-5)
@@ -184,8 +184,7 @@ class IResNet(Backbone):
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         maps = self.bn(self.stages(self.stem(images)))
-        flat = self.dropout(torch.flatten(maps, 1))
-        return _embedding_layer(flat, self.fc, self.features)
+        return _embedding_layer(torch.flatten(maps, 1), self.fc, self.features)
 
 
 class BackboneKind(StrEnum):

@@ -51,7 +51,7 @@ class Evaluator:
         self.amp, self.show_progress = amp, show_progress
 
     @torch.no_grad()
-    def embed(self, dataset: Dataset, max_samples: int | None = None, flipped: bool = False
+    def embed(self, dataset: Dataset, flipped: bool = False
               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(features float32 (b, dim) on CPU, labels int64 (b,)) batches of ``dataset`` in id
         order, embedded in eval mode (the backbone's mode is restored after); ``flipped``: each
@@ -61,7 +61,6 @@ class Evaluator:
         # Loaded in this process: worker processes forked here would inherit the training
         # loader's live iterator, whose finaliser then fails noisily in the child.
         loader = DataLoader(dataset, batch_size=512, num_workers=0, collate_fn=collate)
-        seen = 0
         try:
             bar = tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True,
                        disable=not (self.show_progress and sys.stderr.isatty()))
@@ -72,9 +71,6 @@ class Evaluator:
                     if flipped:
                         features = features.float() + self.backbone(inputs.flip(-1)).float()
                 yield features.float().cpu(), labels
-                seen += labels.numel()
-                if max_samples and seen >= max_samples:
-                    break
         finally:
             self.backbone.train(was_training)
 
@@ -93,12 +89,12 @@ class Evaluator:
         return ((ids, torch.where((counts[ids] > 0)[:, None], means[ids], rows.float()))
                 for ids, rows in self.client.scan(self.table))
 
-    def evaluate(self, max_samples: int | None = None, rows: str = "trained") -> dict:
+    def evaluate(self, rows: str = "trained") -> dict:
         """``{"top1", "top5", "samples"}`` of the test split by nearest class row (empty
         without a test split); ``rows``: the row source, as in :meth:`row_blocks`."""
         if self.test_set is None:
             return {}
-        batches = list(self.embed(self.test_set, max_samples))
+        batches = list(self.embed(self.test_set))
         features = torch.cat([f for f, _ in batches])
         labels = torch.cat([y for _, y in batches])
         ids, _ = nearest_classes(features, self.row_blocks(rows), 5)

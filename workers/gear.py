@@ -203,11 +203,10 @@ class SlowGear:
         self.counts.slow_steps += 1
         return k
 
-    def run_once(self, source: GradientSource, lr: float, block_ms: int = 0) -> int:
-        """Read up to ``max_items`` ready means, apply them at learning rate ``lr``, ack them.
-        Returns how many were read (applied or rejected); 0 when nothing was ready within
-        ``block_ms``."""
-        batch = source.read(self.max_items, block_ms)
+    def run_once(self, source: GradientSource, lr: float) -> int:
+        """Read up to ``max_items`` means ready now, apply them at learning rate ``lr``, ack
+        them. Returns how many were read (applied or rejected); 0 when none was ready."""
+        batch = source.read(self.max_items)
         if not len(batch):
             return 0
         self.apply(batch, lr)

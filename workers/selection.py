@@ -1,12 +1,12 @@
 """Active-class selection for one training step (KNN softmax's selection algorithm;
 PartialFC's sampling; docs/references.md).
 
-Both samplers share one signature so a head can swap them:
-``(labels, neighbors, budget, generator, num_classes) -> (active, remapped_labels)``.
+``select_weighted(labels, neighbors, budget, generator, num_classes)`` picks them for both
+heads (PartialFC's passes no neighbors) and returns a :class:`Selection`:
 
 * ``active``: (A,) int64 class ids, sorted ascending, unique; the rows the step pulls.
-* ``remapped_labels``: (B,) int64 with ``active[remapped_labels] == labels``: the target
-  column of each sample in the (B, A) logits.
+* ``target``: (B,) int64 with ``active[target] == labels``: the target column of each sample
+  in the (B, A) logits.
 
 Neighbor lists come dense: (B, k) int64 in rank order, -1 padding a short list (a table lookup
 result becomes this with ``ams.shard.neighbor_lists.lists_to_dense``).
@@ -46,14 +46,14 @@ class Selection:
     log_weight: Tensor
 
 
-def select_active(
+def select_weighted(
     labels: Tensor,
     neighbors: Tensor | None,
     budget: int,
     generator: torch.Generator,
     num_classes: int,
     random_share: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+) -> Selection:
     """KNN-softmax active classes: labels, then neighbors by rank, then uniform random fill.
 
     Priority order: every label; then rank-1 neighbors of all labels, then rank-2, ...
@@ -66,29 +66,16 @@ def select_active(
     Args:
         labels: (B,) int64 in 0..num_classes-1.
         neighbors: (B, k) int64 rank-ordered lists of the labels' classes, -1 padding, or
-            None (labels + random fill only).
+            None (labels + random fill only: PartialFC's sampling).
         budget: target number of active classes A.
         generator: source of the random fill (CPU generator).
         Tensors are CPU tensors.
         num_classes: N.
         random_share: fraction in [0, 1] of the negative slots given to random classes.
 
-    Returns (active (A,) int64 sorted unique, remapped_labels (B,) int64); ``select_weighted``
-    returns the same with each class's sampling weight.
+    Returns the :class:`Selection`: the active classes, each label's column, and each
+    class's sampling weight.
     """
-    selection = select_weighted(labels, neighbors, budget, generator, num_classes, random_share)
-    return selection.active, selection.target
-
-
-def select_weighted(
-    labels: Tensor,
-    neighbors: Tensor | None,
-    budget: int,
-    generator: torch.Generator,
-    num_classes: int,
-    random_share: float = 0.0,
-) -> Selection:
-    """``select_active`` (same arguments, same draws) returning a :class:`Selection`."""
     _check_ids("labels", labels, 1, num_classes)
     if neighbors is None:
         order = labels
@@ -169,19 +156,6 @@ def _choose(order: np.ndarray, num_labels: int, budget: int, generator: torch.Ge
         log_weight[torch.searchsorted(active, torch.from_numpy(fill))] = \
             float(np.log(pool / fill.size))
     return active, log_weight
-
-
-def select_partial(
-    labels: Tensor,
-    neighbors: Tensor | None,
-    budget: int,
-    generator: torch.Generator,
-    num_classes: int,
-) -> tuple[Tensor, Tensor]:
-    """PartialFC active classes: every label plus distinct uniformly random other classes up
-    to ``budget``. ``neighbors`` is ignored (present so heads can swap samplers). Same
-    returns as ``select_active``."""
-    return select_active(labels, None, budget, generator, num_classes)
 
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:

@@ -101,13 +101,13 @@ class TopkCompressor:
     momentum, applied here instead of in the optimizer; weight_decay: the backbone's SGD
     weight decay, every parameter's, likewise added here; warmup_steps: steps over which the
     density falls from 1 to ``density`` (``warmup_density``);
-    dense_below: layers with fewer entries always go dense; group: the process group (None:
-    the default group).
+    dense_below: layers with fewer entries always go dense. The ranks are those of the
+    default process group.
     """
 
     def __init__(self, model: nn.Module, *, density: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, warmup_steps: int = 0, dense_below: int = 128,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 weight_decay: float = 0.0, warmup_steps: int = 0,
+                 dense_below: int = 128) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density={density} must be in (0, 1]")
         if not 0.0 <= momentum < 1.0:
@@ -119,7 +119,6 @@ class TopkCompressor:
                              "must be >= 0")
         self.density, self.momentum, self.weight_decay = density, momentum, weight_decay
         self.warmup_steps, self.dense_below = warmup_steps, dense_below
-        self.group = group
         self.step = 0  # completed steps; the hook of a step's last bucket advances it
         self.counters = CommCounters()
         self._names = {p: name for name, p in model.named_parameters()}
@@ -132,7 +131,7 @@ class TopkCompressor:
         """``DistributedDataParallel.register_comm_hook(None, compressor.hook)``: returns a
         future of the bucket's averaged (momentum-corrected) gradient, (n,) like the bucket."""
         buffer = bucket.buffer()
-        world = dist.get_world_size(self.group)
+        world = dist.get_world_size()
         density = warmup_density(self.step, self.density, self.warmup_steps)
         dense_phase = density >= DENSE_FROM
         dense: list[tuple[str, int, Tensor]] = []
@@ -160,15 +159,13 @@ class TopkCompressor:
         dense_flat = None
         if dense:
             dense_flat = torch.cat([flat for _, _, flat in dense])
-            futures.append(dist.all_reduce(dense_flat, group=self.group,
-                                           async_op=True).get_future())
+            futures.append(dist.all_reduce(dense_flat, async_op=True).get_future())
             self.counters.bytes_sent += dense_flat.numel() * dense_flat.element_size()
         gathered: list[Tensor] = []
         if sparse_ids:
             packet = _pack(torch.cat(sparse_ids), torch.cat(sparse_values))
             gathered = [torch.empty_like(packet) for _ in range(world)]
-            futures.append(dist.all_gather(gathered, packet, group=self.group,
-                                           async_op=True).get_future())
+            futures.append(dist.all_gather(gathered, packet, async_op=True).get_future())
             self.counters.bytes_sent += packet.numel()
         if bucket.is_last():
             self.step += 1
