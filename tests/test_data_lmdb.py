@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from workers.data import lmdb_dataset
 from workers.data.class_names import NumberedClasses
 from workers.data.errors import DatasetError
 from workers.data.lmdb_dataset import (
@@ -28,11 +29,17 @@ from workers.data.lmdb_dataset import (
 )
 
 
+@pytest.fixture(autouse=True)
+def small_write_batches(monkeypatch):
+    """Seven records a transaction: a dataset of these tests takes several commits."""
+    monkeypatch.setattr(lmdb_dataset, "WRITE_BATCH_RECORDS", 7)
+
+
 def _write(path, images, labels, channels=1, num_classes=5, **kw):
     h, w = images.shape[1:3]
     with LmdbImageWriter(path, height=h, width=w, channels=channels,
                          class_names=[f"c{i}" for i in range(num_classes)], split="train",
-                         batch_size=7, **kw) as writer:
+                         **kw) as writer:
         for image, label in zip(images, labels, strict=True):
             writer.add(image, int(label))
     return writer.close_metadata

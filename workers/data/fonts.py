@@ -109,9 +109,9 @@ class FontFile:
         return f"{self.path}|{self.design.face_index}|{self.mtime_ns}|{self.size}"
 
 
-def find_fonts(font_dirs: tuple[str | Path, ...] = DEFAULT_FONT_DIRS,
-               designs: tuple[Design, ...] = DESIGNS) -> list[FontFile]:
-    """The designs present under ``font_dirs`` (searched recursively), in ``designs`` order.
+def find_fonts(font_dirs: tuple[str | Path, ...] = DEFAULT_FONT_DIRS) -> list[FontFile]:
+    """The designs of ``DESIGNS`` present under ``font_dirs`` (searched recursively), in
+    ``DESIGNS`` order.
 
     Raises DatasetError naming the packages and the setup command when none are found.
     """
@@ -122,7 +122,7 @@ def find_fonts(font_dirs: tuple[str | Path, ...] = DEFAULT_FONT_DIRS,
             for path in sorted(root.rglob("*")):
                 by_name.setdefault(path.name, path)
     found = []
-    for design in designs:
+    for design in DESIGNS:
         path = by_name.get(design.file)
         if path is not None and path.is_file():
             st = path.stat()

@@ -2,8 +2,8 @@
 
 Fonts use their em box very differently, so each (font, script) gets a scale from the coverage
 scan: ``extent`` is the median ink extent (max of ink width and height) of its glyphs as a
-fraction of the font size. A glyph is drawn at ``size * fill / extent`` pixels, so a typical glyph
-fills ``fill`` of the image, and centred on its ink box (not on the advance box, which differs
+fraction of the font size. A glyph is drawn at ``size * FILL / extent`` pixels, so a typical glyph
+fills ``FILL`` of the image, and centred on its ink box (not on the advance box, which differs
 between fonts).
 """
 
@@ -15,8 +15,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFont
 
-# How much of the image a typical glyph's ink box should span.
-DEFAULT_FILL = 0.86
+# How much of the image a typical glyph's ink box should span: at 0.86 the largest training
+# variant (scale 1.08, a pixel's shift) still spans 0.93 of it, inside the image.
+FILL = 0.86
+# Font size (px) ink_extent measures at: a pixel of rounding is under 2 % of a typical extent.
+EXTENT_FONT_PX = 64
 # Ink below this (0..255) counts as background when finding the ink box.
 INK_THRESHOLD = 32
 
@@ -74,14 +77,13 @@ class GlyphRenderer:
     Args:
         path, face_index: the font file and face inside a collection.
         size: output image side in pixels.
-        extent: typical ink extent as a fraction of the font size (from the coverage scan).
-        fill: fraction of ``size`` a typical glyph's ink box should span.
+        extent: typical ink extent as a fraction of the font size (from the coverage scan);
+            a typical glyph's ink box spans ``FILL`` of ``size``.
     """
 
-    def __init__(self, path: str | Path, face_index: int, size: int, extent: float,
-                 fill: float = DEFAULT_FILL) -> None:
+    def __init__(self, path: str | Path, face_index: int, size: int, extent: float) -> None:
         self.path, self.face_index, self.size = str(path), face_index, size
-        self.base_px = size * fill / extent
+        self.base_px = size * FILL / extent
         self._fonts: dict[int, ImageFont.FreeTypeFont] = {}
 
     def _font(self, px: int) -> ImageFont.FreeTypeFont:
@@ -95,9 +97,10 @@ class GlyphRenderer:
         return place(glyph_mask(self._font(px), code_point), self.size, variant.dy, variant.dx)
 
 
-def ink_extent(path: str | Path, face_index: int, code_points: list[int],
-               font_px: int = 64) -> float:
-    """Median ink extent (max of ink height and width) / ``font_px`` over ``code_points``."""
+def ink_extent(path: str | Path, face_index: int, code_points: list[int]) -> float:
+    """Median ink extent (max of ink height and width) / font size over ``code_points``,
+    drawn at ``EXTENT_FONT_PX``."""
+    font_px = EXTENT_FONT_PX
     font = ImageFont.truetype(str(path), font_px, index=face_index)
     extents = [max(m.shape) for m in (glyph_mask(font, cp) for cp in code_points) if m.size]
     return float(np.median(extents)) / font_px if extents else 1.0

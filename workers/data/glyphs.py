@@ -36,6 +36,9 @@ from workers.data.lmdb_dataset import LmdbImageWriter, encode_png
 # image sides a glyph is rendered at: below 8 pixels no glyph is legible, and the renderer
 # (PIL's FreeType) refuses sizes in the tens of thousands
 MIN_SIZE, MAX_SIZE = 8, 1024
+# Code points per render job: a job opens its font once, yet jobs stay small enough for the
+# workers, biggest first, to finish at about the same time.
+JOB_CODE_POINTS = 400
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +114,10 @@ def plan_classes(coverage: dict[str, DesignCoverage], num_classes: int, min_desi
 
 
 def _jobs(plans: list[ClassPlan], fonts: dict[str, FontFile], coverage: dict[str, DesignCoverage],
-          size: int, variants: int, chunk: int = 400) -> list[GlyphJob]:
-    """One job per (design, split role, chunk of code points): a worker keeps one font open."""
+          size: int, variants: int) -> list[GlyphJob]:
+    """One job per (design, split role, ``JOB_CODE_POINTS`` code points): a worker keeps one
+    font open."""
+    chunk = JOB_CODE_POINTS
     wanted: dict[tuple[str, int, str], list[int]] = {}
     for plan in plans:
         script = script_of(plan.code_point)

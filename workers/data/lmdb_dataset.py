@@ -63,6 +63,9 @@ MAX_IMAGE_SIDE = 4096
 # What PIL raises for bytes that are no image it can read, including an image declaring more
 # pixels than its decompression-bomb guard allows (not an OSError).
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+# Records an LmdbImageWriter puts in one write transaction: many images share a commit's cost,
+# and 1000 encoded images (a few MB) are little to hold in memory until it.
+WRITE_BATCH_RECORDS = 1000
 
 
 @dataclass
@@ -183,7 +186,6 @@ class LmdbImageWriter:
             as it is, not listed).
         split: e.g. ``"train"`` or ``"test"``.
         sources: free-form JSON-able description of where the images came from.
-        batch_size: records per write transaction.
         overwrite: replace an existing dataset at ``path`` (only once the new one is complete).
     """
 
@@ -193,7 +195,7 @@ class LmdbImageWriter:
 
     def __init__(self, path: str | os.PathLike, *, height: int, width: int, channels: int,
                  class_names: Sequence[str], split: str, sources: dict | None = None,
-                 batch_size: int = 1000, overwrite: bool = False) -> None:
+                 overwrite: bool = False) -> None:
         if channels not in CHANNELS_TO_PIL_MODE:
             raise DatasetError(f"channels must be 1 or 3, got {channels}")
         for name, side in (("height", height), ("width", width)):
@@ -209,7 +211,6 @@ class LmdbImageWriter:
                             else list(class_names))
         self.split = split
         self.sources = dict(sources or {})
-        self.batch_size = batch_size
         self._tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._tmp.mkdir(parents=True)
@@ -249,7 +250,7 @@ class LmdbImageWriter:
                                     zlib.crc32(data))
         self._pending.append((_key(sample_id), header + data))
         self._labels.append(label)
-        if len(self._pending) >= self.batch_size:
+        if len(self._pending) >= WRITE_BATCH_RECORDS:
             self._flush()
         return sample_id
 
