@@ -3,7 +3,9 @@
 ``shard_processes(n, ...)`` starts shards 0..n-1 of n (``python -m xcls serve shard``) side by
 side, waits until every one answers its gRPC health check, yields them, and on exit stops them
 in order: SIGTERM to all, then a wait for each, SIGKILL after ``stop_timeout``. ``xcls cluster
-up``, the integration tests, the benchmarks and the examples all start shards through it.
+up``, the integration tests, the benchmarks and the examples all start shards through it; the
+shards serve plaintext on 127.0.0.1 (the TLS and multi-host tests start ``xcls serve shard``
+as ``scripts/launch_server.sh`` does).
 
 ``ShardSupervisor`` restarts a shard that exits or hangs, on its port, up to a restart budget.
 Ports left to us come from outside the kernel's ephemeral range (``restartable_ports``), where
@@ -26,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,8 @@ from xcls.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
 
+# Where shards started from Python listen: xcls cluster up runs every role on this machine
+# (shards on several hosts are started by scripts/launch_server.sh, not from here).
 HOST = "127.0.0.1"
 POLL_S = 0.05
 # How much of a failed shard's log file its start error quotes.
@@ -88,16 +92,16 @@ def _relay(stream: IO[bytes], prefix: str) -> None:
 
 
 def spawn(name: str, cmd: Sequence[str], *, prefix: str | None = None,
-          log_path: Path | None = None, env: Mapping[str, str] | None = None) -> Child:
-    """Start ``cmd`` in a session of its own, with ``env`` added to our environment. Its
-    output is appended to ``log_path``; else relayed to our stderr behind ``prefix``; else it
-    writes to our stdout/stderr directly."""
+          log_path: Path | None = None) -> Child:
+    """Start ``cmd`` in a session of its own, with our environment. Its output is appended to
+    ``log_path``; else relayed to our stderr behind ``prefix``; else it writes to our
+    stdout/stderr directly."""
     log.debug("spawn role=%s cmd=%s", name, " ".join(cmd))
     # the child ends with us (xcls.parent), unless this thread may end before the process
     # does: the kernel's parent-death signal follows the thread that started the child
     ours = {PARENT_PID_ENV: str(os.getpid())} \
         if threading.current_thread() is threading.main_thread() else {}
-    environ = {**os.environ, **ours, **(env or {})}
+    environ = {**os.environ, **ours}
     if log_path is not None:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -161,17 +165,15 @@ def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = F
 # ---- shards ------------------------------------------------------------------------------
 
 
-def shard_serving(address: str, *, tls_ca: bytes | None = None, timeout: float = 2.0) -> bool:
-    """Whether the shard at ``address`` answers its gRPC health check with SERVING (health
-    checks need no auth token; ``tls_ca``: the CA of a TLS shard)."""
+def shard_serving(address: str, *, timeout: float = 2.0) -> bool:
+    """Whether the plaintext shard at ``address`` answers its gRPC health check with SERVING
+    (health checks need no auth token)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from ams.limits import SHARD_SERVICE_NAME
 
-    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca)) \
-        if tls_ca is not None else grpc.insecure_channel(address)
-    with channel:
+    with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SHARD_SERVICE_NAME), timeout=timeout)
@@ -211,17 +213,19 @@ def restartable_ports(host: str, count: int) -> list[int]:
 
 
 class ShardProcess:
-    """Shard ``shard_id`` of ``num_shards`` as an ``xcls serve shard`` process; ``address``
-    once it is serving. It can be killed and started again on the same port (``kill9``,
-    ``start``), as a crash and a restart would."""
+    """Shard ``shard_id`` of ``num_shards`` as an ``xcls serve shard`` process on ``HOST``;
+    ``address`` once it is serving. It can be killed and started again on the same port
+    (``kill9``, ``start``), as a crash and a restart would; ``start`` and ``terminate`` take
+    the ``ready_timeout`` and ``stop_timeout`` of the ``shard_processes`` that made it."""
 
-    def __init__(self, shard_id: int, num_shards: int, *, host: str, port: int,
-                 data_dir: Path | None, port_file: Path, xcls_flags: Sequence[str],
-                 options: Sequence[str], log_path: Path | None, tls_ca: bytes | None) -> None:
+    def __init__(self, shard_id: int, num_shards: int, *, port: int, data_dir: Path | None,
+                 port_file: Path, xcls_flags: Sequence[str], options: Sequence[str],
+                 log_path: Path | None, ready_timeout: float, stop_timeout: float) -> None:
         self.shard_id, self.num_shards = shard_id, num_shards
-        self.host, self.port, self.data_dir = host, port, data_dir
-        self.port_file, self.log_path, self.tls_ca = port_file, log_path, tls_ca
+        self.port, self.data_dir = port, data_dir
+        self.port_file, self.log_path = port_file, log_path
         self.xcls_flags, self.options = list(xcls_flags), list(options)
+        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
         self.child: Child | None = None
 
     @property
@@ -230,7 +234,7 @@ class ShardProcess:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{HOST}:{self.port}"
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -243,7 +247,7 @@ class ShardProcess:
         """Start the process (on the port it had, after a restart); see ``wait_serving``."""
         self.port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "xcls", *self.xcls_flags, "serve", "shard", "--shard-id",
-               str(self.shard_id), "--num-shards", str(self.num_shards), "--host", self.host,
+               str(self.shard_id), "--num-shards", str(self.num_shards), "--host", HOST,
                "--port", str(self.port), "--port-file", str(self.port_file), *self.options]
         prefix = None if self.log_path is not None else f"[{self.name}] "
         self.child = spawn(self.name, cmd, prefix=prefix, log_path=self.log_path)
@@ -266,7 +270,7 @@ class ShardProcess:
                                         f"{timeout:.0f}s{self._output('')}")
             if self.port_file.exists():
                 port = int(self.port_file.read_text())
-                if shard_serving(f"{self.host}:{port}", tls_ca=self.tls_ca):
+                if shard_serving(f"{HOST}:{port}"):
                     self.port = port
                     return
             if cancel is not None:
@@ -274,10 +278,10 @@ class ShardProcess:
             else:
                 time.sleep(POLL_S)
 
-    def start(self, timeout: float = 60.0) -> ShardProcess:
-        """``launch``, then ``wait_serving`` up to ``timeout`` seconds."""
+    def start(self) -> ShardProcess:
+        """``launch``, then ``wait_serving`` up to ``ready_timeout`` seconds."""
         self.launch()
-        self.wait_serving(timeout)
+        self.wait_serving(self.ready_timeout)
         return self
 
     def kill9(self) -> None:
@@ -286,9 +290,9 @@ class ShardProcess:
         self.proc.wait(10)
         self.child.signalled = True
 
-    def terminate(self, timeout: float = 30.0) -> int:
-        """Stop it (SIGTERM, SIGKILL after ``timeout`` seconds); its exit code."""
-        stop([self.child], timeout)
+    def terminate(self) -> int:
+        """Stop it (SIGTERM, SIGKILL after ``stop_timeout`` seconds); its exit code."""
+        stop([self.child], self.stop_timeout)
         return self.proc.returncode
 
     def log(self) -> str:
@@ -350,8 +354,7 @@ class ShardSupervisor:
         if not probe:
             return None
         now = time.monotonic()
-        if shard_serving(shard.address, tls_ca=shard.tls_ca,
-                         timeout=min(HEALTH_TIMEOUT_S, self.hang_timeout)):
+        if shard_serving(shard.address, timeout=min(HEALTH_TIMEOUT_S, self.hang_timeout)):
             self._last_answer[shard.shard_id] = now
             return None
         silent = now - self._last_answer[shard.shard_id]
@@ -376,25 +379,25 @@ class ShardSupervisor:
 
 
 @contextmanager
-def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str = HOST,
+def shard_processes(num_shards: int, *, data_dir: Path | None = None,
                     ports: Sequence[int] | None = None, token_file: Path | str | None = None,
-                    tls: tuple[Path, Path] | None = None, extra_args: Sequence[str] = (),
-                    xcls_flags: Sequence[str] = (), log_dir: Path | None = None,
+                    extra_args: Sequence[str] = (), xcls_flags: Sequence[str] = (),
+                    log_dir: Path | None = None,
                     ready_timeout: float = 60.0, stop_timeout: float = 30.0,
                     cancel: StopRequest | None = None,
                     metrics_ports: Sequence[int] | None = None) -> Iterator[list[ShardProcess]]:
-    """Shards 0..``num_shards``-1 as processes, serving; stopped in order on exit.
+    """Shards 0..``num_shards``-1 as processes on ``HOST``, serving; stopped in order on exit.
 
     data_dir: their snapshot directory (``--data-dir``; None: they cannot snapshot); ports:
     shard i listens on ``ports[i]`` (None: ``restartable_ports``); token_file: the shared
-    secret clients must send; tls: (certificate chain, private key) PEM files, the
-    certificate also serving as the CA of the health checks; extra_args: more ``xcls serve
-    shard`` options (e.g. ``["--restore", "latest"]``); xcls_flags: global ``xcls`` options
-    (e.g. ``["-q"]``); log_dir: append each shard's output to ``shard-I-of-N.log`` there
-    (None: relay it to our stderr, each line behind ``[shard-I]``). ready_timeout: seconds
-    for all of them to start serving (ShardStartTimeout); a shard that exits while starting
-    raises ShardStartError, and a set ``cancel`` StartCancelled (the shards started so
-    far are stopped first). stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+    secret clients must send; extra_args: more ``xcls serve shard`` options (e.g.
+    ``["--restore", "latest"]``; no TLS: the health checks are plaintext); xcls_flags: global
+    ``xcls`` options (e.g. ``["-q"]``); log_dir: append each shard's output to
+    ``shard-I-of-N.log`` there (None: relay it to our stderr, each line behind
+    ``[shard-I]``). ready_timeout: seconds for all of them to start serving
+    (ShardStartTimeout); a shard that exits while starting raises ShardStartError, and a set
+    ``cancel`` StartCancelled (the shards started so far are stopped first). stop_timeout:
+    seconds to wait after SIGTERM before SIGKILL.
     metrics_ports: shard i serves Prometheus metrics on ``metrics_ports[i]`` (None: none).
     """
     if ports is not None and len(ports) != num_shards:
@@ -404,16 +407,14 @@ def shard_processes(num_shards: int, *, data_dir: Path | None = None, host: str 
         options += ["--data-dir", str(data_dir)]
     if token_file:
         options += ["--auth-token-file", str(token_file)]
-    if tls is not None:
-        options += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
     options += extra_args
-    tls_ca = Path(tls[0]).read_bytes() if tls is not None else None
     with tempfile.TemporaryDirectory(prefix="xcls-shards-") as port_dir:
         if ports is None:
-            ports = restartable_ports(host, num_shards)
-        shards = [ShardProcess(s, num_shards, host=host, port=ports[s],
+            ports = restartable_ports(HOST, num_shards)
+        shards = [ShardProcess(s, num_shards, port=ports[s],
                                data_dir=data_dir, port_file=Path(port_dir) / f"port-{s}",
-                               xcls_flags=xcls_flags, tls_ca=tls_ca,
+                               xcls_flags=xcls_flags, ready_timeout=ready_timeout,
+                               stop_timeout=stop_timeout,
                                options=[*options, "--metrics-port", str(metrics_ports[s])]
                                if metrics_ports else options,
                                log_path=log_dir / f"shard-{s}-of-{num_shards}.log"

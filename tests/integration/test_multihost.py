@@ -94,8 +94,8 @@ class Network:
     def start(self, host: str, name: str, argv: list[str], log_path: Path) -> Child:
         """``argv`` on ``host`` (cwd: the repository, as a clone on that host), output to
         ``log_path``."""
-        child = spawn(name, ["ip", "netns", "exec", f"{self.prefix}-{host}", *argv],
-                      log_path=log_path, env={"PYTHON": sys.executable})
+        child = spawn(name, ["ip", "netns", "exec", f"{self.prefix}-{host}", "env",
+                             f"PYTHON={sys.executable}", *argv], log_path=log_path)
         self.children.append(child)
         return child
 

@@ -28,6 +28,7 @@ from ams.wire import codec
 from tests.conftest import wait_until
 from xcls.config import load_config
 from xcls.run import connect_ams
+from xcls.shards import spawn, stop
 
 N, D = 1000, 16
 
@@ -521,34 +522,46 @@ def test_restore_of_corrupt_only_snapshot_refuses_to_start(shard_cluster, tmp_pa
     assert "manifest unreadable" in out.stderr
 
 
-def test_tls_and_token(shard_cluster, tmp_path):
+def test_tls_and_token(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     token_file = tmp_path / "token"
     token_file.write_text("t0k3n")
-    (proc,) = shard_cluster(1, tls=(cert, key), token_file=token_file)
-    client = ams.connect([proc.address], tls_ca=cert.read_bytes(), token="t0k3n")
-    client.create_table("fc", num_rows=10, dim=4)
-    assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)
-    # rows stay in the TLS stream: no shared buffer bypasses it
-    assert client.arena is None
-    assert {shard.piece_bytes for shard in client.shards} == {PIECE_BYTES}
-    client.close()
-    with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
-        ams.connect([proc.address], token="t0k3n", ready_timeout=2)
-    # The commands and the trainer reach TLS shards too: --tls-ca, ams.tls_ca_file.
-    built = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams",
-                            proc.address, "--table", "fc", "--k", "3", "--tls-ca", str(cert),
-                            "--auth-token-file", str(token_file), "--no-progress"],
-                           capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    cfg = load_config(None, [f"ams.addresses=['{proc.address}']", f"ams.tls_ca_file={cert}",
-                             f"ams.token_file={token_file}"])
-    trainer_client = connect_ams(cfg, tmp_path, "t0k3n", tls_ca=cert.read_bytes())
-    assert trainer_client.neighbors("fc", torch.tensor([4])).shape == (1, 3)  # the built graph
-    trainer_client.close()
+    # Started as scripts/launch_server.sh starts a TLS shard (xcls cluster up's shards serve
+    # plaintext on 127.0.0.1); its port file appears once it serves.
+    port_file, log_path = tmp_path / "port", tmp_path / "shard.log"
+    shard = spawn("shard-0", [sys.executable, "-m", "xcls", "-q", "serve", "shard",
+                              "--shard-id", "0", "--num-shards", "1", "--port-file",
+                              str(port_file), "--tls-cert", str(cert), "--tls-key", str(key),
+                              "--auth-token-file", str(token_file)], log_path=log_path)
+    try:
+        wait_until(port_file.exists, "the TLS shard's port file", 60, alive=[shard.proc],
+                   why=lambda: log_path.read_text(errors="replace"))
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        client = ams.connect([address], tls_ca=cert.read_bytes(), token="t0k3n")
+        client.create_table("fc", num_rows=10, dim=4)
+        assert client.pull("fc", torch.tensor([1, 9])).shape == (2, 4)
+        # rows stay in the TLS stream: no shared buffer bypasses it
+        assert client.arena is None
+        assert {remote.piece_bytes for remote in client.shards} == {PIECE_BYTES}
+        client.close()
+        with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never connects
+            ams.connect([address], token="t0k3n", ready_timeout=2)
+        # The commands and the trainer reach TLS shards too: --tls-ca, ams.tls_ca_file.
+        built = subprocess.run([sys.executable, "-m", "xcls", "graph", "build", "--ams",
+                                address, "--table", "fc", "--k", "3", "--tls-ca", str(cert),
+                                "--auth-token-file", str(token_file), "--no-progress"],
+                               capture_output=True, text=True, timeout=120)
+        assert built.returncode == 0, built.stderr
+        cfg = load_config(None, [f"ams.addresses=['{address}']", f"ams.tls_ca_file={cert}",
+                                 f"ams.token_file={token_file}"])
+        trainer_client = connect_ams(cfg, tmp_path, "t0k3n", tls_ca=cert.read_bytes())
+        assert trainer_client.neighbors("fc", torch.tensor([4])).shape == (1, 3)  # the graph
+        trainer_client.close()
+    finally:
+        stop([shard], 30)
 
 
 def test_a_restoring_shard_says_not_serving_and_refuses_calls_until_ready():
