@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 # (shards on several hosts are started by scripts/launch_server.sh, not from here).
 HOST = "127.0.0.1"
 POLL_S = 0.05
+# Seconds a stopped child's output relay may take to pass on what it still had to say.
+RELAY_DRAIN_S = 5.0
 # How much of a failed shard's log file its start error quotes.
 LOG_TAIL_CHARS = 4000
 # How often a supervisor asks each shard's health, and how long one answer may take (a busy
@@ -134,7 +136,8 @@ def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = F
     before it was asked to stop. Children already stopped by an earlier call are skipped.
 
     ``signal_children``: signal the processes each child started instead of the child itself,
-    for a launcher that exits cleanly once they do.
+    for a launcher that exits cleanly once they do; past the timeout they get SIGKILL with it
+    (torchrun starts its workers in sessions of their own, and they would outlive it).
     """
     children = [c for c in children if not c.reported]
     for child in children:
@@ -151,11 +154,20 @@ def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = F
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.error("stop_timeout role=%s pid=%d; sending SIGKILL", child.name, child.proc.pid)
+            stuck = _child_pids(child.proc.pid) if signal_children else []
+            log.error("stop_timeout role=%s pid=%d children=%s; sending SIGKILL", child.name,
+                      child.proc.pid, stuck)
+            for pid in stuck:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             child.proc.kill()
             child.proc.wait()
         if child.relay is not None:
-            child.relay.join()
+            # what the child still had to say; a process of its own that still holds the
+            # pipe (a DataLoader worker on its way out) must not hold the stop
+            child.relay.join(RELAY_DRAIN_S)
         failed = child.proc.returncode != 0 and not child.signalled
         log.log(logging.WARNING if failed else logging.INFO, "stopped role=%s exit_code=%d",
                 child.name, child.proc.returncode)
@@ -268,11 +280,13 @@ class ShardProcess:
             if time.monotonic() > deadline:
                 raise ShardStartTimeout(f"shard {self.shard_id} was not serving after "
                                         f"{timeout:.0f}s{self._output('')}")
-            if self.port_file.exists():
+            try:
                 port = int(self.port_file.read_text())
-                if shard_serving(f"{HOST}:{port}"):
-                    self.port = port
-                    return
+            except FileNotFoundError:  # not serving yet, or stopped again: the shard removes it
+                port = None
+            if port is not None and shard_serving(f"{HOST}:{port}"):
+                self.port = port
+                return
             if cancel is not None:
                 cancel.wait(POLL_S)
             else:
