@@ -144,6 +144,20 @@ def in_position_order(store, name: str = "fc") -> tuple[torch.Tensor, torch.Tens
     copy = store.copy_table(name)
     return copy.rows, copy.state, copy.row_clock
 
+def record_push_rates(client) -> list[float]:
+    """The ``lr`` of each push made through ``client`` from now on, in order (the client's
+    own ``push`` still does the work)."""
+    rates: list[float] = []
+    push = client.push
+
+    def recording_push(table, ids, grads, **kwargs):
+        rates.append(kwargs["lr"])
+        return push(table, ids, grads, **kwargs)
+
+    client.push = recording_push
+    return rates
+
+
 STORAGES = ["memory", "mmap"]
 
 

@@ -188,11 +188,14 @@ def test_ranks_push_their_shares_of_the_global_batch_update(tmp_path, world):
                                               range(world)])) for s in range(STEPS)]
         pushed = sum(int((u % world == rank).sum()) for u in union_mine)
         own = sum(ids.numel() for ids, _ in steps)
+        # what the other ranks hold of this rank's share, step by step
+        received = sum(int((ids % world == rank).sum()) for q in range(world) if q != rank
+                       for ids, _ in rank_updates(q, world))
         assert t["fc"] == RowTraffic(
             own_rows=own, own_bytes=own * row_bytes,
             sent_rows=own - sum(m.numel() for m in mine),
             sent_bytes=(own - sum(m.numel() for m in mine)) * row_bytes,
-            received_rows=t["fc"].received_rows, received_bytes=t["fc"].received_rows * row_bytes,
+            received_rows=received, received_bytes=received * row_bytes,
             pushed_rows=pushed, pushed_bytes=pushed * row_bytes)
     # nothing is lost or made up in the exchange, and no rank pushes more than a share: the
     # funnel through rank 0 pushed every rank's rows

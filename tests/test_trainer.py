@@ -20,11 +20,11 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import record_push_rates
 from workers.checkpoint import CheckpointError
 from workers.data.importers import import_pairs_bin
 from workers.data.lmdb_dataset import LmdbImageDataset
 from workers.predict import Classifier
-from workers.schedule import lr_at
 from xcls.cli import main
 from xcls.config import ConfigError, load_config
 from xcls.run import build_run
@@ -95,10 +95,19 @@ def test_short_run_learns_and_exports(glyphs_small, tmp_path):
     assert graph_rows[0]["turnover"] == ""
     assert all(0 < float(r["turnover"]) <= 1 for r in graph_rows[1:]), graph_rows
     # every push carried its step's weight-decay clock, so the AMS clock is the total decay
-    # the dense optimizer would have applied: sum over steps of -log(1 - head_lr * wd)
-    head_lrs = [lr_at(t, cfg.optim.effective_head_lr(), cfg.optim.warmup_steps, 120, "cosine")
-                for t in range(120)]
-    total_decay = sum(-math.log1p(-lr * cfg.optim.head_weight_decay) for lr in head_lrs)
+    # the dense optimizer would have applied: sum over steps of -log(1 - row_lr * wd). The rows'
+    # rate by hand: optim.head_lr unset, so the backbone's steady momentum step
+    # lr / (1 - momentum) (the rows take none); linear over the 10 warm-up steps (the automatic
+    # row warm-up, 3 * 120 / 64 steps, is shorter), then half a cosine to 0 at step 120.
+    peak = cfg.optim.lr / (1 - cfg.optim.momentum)
+
+    def row_lr(t: int) -> float:
+        if t < 10:
+            return peak * (t + 1) / 10
+        return peak * 0.5 * (1 + math.cos(math.pi * (t - 10) / 110))
+
+    assert (cfg.optim.head_lr, cfg.optim.head_momentum, cfg.optim.warmup_steps) == (0, 0, 10)
+    total_decay = sum(-math.log1p(-row_lr(t) * cfg.optim.head_weight_decay) for t in range(120))
     clock = max(s["tables"]["fc"]["decay_clock"] for s in run.client.stats())
     assert clock == pytest.approx(total_decay, rel=1e-12)
 
@@ -235,12 +244,18 @@ def test_a_growing_batch_scales_the_learning_rates_of_its_epochs(glyphs_small, t
         cfg = load_config(None, overrides(glyphs_small, tmp_path / f"run-{scaling}", **{
             "train.batch_schedule": "[32, 64]", "train.batch_lr_scaling": scaling,
             "train.epochs": 3, "optim.warmup_steps": 0, "optim.head_warmup_steps": 0,
-            "optim.schedule": "constant", "optim.head_lr": 0.2}))
-        trainer = build_run(cfg).trainer
-        first = n // 32
-        assert trainer.total_steps == first + 2 * (n // 64)
-        assert trainer.rows.lrs == [0.2] * first + [0.2 * factor] * (2 * (n // 64))
-        assert trainer._lr(first - 1) == 0.1 and trainer._lr(first) == 0.1 * factor
+            "optim.schedule": "constant", "optim.head_lr": 0.2, "train.log_every": 1,
+            "data.test": ""}))
+        run = build_run(cfg)
+        first, then = n // 32, 2 * (n // 64)
+        assert run.trainer.total_steps == first + then
+        pushed = record_push_rates(run.client)
+        run.trainer.train()
+        # the rows' rate each step pushed with, and the backbone's each step logged
+        assert pushed == [0.2] * first + [0.2 * factor] * then
+        with open(tmp_path / f"run-{scaling}" / "train.csv", newline="") as f:
+            logged = [float(row["lr"]) for row in csv.DictReader(f)]
+        assert logged == [0.1] * first + [0.1 * factor] * then
 
 
 def final_state(out: Path, step: int):
