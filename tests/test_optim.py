@@ -23,7 +23,7 @@ def test_the_kernel_is_built():
     push takes the slower torch update, and the compiled tests here skip."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this host")
-    assert optim._kernels is not None
+    import ams.shard._kernels  # noqa: F401  (an ImportError fails the test)
 
 
 def reference(rows, state, positions, grads, lr, momentum, wd, catch_up):
