@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ams.cluster.plan import budget_for_sample_rate
-from workers.selection import select_weighted
+from workers.selection import select_in_slice, select_weighted
 
 BIG = 5_000_000_000
 
@@ -114,12 +115,56 @@ def test_random_share_draws_uniform_classes():
 @settings(max_examples=100, deadline=None)
 @given(batch=batches(), share=st.floats(0.0, 1.0))
 def test_only_random_classes_carry_a_log_weight(batch, share):
+    # The documented rule (Selection.log_weight): the classes taken for sure, the labels and
+    # then the priority order's next classes in the negative slots not given to random
+    # classes, weigh exactly 0; every other active class was drawn uniformly from the pool of
+    # classes left over once the sure ones are out, and weighs log(pool / drawn).
     num_classes, labels, neighbors, budget, seed = batch
     weighted = run(labels, neighbors, budget, seed, num_classes, share)
     assert weighted.log_weight.dtype == torch.float32
     assert weighted.log_weight.shape == weighted.active.shape
-    assert bool((weighted.log_weight[weighted.target] == 0).all())  # labels are never drawn
-    assert bool((weighted.log_weight >= 0).all())
+    distinct_labels = len(set(labels))
+    total = max(min(budget, num_classes), distinct_labels)
+    random_slots = round(share * (total - distinct_labels))
+    sure = set(priority_order(labels, neighbors)[:total - random_slots])
+    active = weighted.active.tolist()
+    assert sure <= set(active)
+    drawn = [c for c in active if c not in sure]
+    pool = num_classes - len(sure)
+    for c, w in zip(active, weighted.log_weight.tolist(), strict=True):
+        if c in sure:
+            assert w == 0.0, f"class {c} was taken for sure but weighs {w}"
+        else:
+            # the weights are float32: allow for its rounding
+            assert w == pytest.approx(math.log(pool / len(drawn)), rel=1e-6, abs=1e-7), c
+
+
+def test_a_slice_draws_uniformly_from_its_own_classes():
+    # Collective mode's slice r of W holds the classes c % W == r: its labels are taken for
+    # sure, the rest of its budget is drawn uniformly from its other classes only, each drawn
+    # class weighing log(pool / drawn) with the pool counted within the slice; the labels of
+    # other slices have no column here (target -1).
+    num_classes, world, rank = 23, 3, 1  # slice 1: 1, 4, 7, ..., 22 (8 classes)
+    labels = torch.tensor([4, 0, 2, 4, 22])  # 4 and 22 fall in slice 1
+    others = {1, 7, 10, 13, 16, 19}  # the pool: slice 1 less its labels
+    g = torch.Generator().manual_seed(4)
+    counts: collections.Counter[int] = collections.Counter()
+    draws = 3000
+    for _ in range(draws):
+        selection = select_in_slice(labels, None, 4, g, num_classes, rank, world)
+        active = selection.active.tolist()
+        assert len(active) == 4 and active == sorted(active) and {4, 22} <= set(active)
+        assert [active[t] if t >= 0 else None for t in selection.target.tolist()] == \
+            [4, None, None, 4, 22]
+        drawn = set(active) - {4, 22}
+        assert drawn <= others
+        weights = dict(zip(active, selection.log_weight.tolist(), strict=True))
+        assert weights[4] == weights[22] == 0.0
+        assert all(weights[c] == pytest.approx(math.log(6 / 2)) for c in drawn)
+        counts.update(drawn)
+    assert set(counts) == others
+    expected = draws * 2 / 6  # 1000 each; binomial sd about 26
+    assert all(abs(c - expected) < 150 for c in counts.values()), counts
 
 
 def test_log_weights_make_the_partition_estimate_unbiased():
