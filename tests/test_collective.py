@@ -1,8 +1,9 @@
 """workers.collective on 1, 2 and 3 real gloo ranks: the model-parallel softmax against a float64
-single-process reference (loss, dL/dX, the updated rows), and the slices' selections against
-what a single process selects; with the slices in host memory and as working copies on the
-compute device (``workers.device_slice``, which a GPU run uses), written back before anything
-reads them."""
+single-process reference (loss, dL/dX, the updated rows; the partial and knn heads' loss with
+logQ offsets derived here from the documented rule), and the slices' selections against a
+plain-Python priority order over a brute-force neighbor search; with the slices in host memory
+and as working copies on the compute device (``workers.device_slice``, which a GPU run uses),
+written back before anything reads them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ams
-from ams.cluster.plan import budget_for_sample_rate
 from ams.graph.build import build_graph
 from tests.conftest import free_port, set_torchrun_env
 from workers.collective import CollectiveHead, CollectiveShards
@@ -23,7 +23,6 @@ from workers.device_slice import DeviceSlice
 from workers.distributed import process_group
 from workers.losses import CombinedMarginLoss
 from workers.row_update import RowUpdater
-from workers.selection import select_weighted
 
 N, D, B = 23, 6, 4  # 23 classes: no world size here divides them evenly
 SCALE, MARGIN = 16.0, 0.35  # CosFace
@@ -75,22 +74,22 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str,
 
         partial = CollectiveHead(client, "fc", N, margin, "partial", rank=rank, world=world,
                                  sample_rate=0.5, seed=5 + rank, device_rows=rows)
-        drawn_from = partial.generator.get_state()
         dist_barrier()  # every slice has taken the full step
         now = client.pull("fc", torch.arange(N))
         step = partial.forward_backward(features[mine], partial.prepare(labels[mine]))
-        partial.generator.set_state(drawn_from)  # the same draw again, for its logQ weights
         result["partial"] = {"loss": step.loss, "active": step.active_ids,
-                             "again": vars(partial._select(labels)),
-                             "generator_state": drawn_from, "rows": now}
+                             "num_active": step.num_active, "rows": now}
 
         dist_barrier()
         if rank == 0:
             build_graph(client, "fc", 4)
         dist_barrier()
+        now = client.pull("fc", torch.arange(N))
         knn = CollectiveHead(client, "fc", N, margin, "knn", rank=rank, world=world, k=3,
                              budget=KNN_BUDGET, random_share=0.0, seed=9, device_rows=rows)
-        result["knn"] = {"active": knn._select(labels).active}
+        step = knn.forward_backward(features[mine], knn.prepare(labels[mine]))
+        result["knn"] = {"loss": step.loss, "active": step.active_ids,
+                         "num_active": step.num_active, "rows": now}
         torch.save(result, Path(out) / f"rank{rank}.pt")
         dist_barrier()
         shards.close()
@@ -121,6 +120,25 @@ def reference_step(world: int, rows: torch.Tensor, columns: torch.Tensor,
     dx, dw = torch.autograd.grad(loss, (x, w))
     accuracy = (cosine.argmax(dim=1) == target).double().mean()
     return float(loss.detach()), dx, dw, float(accuracy)
+
+
+def slice_log_weights(size: int, sure: set[int], active: list[int]) -> dict[int, float]:
+    """The logQ offset of each of one slice's ``active`` classes by the documented rule
+    (``workers.selection.Selection``, ``select_in_slice``): 0 on the classes taken for sure,
+    ``log(pool / drawn)`` on the ``drawn`` others, drawn uniformly from the ``pool`` classes of
+    the slice's ``size`` left over once the sure ones are out."""
+    drawn = [c for c in active if c not in sure]
+    pool = size - len(sure)
+    return {c: 0.0 if c in sure else math.log(pool / len(drawn)) for c in active}
+
+
+def reference_over_slices(world: int, rows: torch.Tensor, weights: dict[int, float]) -> float:
+    """The float64 loss of the softmax over every slice's active classes (the keys of
+    ``weights``) with their logQ offsets, rounded to float32 as the selection documents them
+    (a float64 offset moves the loss by ~1e-9, more than this comparison allows)."""
+    columns = torch.tensor(sorted(weights))
+    log_weight = torch.tensor([weights[c] for c in columns.tolist()], dtype=torch.float32)
+    return reference_step(world, rows.double(), columns, log_weight)[0]
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
@@ -154,32 +172,35 @@ def test_collective_heads_match_one_process_in_float64(tmp_path, world, device, 
         want = before - LR * (dw[got["active"]] + WD * before)  # dense SGD, float64
         torch.testing.assert_close(got["after"].double(), want, rtol=1e-5, atol=1e-6)
 
-    # partial: each slice draws what the single-process partial selector draws over the
-    # slice's classes with the same seed; the loss is the softmax over all slices' columns
-    # with each slice's logQ weights
-    columns = torch.cat([p["partial"]["active"] for p in parts])
-    log_weight = torch.cat([p["partial"]["again"]["log_weight"] for p in parts])
-    order = columns.argsort()
-    loss, _, _, _ = reference_step(world, parts[0]["partial"]["rows"].double(), columns[order],
-                                   log_weight[order])
+    # partial: each slice keeps its own labels and draws uniform others up to sample_rate of
+    # the slice; the loss is the softmax over all slices' columns, each drawn class offset by
+    # log(pool / drawn) of its own slice (the labels are never drawn: offset 0)
+    weights: dict[int, float] = {}
     for r, part in enumerate(parts):
-        assert part["partial"]["loss"] == pytest.approx(loss, rel=1e-12)
-        assert torch.equal(part["partial"]["again"]["active"], part["partial"]["active"])
         size = len(range(r, N, world))
-        generator = torch.Generator()
-        generator.set_state(part["partial"]["generator_state"])
-        local = labels[labels % world == r] // world
-        want = select_weighted(local, None, budget_for_sample_rate(0.5, size), generator, size)
-        assert torch.equal(part["partial"]["active"], want.active * world + r)
+        sure = {int(c) for c in labels if c % world == r}
+        active = part["partial"]["active"].tolist()
+        assert active == sorted(set(active)) and all(c % world == r for c in active)
+        # half the slice (at least one class), never fewer than the slice's labels
+        assert len(active) == max(1, int(0.5 * size), len(sure))
+        assert sure <= set(active)
+        weights |= slice_log_weights(size, sure, active)
+    assert any(w != 0 for w in weights.values())  # some class was drawn: the offsets count
+    loss = reference_over_slices(world, parts[0]["partial"]["rows"], weights)
+    for part in parts:
+        assert part["partial"]["num_active"] == len(weights)
+        assert part["partial"]["loss"] == pytest.approx(loss, rel=1e-12)
 
     # knn (random_share 0): each slice takes the first classes of the global priority order
     # (labels, then the lists' entries rank by rank) that fall in it, up to its share of the
     # budget; the lists are a brute-force float64 search (the class itself first). A slice
     # whose order runs out first (one rank: the labels' lists overlap) fills its share with
-    # distinct other classes of its own, drawn at random
-    normed = F.normalize(parts[0]["partial"]["rows"].double(), dim=1)
+    # distinct other classes of its own, drawn at random, which carry log(pool / drawn)
+    rows = parts[0]["knn"]["rows"].double()
+    normed = F.normalize(rows, dim=1)
     nearest = (normed @ normed.t()).topk(3, dim=1).indices
     priority = labels.tolist() + [int(nearest[c, j]) for j in range(3) for c in labels]
+    weights = {}
     for r, part in enumerate(parts):
         size = len(range(r, N, world))
         mine = list(dict.fromkeys(c for c in priority if c % world == r))
@@ -189,6 +210,11 @@ def test_collective_heads_match_one_process_in_float64(tmp_path, world, device, 
         assert len(active) == len(set(active)) == total
         assert set(mine[:total]) <= set(active)
         assert active == sorted(active) and all(c % world == r for c in active)
+        weights |= slice_log_weights(size, set(mine[:total]), active)
+    loss = reference_over_slices(world, rows, weights)
+    for part in parts:
+        assert part["knn"]["num_active"] == len(weights)
+        assert part["knn"]["loss"] == pytest.approx(loss, rel=1e-12)
 
 
 def test_collective_head_refuses_more_ranks_than_classes():
