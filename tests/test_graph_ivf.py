@@ -17,8 +17,8 @@ from ams.graph import IvfIndex, ivf_knn, list_recall, resolve_nlist, sample_ids
 from ams.graph import build as graph_build
 from ams.graph.build import GraphMethod, build_graph, current_graph_version, refresh_graph
 from ams.graph.ivf import load_faiss
+from tests.test_selection import priority_order
 from workers.heads import NeighborClasses
-from workers.selection import select_weighted
 
 N, D, K = 3000, 16, 10
 # float16 storage moves a unit-row score by at most about 2**-10; candidates closer than
@@ -218,11 +218,19 @@ def test_short_ivf_lists_stay_short_and_k_stays_the_graphs(rows, monkeypatch):
     assert report.recall == pytest.approx(
         brute_force_recall(padded.numpy(), exact_lists(scores, k)), abs=1e-12)
 
+    # the head's selection against the plain-Python priority order of the short lists
+    # (labels, then the lists rank by rank): a budget of 12 cuts the order (the first 12 are
+    # the active set), one of 40 takes all of it (about 30) and tops it up with random classes
     labels = torch.tensor([5, 9, 5])
-    chosen = NeighborClasses(client, "fc", n, k, 40, torch.Generator().manual_seed(0))(labels)
-    wanted = select_weighted(labels, padded[labels], 40, torch.Generator().manual_seed(0), n)
-    assert torch.equal(chosen.active, wanted.active)
-    assert torch.equal(chosen.target, wanted.target)
+    order = priority_order(labels.tolist(), lists[labels].tolist())
+    assert 12 < len(order) < 40
+    for budget in (12, 40):
+        chosen = NeighborClasses(client, "fc", n, k, budget,
+                                 torch.Generator().manual_seed(0))(labels)
+        active = chosen.active.tolist()
+        assert len(active) == len(set(active)) == budget
+        assert set(order[:budget]) <= set(active)
+        assert torch.equal(chosen.active[chosen.target], labels)
 
     moved = torch.tensor([3, 700])
     refresh_graph(client, "fc", moved, k)

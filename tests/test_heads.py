@@ -11,9 +11,9 @@ from torch import nn
 
 import ams
 from tests.conftest import DEVICES
+from tests.test_selection import priority_order
 from workers.heads import HeadKind, build_head
 from workers.losses import CombinedMarginLoss
-from workers.selection import select_weighted
 
 N, DIM, B = 40, 16, 12
 S, M2 = 16.0, 0.5  # ArcFace at a scale that keeps float32 comparisons tight
@@ -260,17 +260,23 @@ def test_logq_correction_weights_the_uniform_draws(name):
 
 def test_knn_head_needs_a_graph_and_takes_short_lists_as_they_are():
     """No graph: the lookup fails. Lists shorter than the head's k (an IVF graph's, whose
-    probed lists held fewer rows) are -1 padded, as select_weighted takes a short list; the
-    config keeps head.k <= graph.k, so a run's lists are short only where the graph's are."""
+    probed lists held fewer rows) are taken as they are, not refused; the config keeps
+    head.k <= graph.k, so a run's lists are short only where the graph's are."""
     client = make_client()
     head = build_head("knn", client, "fc", N, arcface_margin(), k=3, budget=20, seed=7)
     labels = torch.tensor([1, 2])
     with pytest.raises(ams.AmsError):
         head.prepare(labels)
     lists = write_exact_graph(client, k=2)
-    padded = torch.cat([lists, torch.full((N, 1), -1)], dim=1)
-    want = select_weighted(labels, padded[labels], 20, torch.Generator().manual_seed(7), N)
-    assert torch.equal(head.select(labels).active, want.active)
+    # the plain-Python priority order (labels, then the lists rank by rank) holds fewer than
+    # the 20 classes of the budget: all of it is active, and random classes fill the rest
+    order = priority_order(labels.tolist(), lists[labels].tolist())
+    assert len(order) < 20
+    batch = head.prepare(labels)
+    active = batch.active_ids.tolist()
+    assert len(active) == len(set(active)) == 20
+    assert set(order) <= set(active)
+    assert torch.equal(batch.active_ids[batch.target], labels)
 
 
 @pytest.mark.parametrize(
