@@ -42,21 +42,25 @@ def reference_scores(rows: torch.Tensor) -> np.ndarray:
 
 
 def assert_exact(ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, k: int,
-                 offset: int = 0) -> None:
+                 offset: int = 0, queries: np.ndarray | None = None) -> None:
     """Lists equal the float64 brute force up to exact ties: row itself first, distinct ids,
-    reported scores are the true scores of the reported ids, and nothing better was missed."""
+    reported scores are the true scores of the reported ids, and nothing better was missed.
+    ``queries``: the positions in ``rows`` of the rows the lists belong to, in list order
+    (None: every row, in order)."""
     n = rows.shape[0]
+    q = np.arange(n) if queries is None else np.asarray(queries)
     assert ids.dtype == torch.int64 and scores.dtype == torch.float32
-    assert ids.shape == scores.shape == (n, k)
-    ref = reference_scores(rows)
+    assert ids.shape == scores.shape == (len(q), k)
+    ref = reference_scores(rows)[q]
     pos = ids.numpy() - offset
     got = scores.double().numpy()
-    assert (pos[:, 0] == np.arange(n)).all()
+    assert ((pos >= 0) & (pos < n)).all()  # real rows only, no wrap-around in the look-up
+    assert (pos[:, 0] == q).all()
     assert all(len(set(r)) == k for r in pos)
     assert np.abs(np.take_along_axis(ref, pos, axis=1) - got).max() < TOL
     assert (np.diff(got[:, 1:], axis=1) <= TOL).all()
     others = ref.copy()
-    np.fill_diagonal(others, -np.inf)
+    others[np.arange(len(q)), q] = -np.inf
     kth_best = -np.sort(-others, axis=1)[:, k - 2]
     assert (got[:, 1:].min(axis=1) >= kth_best - TOL).all()
 
@@ -268,15 +272,17 @@ def test_resume_after_interrupted_build(tmp_path, monkeypatch):
 
 
 def test_resume_ignores_blocks_of_another_k(tmp_path, monkeypatch):
+    """Blocks kept by a k=4 build are not reused by a k=6 build over the same rows: the k=6
+    lists of the home rows equal the float64 brute force over all 90 rows."""
     rows = random_rows(90, 8, seed=12)
     shards = FakeShards(rows, num_shards=2, block=16)
     monkeypatch.setattr(topk, "CPU_BLOCK_ROWS", 16)
     build_shard_neighbors(0, 2, shards.scan, 4, resume_dir=tmp_path, device="cpu")
     ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 6, resume_dir=tmp_path,
                                                device="cpu")
-    assert neigh.shape == (45, 6)
-    ref_ids, ref_scores = knn(rows, 6, device="cpu")
-    assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
+    home = np.arange(0, 90, 2)  # shard 0 of 2 holds the even rows, in ascending order
+    assert torch.equal(ids, torch.from_numpy(home) + BIG)
+    assert_exact(neigh, scores, rows, 6, offset=BIG, queries=home)
 
 
 def test_resume_computes_damaged_blocks_again(tmp_path, caplog, monkeypatch):
@@ -296,9 +302,9 @@ def test_resume_computes_damaged_blocks_again(tmp_path, caplog, monkeypatch):
         ids, neigh, scores = build_shard_neighbors(0, 2, shards.scan, 4, resume_dir=tmp_path,
                                                    device="cpu")
     assert caplog.text.count("graph_block_unreadable") == 2
-    ref_ids, ref_scores = knn(rows, 4, device="cpu")
-    assert neigh.shape == (45, 4)
-    assert torch.allclose(scores, ref_scores[ids - BIG], atol=TOL)
+    home = np.arange(0, 90, 2)  # shard 0 of 2 holds the even rows, in ascending order
+    assert torch.equal(ids, torch.from_numpy(home) + BIG)
+    assert_exact(neigh, scores, rows, 4, offset=BIG, queries=home)
 
 
 def test_partial_refresh_equals_rows_of_full_build(monkeypatch):

@@ -11,7 +11,6 @@ import torch
 
 from ams import errors
 from ams.shard import store as store_module
-from ams.shard.optim import step_decay
 from ams.shard.spec import TableSpec
 from ams.shard.store import ShardStore
 from tests.conftest import (
@@ -262,12 +261,19 @@ def test_bad_table_specs(kw):
 def test_a_decay_clock_given_as_an_integer_beyond_int64_is_a_number_like_any_other():
     """JSON gives a number with no fraction as an int; a decay clock of 2**64 applies as its
     float value: the rows that sat out decay to zero (float64 reference: exp(-2**64) = 0)."""
-    store = make_store(momentum=0.0)
+    store = make_store(momentum=0.0)  # weight_decay 5e-4
     ids = torch.tensor([1, 5])
     assert store.push("fc", ids[:1], torch.zeros(1, D), 0.01, decay_clock=0.5)
+    # at a small clock the step's own decay shows: 0.5 + -log(1 - lr wd), worked out here
+    # (-log1p(-5e-6) is about 5e-6, far above the tolerance, so a step left out fails)
+    clock = store.stats()["tables"]["fc"]["decay_clock"]
+    assert clock == pytest.approx(0.5 - math.log1p(-0.01 * 5e-4), rel=1e-12, abs=0)
     assert store.push("fc", ids, torch.zeros(2, D), 0.01, decay_clock=2**64)
     assert float(store.pull("fc", ids).abs().max()) == 0.0
-    assert store.table("fc").clock == 2.0**64 + step_decay(0.01, 5e-4)
+    # at 2**64 a step of 5e-6 is far below float64's spacing (4096): the clock is 2**64 as
+    # a float, not an int, nan or inf, and not stuck at the earlier 0.5
+    clock = store.stats()["tables"]["fc"]["decay_clock"]
+    assert isinstance(clock, float) and clock == float(2**64)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
