@@ -681,13 +681,29 @@ def test_no_snapshot_at_all(tmp_path):
         restore.restore_into(STORAGE.store(0, 1), tmp_path)
 
 
-def test_a_restore_loads_exactly_the_pieces_that_hold_its_rows():
-    from ams.shard.restore import _shares_rows
+@pytest.mark.parametrize("old", [2, 4, 6])
+def test_a_restore_loads_exactly_the_pieces_that_hold_its_rows(tmp_path, monkeypatch, old):
+    """Every piece of the step is verified, but a shard loads only the pieces holding rows it
+    owns. Brute force over the table's ids with the sharding rule (id i lives on shard
+    i % count): piece p of ``old`` is loaded by shard s of ``new`` exactly when some id is
+    both p mod old and s mod new. 4 -> 6 and 6 -> 4 load some pieces and skip others."""
+    src = trained_client(tmp_path, old)
+    src.snapshot(step=7)
+    calls = []  # (piece's shard, piece's shard count, loaded) of each piece read
+    read_piece = restore.read_piece
 
-    for old_count in range(1, 7):
-        for count in range(1, 7):
-            for old_shard in range(old_count):
-                for shard in range(count):
-                    brute = any(i % old_count == old_shard and i % count == shard
-                                for i in range(old_count * count))
-                    assert _shares_rows(old_shard, old_count, shard, count) == brute
+    def recording_read_piece(path, load=True):
+        manifest, tensors = read_piece(path, load)
+        calls.append((manifest["shard_id"], manifest["num_shards"], load))
+        return manifest, tensors
+
+    monkeypatch.setattr(restore, "read_piece", recording_read_piece)
+    for new in (1, 2, 3, 4, 6):
+        for shard in range(new):
+            calls.clear()
+            store = STORAGE.store(shard, new)
+            assert restore.restore_into(store, tmp_path)[0] == 7
+            brute = {p for p in range(old)
+                     if any(i % old == p and i % new == shard for i in range(N))}
+            assert sorted((p, count) for p, count, _ in calls) == [(p, old) for p in range(old)]
+            assert {p for p, _, loaded in calls if loaded} == brute, (old, new, shard)
