@@ -24,7 +24,7 @@ from bridge.codec import (
     entry_nbytes,
 )
 from bridge.errors import CorruptEntryError
-from bridge.lmdb_cache import LmdbFeatureCache, footprint, map_size_for
+from bridge.lmdb_cache import LmdbFeatureCache, footprint
 from bridge.memory_cache import MemoryFeatureCache
 from bridge.redis_cache import RedisFeatureCache
 
@@ -281,12 +281,42 @@ def test_redis_killed_mid_run_misses_then_recovers(own_redis, caplog, monkeypatc
 # --- LMDB ------------------------------------------------------------------------------------
 
 
-def test_lmdb_map_size_follows_the_bound(tmp_path):
-    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=64 << 20)
-    cache.put(np.arange(3), feats(np.arange(3), 0), 0)
-    assert cache.map_size == map_size_for(64 << 20) >= 64 << 20
-    assert cache._open().info()["map_size"] == cache.map_size != 10 << 20
+def lmdb_entries(path, db: bytes) -> dict[bytes, bytes]:
+    """Every (key, value) of the named database ``db`` of the LMDB cache at ``path`` (layout:
+    the bridge.lmdb_cache docstring), read with the lmdb package itself, read-only. Close the
+    cache first: py-lmdb opens a path once per process (a closed cache reopens on next use)."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=3)
+    try:
+        handle = env.open_db(db, create=False)
+        with env.begin(db=handle) as txn:
+            return dict(txn.cursor())
+    finally:
+        env.close()
+
+
+def stored_features(path) -> dict[int, bytes]:
+    """The feature entries of the LMDB cache at ``path`` by sample id: database ``feat``, keys
+    8-byte big-endian ids."""
+    return {struct.unpack(">q", key)[0]: blob for key, blob in lmdb_entries(path, b"feat").items()}
+
+
+@pytest.mark.parametrize("max_bytes, mib", [
+    (64 << 20, 3 * 64 + 8),               # 3x the bound plus 8 MiB, a whole number of MiB
+    ((64 << 20) + 1000, 3 * 64 + 8 + 1),  # 3,000 bytes over: rounded up to the next MiB
+    (1 << 20, 3 + 8),                     # 11 MiB: near, but not, LMDB's default of 10 MiB
+])
+def test_lmdb_map_size_follows_the_bound(tmp_path, max_bytes, mib):
+    """The data file's ceiling (LMDB's map size) is the documented 3x the byte bound plus
+    8 MiB, MiB-aligned (rounded up, so never under 3x + 8 MiB), read back from the file."""
+    cache = LmdbFeatureCache(tmp_path / "c", DIM, max_bytes=max_bytes)
+    cache.put(np.arange(3), feats(np.arange(3), 0), 0)  # a commit writes the map size down
     cache.close()
+    # map_size=0: take the map size the environment was written with, not py-lmdb's default
+    env = lmdb.open(str(tmp_path / "c"), readonly=True, lock=False, max_dbs=3, map_size=0)
+    try:
+        assert env.info()["map_size"] == mib << 20
+    finally:
+        env.close()
 
 
 def test_lmdb_persists_across_reopen(tmp_path):
@@ -407,18 +437,18 @@ def test_lmdb_survives_writer_sigkill(tmp_path):
     out, hit = cache.get(ids)
     assert hit.sum() > 0 and cache.metrics.corrupt == 0
     assert cache.nbytes <= 512 << 10
-    # Every hit is exactly what some committed put wrote: (id, version) for its stored version.
-    env_versions = _stored_versions(cache, ids[hit.numpy()])
+    cache.close()
+    # Every entry in the file is a hit (no TTL), and every hit is exactly what some committed
+    # put wrote: feats(id, version) for the version its stored header names.
+    stored = stored_features(path)
+    assert sorted(stored) == ids[hit.numpy()].tolist()
+    versions = [decode_feature_header(stored[i], 64, cache.dtype)[0] for i in sorted(stored)]
     ref = as_fp16(np.stack([feats(np.array([i]), v, 64)[0]
-                            for i, v in zip(ids[hit.numpy()], env_versions, strict=True)]))
+                            for i, v in zip(sorted(stored), versions, strict=True)]))
     np.testing.assert_array_equal(out[hit].numpy(), ref)
-    cache.put(ids[:10], feats(ids[:10], 999, 64), 999)  # and it takes writes again
+    cache.put(ids[:10], feats(ids[:10], 999, 64), 999)  # and it takes writes again (reopened)
     assert cache.get(ids[:10])[1].all()
     cache.close()
-
-
-def _stored_versions(cache: LmdbFeatureCache, ids: np.ndarray) -> list[int]:
-    return [decode_feature_header(b, cache.dim, cache.dtype)[0] for b in cache._fetch(ids)]
 
 
 def test_drop_newer_than_forgets_a_discarded_timeline(any_cache):
@@ -457,9 +487,12 @@ def test_lmdb_drop_newer_than_keeps_the_byte_account(tmp_path):
     before = cache.nbytes
     assert cache.drop_newer_than(1) == 200
     assert cache.nbytes == before // 2 and len(cache) == 200
-    with cache._open().begin() as txn:  # the time index lost the dropped entries too
-        assert txn.stat(cache._bytime)["entries"] == 200
     cache.close()
+    # versions 0 and 1 wrote ids 0..199: those entries stay, and the time index (keys: write
+    # time in us, 8 bytes BE, then the id) lost the dropped ids too
+    assert sorted(stored_features(tmp_path / "c")) == list(range(200))
+    index = lmdb_entries(tmp_path / "c", b"bytime")
+    assert sorted(struct.unpack(">Qq", key)[1] for key in index) == list(range(200))
 
 
 def test_memory_checkpoint_state_restores_entries_exactly():
@@ -522,15 +555,18 @@ def test_shared_cache_checkpoint_state_rolls_back_where_it_lives(kind, tmp_path,
     np.testing.assert_array_equal(hit.numpy(), ids < 20)
     np.testing.assert_array_equal(out[:20].numpy(), as_fp16(np.concatenate(
         [feats(ids[10 * v:10 * v + 10], v) for v in range(2)])))
-    assert len(_stored_keys(resumed)) == 20  # the newer entries are gone, not just stale
+    assert _stored_ids(resumed) == list(range(20))  # the newer entries are gone, not stale
     resumed.restore_checkpoint_state(None, -1)  # a fresh run of the same job starts empty
-    assert not resumed.get(ids)[1].any() and len(_stored_keys(resumed)) == 0
+    assert not resumed.get(ids)[1].any() and _stored_ids(resumed) == []
     if kind == "lmdb":
         resumed.close()
 
 
-def _stored_keys(cache: LmdbFeatureCache | RedisFeatureCache) -> list[bytes]:
+def _stored_ids(cache: LmdbFeatureCache | RedisFeatureCache) -> list[int]:
+    """The sample ids with an entry where the cache keeps them: read from the LMDB directory
+    (the cache closed first; it reopens on next use), or the job's Redis keys."""
     if isinstance(cache, LmdbFeatureCache):
-        with cache._open().begin(db=cache._feat) as txn:
-            return [key for key, _ in txn.cursor(db=cache._feat)]
-    return list(cache.client.scan_iter(match=f"{cache.prefix}:f:*".encode()))
+        cache.close()
+        return sorted(stored_features(cache.path))
+    keys = cache.client.scan_iter(match=f"{cache.prefix}:f:*".encode())
+    return sorted(int(key.rsplit(b":", 1)[1]) for key in keys)

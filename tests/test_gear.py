@@ -396,11 +396,15 @@ def crash_at(run, call: int) -> None:
 
 
 def stored_versions(cache) -> list[int]:
+    """The backbone version of every feature entry in the LMDB cache's directory, read
+    read-only with the lmdb package and decoded by bridge.codec. Closes the cache first (one
+    open of a path per process); the gear's next use reopens it."""
     from bridge.codec import decode_feature_header
+    from tests.test_bridge_cache import stored_features
 
-    with cache._open().begin(db=cache._feat) as txn:
-        return [decode_feature_header(blob, cache.dim, cache.dtype)[0] for _, blob in
-                txn.cursor(db=cache._feat)]
+    cache.close()
+    return [decode_feature_header(blob, cache.dim, cache.dtype)[0]
+            for blob in stored_features(cache.path).values()]
 
 
 def test_gear_resume_after_crash_is_bit_identical(glyphs_small, tmp_path):
@@ -442,8 +446,7 @@ def test_gear_resume_drops_features_of_the_discarded_run(glyphs_small, tmp_path)
         crashed.trainer.train()
     # m=1: one backbone step per fast step, so the checkpoint of step 6 is version 6 and the
     # crashed run wrote features of versions 7..9 after it
-    assert max(stored_versions(crashed.trainer.gear.cache)) == 9
-    crashed.trainer.gear.cache.close()
+    assert max(stored_versions(crashed.trainer.gear.cache)) == 9  # and the cache is closed
 
     resumed, _ = build(glyphs_small, tmp_path / "run", **sets)
     gear = resumed.trainer.gear
