@@ -4,6 +4,7 @@ naming the file, and reading it changes none of its files."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from collections.abc import Callable
@@ -24,27 +25,54 @@ CLASSES, DIM, SIZE = 10, 16, 32
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
+def written(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    """An export, and what it was written from: the backbone and the class rows (row i is
+    class i's), handed over in blocks of shuffled class ids as training streams them."""
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("export") / "model"
-    write_export(out, build_backbone("resnet_small", DIM, 1, SIZE),
-                 [(torch.arange(CLASSES), torch.randn(CLASSES, DIM))],
+    backbone = build_backbone("resnet_small", DIM, 1, SIZE)
+    rows = torch.randn(CLASSES, DIM)
+    order = torch.randperm(CLASSES, generator=torch.Generator().manual_seed(5))
+    blocks = [(ids, rows[ids]) for ids in torch.split(order, 4)]  # 4 + 4 + 2 classes
+    write_export(out, backbone, blocks,
                  backbone_name="resnet_small", num_classes=CLASSES, dim=DIM, image_size=SIZE,
                  channels=1, class_names=[f"class{i}" for i in range(CLASSES)], step=1,
                  config_toml="")
-    return out
+    return out, backbone, rows
 
 
-def test_an_intact_export_classifies_as_the_float64_brute_force(export):
-    clf = Classifier.load(export, device="cpu")
-    images = torch.randint(0, 256, (5, SIZE, SIZE), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(1))
-    ids, scores = clf.predict(images, topk=3)
-    features = clf.embed(images).double()
-    rows = torch.from_numpy(np.load(export / "rows.npy")).double()
+@pytest.fixture(scope="module")
+def export(written) -> Path:
+    return written[0]
+
+
+def test_an_intact_export_classifies_as_the_float64_brute_force(written):
+    """Top-3 classes by cosine, worked out in float64 from what the export was written from:
+    a float64 copy of the backbone (eval mode) on the images scaled to [-1, 1] as
+    images / 127.5 - 1, against the rows handed to write_export, by class id."""
+    export, backbone, rows = written
+    noise = torch.randint(0, 256, (5, SIZE, SIZE), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(1))
+    # an untrained backbone maps noise to nearly one direction: flat, graded and checkered
+    # images land elsewhere, and with them other classes
+    x = torch.arange(SIZE).expand(SIZE, SIZE)
+    shapes = torch.stack([torch.full((SIZE, SIZE), 10), torch.full((SIZE, SIZE), 245),
+                          x * 255 // (SIZE - 1), (x // 4 + x.t() // 4) % 2 * 255])
+    images = torch.cat([noise, shapes.to(torch.uint8)])
+    net = copy.deepcopy(backbone).double().eval()
+    with torch.no_grad():
+        # resnet_small's layers one after the other (its forward keeps the embedding layer in
+        # float32 on purpose): stem, stages, global mean pool, fc, batch norm
+        pooled = net.stages(net.stem(images[:, None].double() / 127.5 - 1)).mean(dim=(2, 3))
+        features = net.bn(net.fc(pooled))
     cosines = (features / features.norm(dim=1, keepdim=True)) @ (
-        rows / rows.norm(dim=1, keepdim=True)).t()
+        rows.double() / rows.double().norm(dim=1, keepdim=True)).t()
     ref_scores, ref_ids = cosines.topk(3, dim=1)
+    # no near-tie among the top 4 that float32 could order either way
+    assert (-cosines.topk(4, dim=1).values.diff(dim=1)).min() > 1e-4
+
+    clf = Classifier.load(export, device="cpu")
+    ids, scores = clf.predict(images, topk=3)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(scores.double(), ref_scores, atol=1e-5, rtol=0)
     assert clf.names(ids[:1, :1]) == [[f"class{int(ref_ids[0, 0])}"]]
