@@ -101,6 +101,11 @@ def applied_prefix(prefix: str) -> bytes:
     return f"{prefix}:applied:".encode()
 
 
+class AddOutcomeUnknown(redis.RedisError):
+    """Redis stopped answering after a try of an add whose answer may have been lost: the add
+    may be applied, or may not."""
+
+
 class RedisGradientAccumulator:
     """Fast-gear side: ``add`` gradients, XADD means that reached ``m``.
 
@@ -190,6 +195,13 @@ class RedisGradientAccumulator:
         try:
             emitted = self._add_with_retries(uniq, sums, counts,
                                              np.full(uniq.shape, int(version), np.int64))
+        except AddOutcomeUnknown as e:
+            # Redis may still apply the try whose answer was lost: the fallback's copy would
+            # count these gradients twice, so they are dropped (counted once at most)
+            self._failed("add", e)
+            self.metrics.dropped += n
+            self._warn.warn("grad_add_dropped", reason="outcome_unknown", n=n)
+            return 0
         except redis.RedisError as e:
             self._failed("add", e)
             return self._to_fallback(ids, grads, version, n)
@@ -205,14 +217,21 @@ class RedisGradientAccumulator:
     def _add_with_retries(self, uniq: np.ndarray, sums: np.ndarray, counts: np.ndarray,
                           versions: np.ndarray) -> int | None:
         """Fold per-sample sums into Redis; the means queued, or None when other workers kept
-        touching the same samples for ``MAX_ATTEMPTS`` tries. Raises redis.RedisError."""
+        touching the same samples for ``MAX_ATTEMPTS`` tries. Raises redis.RedisError, or
+        AddOutcomeUnknown when Redis stopped answering after a try that it may have applied."""
         keys = [self.record_key(i) for i in uniq.tolist()]
         token = f"{self.prefix}:added:{uuid.uuid4().hex}".encode()
+        refused = False  # a try ended in WatchError: maybe applied, its answer lost
         for _ in range(MAX_ATTEMPTS):
             try:
                 emitted = self._try_add(keys, token, uniq, sums, counts, versions)
             except redis.WatchError:
+                refused = True
                 continue
+            except redis.RedisError as e:
+                if refused:  # the next try could not ask the token
+                    raise AddOutcomeUnknown(str(e)) from e
+                raise
             self.metrics.bytes += emitted * self.dim * 4
             return emitted
         return None

@@ -80,22 +80,38 @@ class WeightStore:
             # The version moved, or the answer was lost (redis-py reports a connection lost
             # or timed out in a watched transaction so): the blob's header, which names this
             # version and payload digest, says whether it landed.
-            return self._holds(blob)
+            return self._landed(blob)
         except redis.RedisError as e:
             self.guard.failed("publish", e)
             return False
         self.guard.ok()
         return True
 
-    def _holds(self, blob: bytes) -> bool:
-        """Whether the published blob is ``blob`` (by its header)."""
-        try:
-            head = self.client.getrange(self.key, 0, _WEIGHTS_HEADER.size - 1)
-        except redis.RedisError as e:
-            self.guard.failed("publish", e)
-            return False
-        self.guard.ok()
-        return head == blob[:_WEIGHTS_HEADER.size]
+    def _landed(self, blob: bytes) -> bool:
+        """Whether the published blob is ``blob`` (by its header), for good: the read is a
+        transaction that rewrites the version key as it is, so a publication still on its way
+        (its EXEC held up in the network or in Redis) fails its WATCH instead of landing after
+        the answer. False when Redis cannot say."""
+        for _ in range(8):
+            try:
+                with self.client.pipeline(transaction=True) as pipe:
+                    pipe.watch(self.version_key)
+                    head = pipe.getrange(self.key, 0, _WEIGHTS_HEADER.size - 1)
+                    current = pipe.get(self.version_key)
+                    pipe.multi()
+                    # SET touches the key for every WATCH on it (DEL of a missing key would not)
+                    pipe.set(self.version_key, current if current is not None else b"")
+                    if current is None:
+                        pipe.delete(self.version_key)
+                    pipe.execute()
+            except redis.WatchError:
+                continue
+            except redis.RedisError as e:
+                self.guard.failed("publish", e)
+                return False
+            self.guard.ok()
+            return head == blob[:_WEIGHTS_HEADER.size]
+        return False
 
     def reset(self, model: nn.Module, version: int) -> int:
         """Publish ``model`` as the start of a new timeline of the job (a fresh start or a

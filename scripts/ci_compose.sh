@@ -50,7 +50,9 @@ if ! docker info >/dev/null 2>&1; then
     say "starting dockerd (log: $work/dockerd.log)"
     # A pid file left by a dockerd that never shut down (a host restored from a snapshot) may
     # name a pid another process holds now: dockerd then refuses to start ("pid file found").
-    pgrep -x dockerd >/dev/null || as_root rm -f /var/run/docker.pid
+    if command -v pgrep >/dev/null && ! pgrep -x dockerd >/dev/null; then
+        as_root rm -f /var/run/docker.pid
+    fi
     for driver in overlay2 vfs; do
         as_root sh -c "nohup dockerd --iptables=false --bridge=none --storage-driver=$driver \
             >'$work/dockerd.log' 2>&1 &"

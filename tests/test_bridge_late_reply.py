@@ -1,9 +1,10 @@
-"""The bridge's Redis transactions when Redis applies one but its reply comes too late.
+"""The bridge's Redis transactions when Redis applies one but its answer comes too late, or
+when its EXEC itself is held up past the client's timeout.
 
 redis-py reports a socket timeout inside a watched transaction as WatchError, the error of a
 transaction that was not applied. A TCP proxy between the bridge and a real redis-server holds
-the reply to one EXEC past the client's socket timeout (a busy Redis, a network stall): the
-transaction is applied, the bridge hears "not applied".
+the answer to one EXEC, or the EXEC itself, past the client's socket timeout (a busy Redis, a
+network stall), and can stall the connections opened after it.
 """
 
 from __future__ import annotations
@@ -17,28 +18,36 @@ import pytest
 import redis
 import torch
 
-from bridge.codec import decode_grad_entry
+from bridge import redis_util
+from bridge.codec import decode_grad_entry, decode_record
 from bridge.redis_accumulator import RedisGradientAccumulator, stream_key
 from bridge.redis_util import make_client
 from bridge.weight_store import WeightStore
 
+HELD_S = 0.8  # past the bridge's 0.5 s socket timeout
 
-class LateReplyProxy:
-    """Forwards 127.0.0.1 connections to ``port``; once :meth:`hold_next_exec_reply` is called,
-    the answer to the next EXEC reaches the client ``delay_s`` late."""
 
-    def __init__(self, port: int, delay_s: float) -> None:
-        self.upstream, self.delay_s = port, delay_s
+class StallingProxy:
+    """Forwards 127.0.0.1 connections to ``port``. ``hold_next_exec`` holds the next EXEC's
+    answer (``what="answer"``: Redis applies it, the client hears of it too late) or the EXEC
+    itself (``"request"``: Redis gets it after the client gave up) for ``HELD_S``, and then
+    (``then_stall``) every request sent in the next seconds after that EXEC."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self._armed = threading.Event()
-        self.held = threading.Event()  # an EXEC's reply was held
+        self._hold: str | None = None
+        self._stalled_until = 0.0
+        self._then_stall = 0.0
+        self.released = threading.Event()  # the held answer or request went on
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def hold_next_exec_reply(self) -> None:
-        self.held.clear()
-        self._armed.set()
+    def hold_next_exec(self, what: str, then_stall: float = 0.0) -> None:
+        self.released.clear()
+        self._then_stall = then_stall
+        self._hold = what
 
     def _accept(self) -> None:
         while True:
@@ -58,13 +67,20 @@ class LateReplyProxy:
                  to_server: bool) -> None:
         try:
             while data := src.recv(65536):
-                if to_server and b"EXEC" in data and self._armed.is_set():
-                    self._armed.clear()
-                    exec_sent.set()
-                elif not to_server and exec_sent.is_set():
+                if to_server:
+                    time.sleep(max(0.0, self._stalled_until - time.monotonic()))
+                    if b"EXEC" in data and self._hold == "request":
+                        self._hold = None
+                        time.sleep(HELD_S)
+                        self.released.set()
+                    elif b"EXEC" in data and self._hold == "answer":
+                        self._hold = None
+                        exec_sent.set()
+                        self._stalled_until = time.monotonic() + self._then_stall
+                elif exec_sent.is_set():
                     exec_sent.clear()
-                    time.sleep(self.delay_s)  # applied by Redis; the client has given up
-                    self.held.set()
+                    time.sleep(HELD_S)  # applied by Redis; the client has given up
+                    self.released.set()
                 dst.sendall(data)
         except OSError:
             pass
@@ -79,33 +95,71 @@ class LateReplyProxy:
 
 
 @pytest.fixture
-def late(redis_server):
-    proxy = LateReplyProxy(redis_server.port, delay_s=0.8)  # the bridge's timeout: 0.5 s
+def proxy(redis_server):
+    proxy = StallingProxy(redis_server.port)
     yield proxy
     proxy.close()
 
 
-def test_a_gradient_whose_add_is_answered_late_is_added_once(redis_server, late):
+def mean_of(direct: redis.Redis, prefix: str, dim: int):
+    [(_, fields)] = direct.xrange(stream_key(prefix))
+    return decode_grad_entry(fields, dim)
+
+
+def test_a_gradient_whose_add_is_answered_late_is_added_once(redis_server, proxy):
     dim, prefix = 4, "late-add"
     direct = redis.Redis(host=redis_server.host, port=redis_server.port)
-    acc = RedisGradientAccumulator(make_client(redis_server.host, late.port), dim, m=3,
+    acc = RedisGradientAccumulator(make_client(redis_server.host, proxy.port), dim, m=3,
                                    prefix=prefix)
     acc.add(np.array([5]), np.full((1, dim), 1.0), version=0)
-    late.hold_next_exec_reply()
+    proxy.hold_next_exec("answer")
     acc.add(np.array([5]), np.full((1, dim), 10.0), version=0)
-    assert late.held.wait(5)
+    assert proxy.released.wait(5)
     assert direct.xlen(stream_key(prefix)) == 0  # two of m = 3 gradients: no mean yet
     assert acc.add(np.array([5]), np.full((1, dim), 100.0), version=0) == 1
-    [(_, fields)] = direct.xrange(stream_key(prefix))
-    entry = decode_grad_entry(fields, dim)
+    entry = mean_of(direct, prefix, dim)
     assert entry.count == 3 and np.allclose(entry.grad, 37.0)  # (1 + 10 + 100) / 3
 
 
-def test_a_publication_answered_late_is_reported_published(redis_server, late):
-    store = WeightStore(make_client(redis_server.host, late.port), "late-publish")
+def test_an_add_redis_may_have_applied_is_not_also_kept_in_the_fallback(redis_server, proxy,
+                                                                         monkeypatch):
+    """The answer lost, then Redis silent for the retry that would read the add's token: the
+    fallback's copy would reach Redis beside the applied one once it answers again."""
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.0)
+    dim, prefix = 4, "late-add-outage"
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    acc = RedisGradientAccumulator(make_client(redis_server.host, proxy.port), dim, m=3,
+                                   prefix=prefix)
+    assert acc.fallback is not None
+    acc.add(np.array([5]), np.full((1, dim), 1.0), version=0)
+    # the retry's WATCH times out, twice with redis-py's own retry
+    proxy.hold_next_exec("answer", then_stall=3.0)
+    acc.add(np.array([5]), np.full((1, dim), 10.0), version=0)
+    time.sleep(3.2 - HELD_S)
+    # Redis answers again: an add to another sample ends the outage (moving what the
+    # fallback took to Redis), then the third gradient of sample 5 completes its mean
+    acc.add(np.array([6]), np.full((1, dim), 0.5), version=0)
+    assert acc.add(np.array([5]), np.full((1, dim), 100.0), version=0) == 1
+    entry = mean_of(direct, prefix, dim)
+    assert entry.count == 3 and np.allclose(entry.grad, 37.0)
+    # and sample 5 holds nothing more: the fallback's copy of 10 did not reach its window
+    record = decode_record(direct.get(acc.record_key(5)), dim)
+    assert record.count == 0, record
+
+
+@pytest.mark.parametrize("held", ["answer", "request"])
+def test_a_publication_says_whether_it_landed(redis_server, proxy, held):
+    """Its answer held (it landed) or its EXEC held until the client gave up (it may land
+    after the answer unless that answer fenced it off): True exactly when version 5 is the
+    published one once nothing is held anymore."""
+    store = WeightStore(make_client(redis_server.host, proxy.port), f"late-publish-{held}")
     model = torch.nn.Linear(2, 2)
-    late.hold_next_exec_reply()
-    assert store.publish(model, 5, replaces=-1)
-    assert late.held.wait(5)
-    assert WeightStore(make_client(redis_server.host, redis_server.port),
-                       "late-publish").published_version() == 5
+    proxy.hold_next_exec(held)
+    landed = store.publish(model, 5, replaces=-1)
+    assert proxy.released.wait(5)
+    time.sleep(0.2)  # a held EXEC reaches Redis
+    published = WeightStore(make_client(redis_server.host, redis_server.port),
+                            f"late-publish-{held}").published_version()
+    assert landed == (published == 5), (landed, published)
+    if held == "answer":
+        assert landed

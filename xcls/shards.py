@@ -136,8 +136,9 @@ def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = F
     before it was asked to stop. Children already stopped by an earlier call are skipped.
 
     ``signal_children``: signal the processes each child started instead of the child itself,
-    for a launcher that exits cleanly once they do; past the timeout they get SIGKILL with it
-    (torchrun starts its workers in sessions of their own, and they would outlive it).
+    for a launcher that exits cleanly once they do. Past the timeout a child's own processes
+    get SIGKILL with it: torchrun starts its workers in sessions of their own, and they would
+    outlive it.
     """
     children = [c for c in children if not c.reported]
     for child in children:
@@ -154,7 +155,7 @@ def stop(children: Sequence[Child], timeout: float, *, signal_children: bool = F
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            stuck = _child_pids(child.proc.pid) if signal_children else []
+            stuck = _child_pids(child.proc.pid)
             log.error("stop_timeout role=%s pid=%d children=%s; sending SIGKILL", child.name,
                       child.proc.pid, stuck)
             for pid in stuck:

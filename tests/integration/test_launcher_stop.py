@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from xcls.shards import spawn, stop
 
 # A launcher as torchrun is one: it waits for its worker, which it started in a session of its
@@ -32,7 +34,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_launcher_past_its_stop_timeout_goes_with_its_workers(tmp_path):
+@pytest.mark.parametrize("signal_children", [True, False])
+def test_a_launcher_past_its_stop_timeout_goes_with_its_workers(tmp_path, signal_children):
+    """Its workers asked to stop (the slow gear's torchrun) or not (the trainers')."""
     log = tmp_path / "launcher.log"
     child = spawn("slow-gear", [sys.executable, "-c", LAUNCHER], log_path=log)
     deadline = time.monotonic() + 60
@@ -40,7 +44,7 @@ def test_a_launcher_past_its_stop_timeout_goes_with_its_workers(tmp_path):
         time.sleep(0.05)
     worker = int(log.read_text().split("worker pid ")[1].split()[0])
     started = time.monotonic()
-    stop([child], timeout=1.0, signal_children=True)
+    stop([child], timeout=1.0, signal_children=signal_children)
     assert time.monotonic() - started < 30
     assert child.proc.returncode is not None
     deadline = time.monotonic() + 10
