@@ -453,3 +453,30 @@ def test_touched_refresh_run_builds_once_then_refreshes(glyphs_small, tmp_path):
     assert 0.9 <= float(rows[0]["recall"]) <= 1 and int(rows[0]["classes"]) == 120
     assert all(r["recall"] == "" and 0 < int(r["classes"]) <= 120 for r in rows[1:]), rows
     assert all(0 < float(r["turnover"]) <= 1 for r in rows[1:]), rows
+
+
+def test_a_resume_under_other_row_settings_is_refused_and_eval_keeps_the_runs_config(
+        glyphs_small, tmp_path, capsys):
+    """A snapshot brings its table's spec: resumed under another optim.head_momentum the rows
+    trained on with the snapshot's momentum while the row update (and a GPU slice's working
+    copy) took the config's. And eval's --set overrides were written into the run's
+    config.toml, which every later eval and export reads as the run's own."""
+    out = tmp_path / "run"
+    args = overrides(glyphs_small, out, **{"train.max_steps": 2, "data.test": "",
+                                           "graph.rebuild_every": 0})
+    argv = ["train", "/dev/null", *sum((["--set", a] for a in args), [])]
+    assert main(argv) == 0
+    saved = (out / "config.toml").read_text()
+    capsys.readouterr()
+
+    assert main([*argv, "--set", "optim.head_momentum=0.5", "--set", "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "momentum 0.0 (this run: 0.5)" in err and "Traceback" not in err, err
+    assert (out / "config.toml").read_text() == saved  # the run's config is still its own
+
+    done = subprocess.run([sys.executable, "-m", "xcls", "export", "--out", str(tmp_path / "e"),
+                           "--set", "optim.head_lr=9.5", str(out / "config.toml")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (out / "config.toml").read_text() == saved
+    assert "head_lr = 9.5" in (tmp_path / "e" / "config.toml").read_text()  # the export's own

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from ams.client.sharded import ShardedClient
 from ams.graph.build import GraphBuildReport, current_graph_version, graph_on_every_shard
 from ams.graph.churn import neighbor_turnover
+from ams.shard.spec import TableSpec
 from workers import checkpoint
 from workers.augment import flip_horizontally
 from workers.batch_plan import Batch, BatchPlan
@@ -125,8 +126,11 @@ class Trainer:
                  build_graph: Callable[[int], GraphBuildReport] | None = None, rank: int = 0,
                  world: int = 1, gear: Gear | None = None,
                  compressor: TopkCompressor | None = None,
-                 pair_sets: dict[str, Dataset] | None = None) -> None:
+                 pair_sets: dict[str, Dataset] | None = None, config_toml: str = "") -> None:
         self.cfg = cfg
+        # OUT/config.toml once training starts or resumes (xcls.config.to_toml of cfg): eval
+        # and export, which only read a run, and a refused resume leave the run's own
+        self.config_toml = config_toml
         self.client, self.table = client, cfg.ams.table
         self.backbone, self.optimizer, self.head = backbone, optimizer, head
         self.train_set, self.test_set = train_set, test_set
@@ -177,6 +181,8 @@ class Trainer:
         # resume from the newest checkpoint; a graph before the first knn step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         fresh = not self.try_resume()
+        if self.rank == 0 and self.config_toml:
+            (self.out_dir / "config.toml").write_text(self.config_toml)
         if not fresh:
             log.info("resumed step=%d epoch=%d consumed=%d", self.step, *self.position)
             record_resume()
@@ -450,6 +456,22 @@ class Trainer:
         self._barrier()
         self._checkpointed_step = self.step
 
+    def _check_restored_table(self, made: TableSpec, step: int) -> None:
+        """CheckpointError unless the restored table's rows and optimizer are the ones this run
+        was built for: a snapshot brings its own spec, and the row update (its decay clocks, a
+        slice's working copy) was set up from the config's."""
+        restored = self.client.spec(self.table)
+        fields = ("num_rows", "dim", "dtype", "state_dtype", "momentum", "weight_decay")
+        differ = [f for f in fields if getattr(restored, f) != getattr(made, f)]
+        if differ:
+            said = ", ".join(f"{f} {getattr(restored, f)} (this run: {getattr(made, f)})"
+                             for f in differ)
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.checkpoint_dir(self.out_dir, step)}: its class rows were made with "
+                f"{said}: resume with the settings it trained with (data.train's classes, "
+                "model.dim, ams.dtype, ams.state_dtype, optim.head_momentum, "
+                "optim.head_weight_decay), or train afresh in another train.out_dir")
+
     def _selected_by(self) -> dict:
         """The settings that decide a prepared batch's samples and active classes besides the
         worker count: a checkpoint's prefetched batches are replayed only under the same."""
@@ -491,9 +513,11 @@ class Trainer:
             self._scaler.load_state_dict(shared["scaler"])
         self.step = shared["step"]
         self.position = tuple(shared["position"])
+        made = self.client.spec(self.table)
         if self.rank == 0:
             self.client.restore(step)
         self._barrier()
+        self._check_restored_table(made, step)
         self.rows.reload()
         if private is not None and private.get("world") == self.world:
             prepared = [ActiveBatch.from_dict(a) for a in private["prepared"]]

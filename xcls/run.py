@@ -96,7 +96,6 @@ def build_run(cfg: ExperimentConfig,
                        (rank, world))
     trainer = create_trainer(cfg, client, data, backbone, head, build_graph, gear, device,
                              rank, world)
-    (out_dir / "config.toml").write_text(to_toml(cfg))
     return Run(cfg, trainer, client, data.train, backbone.net)
 
 
@@ -473,7 +472,7 @@ def create_trainer(cfg: ExperimentConfig, client: ShardedClient, data: Datasets,
                        optimizer=backbone.optimizer, head=head, train_set=data.train,
                        test_set=data.test, device=device, build_graph=build_graph, rank=rank,
                        world=world, gear=gear, compressor=backbone.compressor,
-                       pair_sets=data.pair_sets)
+                       pair_sets=data.pair_sets, config_toml=to_toml(cfg))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
