@@ -480,3 +480,21 @@ def test_a_resume_under_other_row_settings_is_refused_and_eval_keeps_the_runs_co
     assert done.returncode == 0, done.stderr
     assert (out / "config.toml").read_text() == saved
     assert "head_lr = 9.5" in (tmp_path / "e" / "config.toml").read_text()  # the export's own
+
+
+def test_a_fresh_run_over_another_runs_checkpoints_is_refused(glyphs_small, tmp_path, capsys):
+    """train.resume = false in a train.out_dir with checkpoints trained from step 0 beside
+    them: pruning kept the old run's newer steps and dropped the new run's, and a restart or
+    xcls eval took the old run's model for the new run's."""
+    out = tmp_path / "run"
+    args = overrides(glyphs_small, out, **{"train.max_steps": 3, "data.test": "",
+                                           "graph.rebuild_every": 0})
+    argv = ["train", "/dev/null", *sum((["--set", a] for a in args), [])]
+    assert main(argv) == 0
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main([*argv, "--set", "train.resume=false", "--set", "train.seed=7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.resume = false, but train.out_dir") and \
+        "newest step 3" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before

@@ -303,7 +303,8 @@ class TrainConfig:
     """newest checkpoints kept, >= 1; the AMS keeps one snapshot more (the newest may lack
     its checkpoint after a crash between the two)"""
     resume: bool = True
-    """continue from the newest checkpoint in out_dir if there is one"""
+    """continue from the newest checkpoint in out_dir if there is one (false: train afresh,
+    in an out_dir without checkpoints; xcls train refuses one that holds a run's)"""
 
     def largest_batch_scale(self) -> float:
         """The largest factor the learning rates are multiplied by over the run's epochs: its

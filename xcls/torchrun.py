@@ -56,6 +56,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher import api as launcher_api
 
 from workers.distributed import address_toward
+from workers.termination import EXIT_TERMINATED
 from xcls.cli import EXIT_BAD_INPUT
 from xcls.logs import setup_logging
 from xcls.parent import exit_with_parent
@@ -67,14 +68,20 @@ log = logging.getLogger("xcls.torchrun")
 RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+# Exits that end the job rather than ask for a restart: a refusal, which every attempt would
+# repeat, and a stop on SIGTERM sent to the workers themselves (they checkpointed and said so;
+# a restart would train on past the stop asked for).
+FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_TERMINATED)
+
+
 class RefusalFinalAgent(LocalElasticAgent):
-    """torchrun's agent, except that a group one of whose workers exited with
-    ``EXIT_BAD_INPUT`` is not restarted."""
+    """torchrun's agent, except that a group one of whose workers exited with one of
+    ``FINAL_EXIT_CODES`` is not restarted."""
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and any(
-                f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()):
+                f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
             self._remaining_restarts = 0
         return result
 
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             print(failure.message if isinstance(failure.message, str) else
                   f"error: rank {rank} refused its input", file=sys.stderr)
             return EXIT_BAD_INPUT
+        if failure.exitcode == EXIT_TERMINATED:  # the workers' own line says where they stopped
+            return EXIT_TERMINATED
         code = failure.exitcode
         code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
         log.error("workers_failed rank=%d exit_code=%d restarts=%d", rank, code,

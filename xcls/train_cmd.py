@@ -150,7 +150,7 @@ def run_train(args: argparse.Namespace) -> int:
     from ams.errors import AmsError, ShardRestarted, Unavailable
     from bridge.errors import BridgeError
     from workers import metrics
-    from workers.checkpoint import CheckpointError
+    from workers.checkpoint import CheckpointError, latest_step
     from workers.data.errors import DatasetError
     from workers.distributed import group_max, process_group
     from workers.termination import EXIT_TERMINATED
@@ -170,6 +170,17 @@ def run_train(args: argparse.Namespace) -> int:
         restarts = group_max(_agent_restarts(), world, device)
         if restarts:
             _begin_rollback(cfg, rank, restarts)
+        elif not cfg.train.resume:
+            # every rank: out_dir may be a host's own
+            newest = latest_step(Path(cfg.train.out_dir))
+            if group_max(int(newest is not None), world, device):
+                since = "" if newest is None else f" (newest step {newest})"
+                return _refuse(ConfigError(
+                    f"train.resume = false, but train.out_dir {cfg.train.out_dir} holds the "
+                    f"checkpoints of a run{since}: a fresh run beside them would lose its own "
+                    "to them (pruning keeps the newest steps, and a restart resumes the "
+                    "newest). Give this run another train.out_dir, or remove its checkpoints/ "
+                    "and ams/ first"))
         try:
             run = build_run(cfg, placement, restarted=restarts > 0)
             result = run.trainer.train()

@@ -26,6 +26,11 @@ def launch(*args: str, cwd: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -52,7 +57,10 @@ def test_a_refused_config_exits_2_with_one_line_and_is_not_restarted(tmp_path, o
     assert "rollback" not in output and "Traceback" not in output
 
 
-def test_sigterm_checkpoints_and_exits_143_with_one_line(glyphs_small, tmp_path):
+@pytest.mark.parametrize("to", ["the launcher", "one worker"])
+def test_sigterm_checkpoints_and_exits_143_with_one_line(glyphs_small, tmp_path, to):
+    """SIGTERM to the launcher (docker stop, a scheduler) or to one worker alone (the ranks
+    agree to stop): the group is not restarted past the stop (it was, and trained on)."""
     out = tmp_path / "run"
     config = tmp_path / "c.toml"
     config.write_text(f"""
@@ -78,7 +86,9 @@ out_dir = "{out}"
     # (before it, the process still has the default action: a stop while it starts loses nothing)
     wait_until(lambda: (out / "train.csv").exists(), "the first step's line", 180, [proc],
                lambda: finish(proc, 10)[1])
-    os.kill(proc.pid, signal.SIGTERM)  # launch_worker.sh execs the launcher: its pid
+    # launch_worker.sh execs the launcher: its pid; the workers are its children
+    target = proc.pid if to == "the launcher" else children(proc.pid)[-1]
+    os.kill(target, signal.SIGTERM)
     code, output = finish(proc, timeout=120)
     assert code == 143, output
     assert "Traceback" not in output and "SignalException" not in output, output
