@@ -24,7 +24,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 class TerminationRequest:
     """Records SIGTERM while installed (a context manager; a no-op off the main thread, where
-    Python cannot install handlers)."""
+    Python cannot install handlers), and goes on recording it after the context once one
+    came, so that the process ends as the stop says rather than by a second signal."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -38,7 +39,10 @@ class TerminationRequest:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
+        # Once a stop was asked for, a second SIGTERM must not kill the process on its way out
+        # before it says where it stopped: torchrun sends one to the ranks still running when
+        # the first has exited 143.
+        if self._installed and not self.requested:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
 
