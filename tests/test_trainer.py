@@ -498,3 +498,19 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused(glyphs_small, tmp_
     assert err.startswith("error: train.resume = false, but train.out_dir") and \
         "newest step 3" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_a_checkpoint_publishes_none_of_what_an_interrupted_attempt_staged(glyphs_small,
+                                                                          tmp_path):
+    """An attempt with two ranks that wrote its rank files and died before publishing left
+    them in the step's staging directory; a later attempt with one rank published them with
+    its own, and a resume with two ranks would replay rank 1's batches of the other attempt."""
+    out = tmp_path / "run"
+    staging = out / "checkpoints" / f"step-{2:012d}.staging"
+    staging.mkdir(parents=True)
+    torch.save({"prepared": [], "selector_rng": None, "world": 2}, staging / "rank-00001.pt")
+    args = overrides(glyphs_small, out, **{"train.max_steps": 2, "data.test": "",
+                                           "graph.rebuild_every": 0})
+    assert main(["train", "/dev/null", *sum((["--set", a] for a in args), [])]) == 0
+    published = out / "checkpoints" / f"step-{2:012d}"
+    assert sorted(p.name for p in published.iterdir()) == ["rank-00000.pt", "worker.pt"]

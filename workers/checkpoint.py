@@ -65,6 +65,13 @@ def save_shared(out_dir: Path, step: int, state: dict) -> Path:
     return final
 
 
+def clear_staging(out_dir: Path, step: int) -> None:
+    """Rank 0, before any rank writes checkpoint ``step``: remove what an interrupted attempt
+    left in its staging directory (a rank file of another worker count would be published
+    with this one's, and replayed by a resume with that count)."""
+    shutil.rmtree(_staging_dir(out_dir, step), ignore_errors=True)
+
+
 def save_rank(out_dir: Path, step: int, rank: int, state: dict) -> None:
     """Every rank: its private part; written into the staging directory before rank 0
     publishes (the trainer orders the two with a barrier)."""

@@ -429,6 +429,9 @@ class Trainer:
         private part first)."""
         self.rows.flush()
         out = self.out_dir
+        if self.rank == 0:
+            checkpoint.clear_staging(out, self.step)
+        self._barrier()
         checkpoint.save_rank(out, self.step, self.rank, {
             # plain tensors only: checkpoints are read with torch.load(weights_only=True)
             "prepared": [a.to_dict() for a in self._prefetcher.pending()]
