@@ -65,14 +65,13 @@ def keep_large_buffers() -> bool:
     mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
-    mmap_threshold, trim_threshold = MMAP_THRESHOLD, TRIM_THRESHOLD
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-    log.debug("malloc_tuned ok=%s mmap_threshold=%d trim_threshold=%d", ok, mmap_threshold,
-              trim_threshold)
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    log.debug("malloc_tuned ok=%s mmap_threshold=%d trim_threshold=%d", ok, MMAP_THRESHOLD,
+              TRIM_THRESHOLD)
     _done = ok
     if ok:
-        _trim_threshold = trim_threshold
+        _trim_threshold = TRIM_THRESHOLD
     return ok
 
 

@@ -193,15 +193,14 @@ class GradEntry(NamedTuple):
 
 def encode_grad_entry(entry: GradEntry) -> dict[bytes, bytes]:
     """Stream fields of a ready mean gradient (raw little-endian ``GRAD_DTYPE`` payload)."""
-    dtype = GRAD_DTYPE
-    raw = np.ascontiguousarray(entry.grad, dtype=check_dtype(dtype)).tobytes()
+    raw = np.ascontiguousarray(entry.grad, dtype=check_dtype(GRAD_DTYPE)).tobytes()
     return {
         b"id": str(entry.sample_id).encode(),
         b"version": str(entry.version).encode(),
         b"seq": str(entry.seq).encode(),
         b"count": str(entry.count).encode(),
         b"dim": str(entry.grad.shape[0]).encode(),
-        b"dtype": dtype.encode(),
+        b"dtype": GRAD_DTYPE.encode(),
         b"grad": raw,
     }
 

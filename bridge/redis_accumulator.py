@@ -139,9 +139,8 @@ class RedisGradientAccumulator:
         self.metrics = AccumulatorMetrics()
         self.guard = RedisGuard(f"grad_accumulator:{prefix}")
         self._warn = RateLimitedLog(log)
-        fallback_samples = FALLBACK_SAMPLES
-        self.fallback = MemoryGradientAccumulator(dim, m, fallback_samples) \
-            if fallback_samples else None
+        self.fallback = MemoryGradientAccumulator(dim, m, FALLBACK_SAMPLES) \
+            if FALLBACK_SAMPLES else None
 
     def record_key(self, sample_id: int) -> bytes:
         return f"{self.prefix}:acc:{sample_id}".encode()

@@ -63,10 +63,9 @@ class RedisGuard:
         began = self._down_since is None
         if began:
             self._down_since = now
-        retry_after_s = RETRY_AFTER_S
-        self._down_until = now + retry_after_s
+        self._down_until = now + RETRY_AFTER_S
         self._log.warn("redis_unavailable", who=self.name, op=op,
-                       error=type(err).__name__, retry_after_s=retry_after_s)
+                       error=type(err).__name__, retry_after_s=RETRY_AFTER_S)
         return began
 
     def ok(self) -> float | None:

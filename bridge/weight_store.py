@@ -33,6 +33,9 @@ from bridge.redis_util import RedisGuard
 log = logging.getLogger(__name__)
 
 _WEIGHTS_HEADER = struct.Struct("<4sq32s")  # magic, version, sha256 of the payload
+# Tries of a transaction on the version key that another publisher keeps moving: the slow gear
+# and a trainer's reset are the only writers, so a few always suffice.
+WATCH_ATTEMPTS = 8
 _WEIGHTS_MAGIC = b"XGW1"
 
 
@@ -92,7 +95,7 @@ class WeightStore:
         transaction that rewrites the version key as it is, so a publication still on its way
         (its EXEC held up in the network or in Redis) fails its WATCH instead of landing after
         the answer. False when Redis cannot say."""
-        for _ in range(8):
+        for _ in range(WATCH_ATTEMPTS):
             try:
                 with self.client.pipeline(transaction=True) as pipe:
                     pipe.watch(self.version_key)
@@ -119,7 +122,7 @@ class WeightStore:
         above that. Returns the version it was published as; raises BridgeError if Redis
         cannot be reached (training on would mix the discarded steps into the new ones)."""
         payload = self._payload(model)
-        for _ in range(8):
+        for _ in range(WATCH_ATTEMPTS):
             try:
                 with self.client.pipeline(transaction=True) as pipe:
                     pipe.watch(self.version_key)

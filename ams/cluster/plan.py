@@ -65,9 +65,8 @@ from ams.shard.snapshot import COMMIT_BYTES
 from ams.shard.storage import StorageKind
 from ams.sharding import MAX_ROWS, owned_count
 
-# The measured rates: a file beside this module, so it ships with the package (rewritten by
-# benchmarks/plan_rates.py --write). Joined to this module's directory, so an absolute path
-# (a test's own file) is read as it is.
+# The measured rates: a file beside this module, so it ships with the package. Joined to this
+# module's directory, so an absolute path (a test's own file) is read as it is.
 RATES_FILE = "plan_rates.json"
 CLOCK_BYTES = 8  # float64 decay clock per row
 TOUCHED_BYTES = 1  # bool touched mark per row

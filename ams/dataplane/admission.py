@@ -89,13 +89,12 @@ class BodyBudget:
         """Hold ``nbytes`` more, until ``give_back``; returns them. ``Unavailable``, holding
         nothing, when they would pass the limit: the shard is busy now, and a client retries
         after a pause (its pieces are far below the limit, so only load fills it)."""
-        limit = MAX_BODY_BYTES_HELD
         with self._lock:
-            if self._held + nbytes > limit:
+            if self._held + nbytes > MAX_BODY_BYTES_HELD:
                 raise Unavailable(
                     f"data plane: {self._held} bytes of request bodies and answers are "
                     f"being received, applied or sent, and {nbytes} more would pass the "
-                    f"shard's {limit}-byte limit; retry, or send smaller requests or "
+                    f"shard's {MAX_BODY_BYTES_HELD}-byte limit; retry, or send smaller requests or "
                     "fewer at once")
             self._held += nbytes
         return nbytes

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ams.alloc import keep_large_buffers
 from ams.api import shard_pb2_grpc as pb_grpc
 from ams.dataplane.server import DataPlaneServer
-from ams.limits import GRPC_OPTIONS, SHARD_SERVICE_NAME
+from ams.limits import GRPC_OPTIONS, RPC_THREADS, SHARD_SERVICE_NAME
 from ams.server.interceptors import (
     IncarnationInterceptor,
     ReadinessGate,
@@ -62,7 +62,7 @@ class RunningServer:
 def create_server(store: ShardStore, *, host: str = "127.0.0.1", port: int = 0,
                   data_dir: Path | None = None, token: str | None = None,
                   tls_cert: bytes | None = None, tls_key: bytes | None = None,
-                  max_workers: int = 16, keep_snapshots: int = 0, ready: bool = True,
+                  max_workers: int = RPC_THREADS, keep_snapshots: int = 0, ready: bool = True,
                   data_port: int = 0) -> RunningServer:
     """Start serving ``store``; ``port=0`` picks a free port (see ``RunningServer.port``).
     Pulls and pushes are served on ``data_port`` (0: a free one; ``ams.dataplane.server``), with the
