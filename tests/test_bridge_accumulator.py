@@ -205,13 +205,21 @@ def test_redis_corrupt_record_starts_sample_over(redis_server):
     assert acc.metrics.corrupt == 1
 
 
-def test_redis_down_drops_and_recovers(own_redis, monkeypatch):
+def outage_pair(own_redis, monkeypatch, prefix: str, *, m: int, retry_after_s: float,
+                fallback_samples: int):
+    """(client, accumulator of ``m``, consumer "c") of job ``prefix`` on a Redis the test
+    kills: short socket timeouts, the guards' retry wait and the fallback's bound set."""
     monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.2)
-    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 0)
+    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", retry_after_s)
+    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", fallback_samples)
     client = own_redis.client()
-    acc = RedisGradientAccumulator(client, DIM, 1, "acc_down")
-    consumer = RedisGradientConsumer(client, DIM, "acc_down", consumer="c")
+    return (client, RedisGradientAccumulator(client, DIM, m, prefix),
+            RedisGradientConsumer(client, DIM, prefix, consumer="c"))
+
+
+def test_redis_down_drops_and_recovers(own_redis, monkeypatch):
+    client, acc, consumer = outage_pair(own_redis, monkeypatch, "acc_down", m=1,
+                                        retry_after_s=0.2, fallback_samples=0)
     assert acc.add(np.array([1]), np.ones((1, DIM)), 0) == 1
     own_redis.kill()
     assert acc.add(np.array([2]), np.ones((1, DIM)), 0) == 0
@@ -228,13 +236,9 @@ def test_redis_down_drops_and_recovers(own_redis, monkeypatch):
 
 def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redis,
                                                                         monkeypatch):
-    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
     # retry at once: every add tries Redis, so where each gradient goes does not hang on time
-    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.0)
-    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 3)
-    client = own_redis.client()
-    acc = RedisGradientAccumulator(client, DIM, 2, "acc_fb")
-    consumer = RedisGradientConsumer(client, DIM, "acc_fb", consumer="c")
+    client, acc, consumer = outage_pair(own_redis, monkeypatch, "acc_fb", m=2,
+                                        retry_after_s=0.0, fallback_samples=3)
     rng = np.random.default_rng(7)
     g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
          for name in ("5a", "5b", "6a", "6b", "7a", "7b", "8a", "9a")}
@@ -272,13 +276,9 @@ def test_redis_down_trains_from_the_fallback_and_moves_its_windows_back(own_redi
 
 def test_redis_down_keeps_an_external_slow_gears_means_until_redis_is_back(own_redis,
                                                                            monkeypatch):
-    monkeypatch.setattr(redis_util, "SOCKET_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(redis_util, "RETRY_AFTER_S", 0.0)
     # no slow gear reads the fallback here: its means wait, within a bound of 4 held samples
-    monkeypatch.setattr(redis_accumulator, "FALLBACK_SAMPLES", 4)
-    client = own_redis.client()
-    acc = RedisGradientAccumulator(client, DIM, 2, "acc_ext")
-    consumer = RedisGradientConsumer(client, DIM, "acc_ext", consumer="c")
+    client, acc, consumer = outage_pair(own_redis, monkeypatch, "acc_ext", m=2,
+                                        retry_after_s=0.0, fallback_samples=4)
     rng = np.random.default_rng(11)
     g = {name: rng.standard_normal((1, DIM)).astype(np.float32)
          for name in ("5a", "5b", "5c", "5d", "6a", "6b", "7a", "8a")}
